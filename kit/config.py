@@ -1,0 +1,336 @@
+"""One config tree for every run: YAML file + ``key=value`` overrides, validated once at load.
+
+Imported by both sides (notebook kernel and torchrun ranks), so it imports nothing of the kit and
+no torch: dtypes and engines are plain strings here and become objects on the rank side.
+
+    cfg = load_config("kit/configs/tiny-cpu.yaml", ["sharding.engine=fsdp1", "training.lr=2e-4"])
+
+Every bad value raises ``ConfigError`` with one line: the field, the value, what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+DType = Literal["bfloat16", "float16", "float32"]
+
+
+class ConfigError(ValueError):
+    """A config value that cannot run; the message names field, value and what is allowed."""
+
+
+@dataclass
+class ModelConfig:
+    # A hub id, a local checkpoint folder, or a model the kit builds itself ("kit:tiny-llama",
+    # "kit:tiny-qwen2", "kit:llama-1b", "kit:llama-8b": random weights, see kit/tiny.py).
+    name: str = "kit:tiny-llama"
+    # Dtype of everything that is not 4-bit: norms, embeddings, compute. bf16 on GPUs; this CPU has
+    # no bf16 instructions, so above ~40M params prefer float32 when running on CPU.
+    dtype: DType = "bfloat16"
+    trust_remote_code: bool = False
+
+
+@dataclass
+class QuantizationConfig:
+    # nf4: 4-bit NormalFloat (QLoRA); fp4: plain 4-bit float; none: keep base weights in model.dtype.
+    method: Literal["nf4", "fp4", "none"] = "nf4"
+    double_quant: bool = True  # quantize the scales too: ~0.4 bit/param saved, tiny extra compute
+    # Dtype the packed 4-bit bytes are stored in. "auto" = model.dtype, which is what FSDP needs to
+    # flatten/shard them next to the bf16 norms; uint8 only works for DDP / FSDP2.
+    storage: Literal["auto", "uint8", "bfloat16", "float16", "float32"] = "auto"
+
+
+@dataclass
+class LoraConfig:
+    r: int = 8  # rank: higher learns more, costs more memory and optimizer state
+    alpha: int = 16  # scale = alpha / r; keep the ratio when changing r
+    dropout: float = 0.05
+    # "all-linear" (every linear layer but the output head) or a list of module names.
+    target_modules: str | list[str] = "all-linear"
+    # Dtype of the adapter weights. "auto": float32 (exact optimizer updates) except under FSDP1,
+    # which must flatten one dtype per unit, so there they take model.dtype.
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+
+
+@dataclass
+class ShardingConfig:
+    # fsdp2: per-parameter sharding (fully_shard); fsdp1: FlatParameter FSDP as most articles use
+    # it; ddp: every rank holds the whole model (only for models that fit one device).
+    engine: Literal["fsdp2", "fsdp1", "ddp"] = "fsdp2"
+    # Cast params to model.dtype for compute, reduce grads in float32 (FSDP1 reduces in model.dtype).
+    mixed_precision: bool = True
+    cpu_offload: bool = False  # parameters live on CPU between uses: slow, saves device memory
+    # FSDP2: free the gathered layer after forward (saves memory; backward gathers again).
+    reshard_after_forward: bool = True
+    # FSDP1 only.
+    strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = "FULL_SHARD"
+    backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "none"] = "BACKWARD_PRE"
+    forward_prefetch: bool = False
+    use_orig_params: bool = True  # required for LoRA: lets frozen and trainable params share a unit
+    sync_module_states: bool = False  # broadcast rank 0's weights at wrap time
+    limit_all_gathers: bool = True
+
+
+@dataclass
+class AttentionConfig:
+    # flash_attention_2 needs the flash-attn package (GPU only); sdpa includes a flash kernel too.
+    implementation: Literal["eager", "sdpa", "flex_attention", "flash_attention_2"] = "sdpa"
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 20  # optimizer steps
+    batch_size: int = 8  # sequences per device per micro-step
+    grad_accum: int = 1  # micro-steps per optimizer step
+    lr: float = 1e-2
+    weight_decay: float = 0.0
+    warmup_steps: int = 2
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    # Recompute each decoder layer in backward: ~30% more compute, activations of one layer only.
+    activation_checkpointing: bool = True
+    eval_every: int = 10  # steps between validation losses; 0: only at the end
+    eval_batches: int = 2
+    log_every: int = 1
+    seed: int = 42
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass
+class DataConfig:
+    # A local .json/.jsonl/.csv/.parquet file, or "kit:sample" (ships with the kit).
+    path: str = "kit:sample"
+    format: Literal["auto", "text", "messages"] = "auto"  # auto: messages if that field exists
+    text_field: str = "text"
+    messages_field: str = "messages"
+    max_seq_len: int = 32  # longer: more context, activation memory grows linearly (sdpa)
+    val_fraction: float = 0.1
+    val_path: str = ""  # a separate validation file; overrides val_fraction
+
+
+@dataclass
+class CheckpointingConfig:
+    save_adapter: bool = True  # PEFT-format adapter in <output_dir>/adapter, verified after writing
+    # A fixed probe batch's logits, saved next to the adapter: lets anyone check that the adapter
+    # reloaded without FSDP reproduces the trained model.
+    save_probe_logits: bool = True
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    output_dir: str = ""  # "": launch/<name>
+    # Collective timeout (NCCL/gloo). Raise it when gathering or saving a large model takes long.
+    dist_timeout_min: int = 30
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.run.output_dir or f"launch/{self.run.name}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# --------------------------------------------------------------------------- loading and checking
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin is Union:
+        return " or ".join(_describe(a) for a in get_args(tp))
+    if origin is list:
+        return f"a list of {_describe(get_args(tp)[0])}"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, str(tp)
+    )
+
+
+def _coerce(name: str, value: Any, tp: Any) -> Any:
+    """Return value as type tp, or raise ConfigError naming the field."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+    elif origin is Union:
+        for option in get_args(tp):
+            try:
+                return _coerce(name, value, option)
+            except ConfigError:
+                pass
+    elif origin is list:
+        if isinstance(value, (list, tuple)):
+            return [_coerce(f"{name}[{i}]", v, get_args(tp)[0]) for i, v in enumerate(value)]
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "2e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{name}: {value!r} is not allowed; expected {_describe(tp)}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: {data!r} is not allowed; expected a mapping")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"{path}: unknown key; allowed keys: {', '.join(names)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value if value is not None else {}, f"{path}.")
+        else:
+            kwargs[key] = _coerce(path, value, tp)
+    return cls(**kwargs)
+
+
+def _set_override(tree: dict, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key=value, e.g. training.lr=2e-4")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: {part!r} is not a section")
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def _check(cfg: Config) -> None:
+    """Range and combination checks that types alone cannot express."""
+
+    def need(ok: bool, name: str, value: Any, allowed: str) -> None:
+        if not ok:
+            raise ConfigError(f"{name}: {value!r} is not allowed; {allowed}")
+
+    t, d, lo, s, q, m = cfg.training, cfg.data, cfg.lora, cfg.sharding, cfg.quantization, cfg.model
+    need(
+        m.name.strip() != "", "model.name", m.name, "expected a hub id, a local path or kit:<name>"
+    )
+    for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every"):
+        need(
+            getattr(t, name) >= 1, f"training.{name}", getattr(t, name), "expected an integer >= 1"
+        )
+    need(
+        cfg.run.dist_timeout_min >= 1,
+        "run.dist_timeout_min",
+        cfg.run.dist_timeout_min,
+        "expected an integer >= 1 (minutes)",
+    )
+    for name in ("warmup_steps", "eval_every"):
+        need(
+            getattr(t, name) >= 0, f"training.{name}", getattr(t, name), "expected an integer >= 0"
+        )
+    need(t.lr > 0, "training.lr", t.lr, "expected a number > 0")
+    need(t.weight_decay >= 0, "training.weight_decay", t.weight_decay, "expected a number >= 0")
+    need(t.max_grad_norm >= 0, "training.max_grad_norm", t.max_grad_norm, "expected >= 0 (0: off)")
+    need(d.max_seq_len >= 2, "data.max_seq_len", d.max_seq_len, "expected an integer >= 2")
+    need(0 <= d.val_fraction < 1, "data.val_fraction", d.val_fraction, "expected 0 <= x < 1")
+    need(lo.r >= 1, "lora.r", lo.r, "expected an integer >= 1")
+    need(lo.alpha >= 1, "lora.alpha", lo.alpha, "expected an integer >= 1")
+    need(0 <= lo.dropout < 1, "lora.dropout", lo.dropout, "expected 0 <= x < 1")
+    need(
+        lo.target_modules != [] and lo.target_modules != "",
+        "lora.target_modules",
+        lo.target_modules,
+        'expected "all-linear" or a non-empty list of module names',
+    )
+    if s.engine == "fsdp1":
+        storage = q.storage if q.storage != "auto" else m.dtype
+        need(
+            q.method == "none" or storage != "uint8",
+            "quantization.storage",
+            q.storage,
+            "FSDP1 cannot flatten integer tensors; use auto (= model.dtype) or engine fsdp2/ddp",
+        )
+        need(
+            q.method == "none" or storage == m.dtype,
+            "quantization.storage",
+            q.storage,
+            f"FSDP1 flattens one dtype per unit; use auto or {m.dtype!r} (= model.dtype)",
+        )
+        need(
+            lo.dtype in ("auto", m.dtype),
+            "lora.dtype",
+            lo.dtype,
+            f"FSDP1 flattens one dtype per unit; use auto or {m.dtype!r} (= model.dtype)",
+        )
+        need(
+            s.use_orig_params,
+            "sharding.use_orig_params",
+            s.use_orig_params,
+            "LoRA under FSDP1 needs true (frozen and trainable params share a unit)",
+        )
+        need(
+            not (q.method != "none" and s.strategy == "SHARD_GRAD_OP"),
+            "sharding.strategy",
+            s.strategy,
+            "SHARD_GRAD_OP fails with 4-bit weights under FSDP1; use FULL_SHARD or engine fsdp2",
+        )
+    if cfg.attention.implementation == "flash_attention_2":
+        need(
+            m.dtype != "float32",
+            "attention.implementation",
+            "flash_attention_2",
+            "flash attention needs model.dtype bfloat16 or float16; use sdpa for float32",
+        )
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (or defaults when path is None), apply key=value overrides, validate, return."""
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file: {str(p)!r} does not exist")
+        tree = yaml.safe_load(p.read_text()) or {}
+    for item in overrides or []:
+        _set_override(tree, item)
+    cfg = _build(Config, tree, "")
+    _check(cfg)
+    return cfg
+
+
+def config_from_dict(tree: dict) -> Config:
+    cfg = _build(Config, tree, "")
+    _check(cfg)
+    return cfg

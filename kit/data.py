@@ -1,0 +1,121 @@
+"""Training data: a local json/jsonl/csv/parquet file (or the bundled sample) through `datasets`,
+plain text or chat messages, tokenized to fixed-length rows and split across ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from kit.config import ConfigError, DataConfig
+
+BUNDLED = {"kit:sample": "sample.jsonl", "kit:sample-chat": "sample-chat.jsonl"}
+BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def resolve_path(path: str, field: str = "data.path") -> Path:
+    if path in BUNDLED:
+        return Path(__file__).parent / "data" / BUNDLED[path]
+    p = Path(path).expanduser()
+    if p.suffix not in BUILDERS:
+        allowed = ", ".join(list(BUILDERS) + list(BUNDLED))
+        raise ConfigError(f"{field}: {path!r} is not allowed; expected a file ending in {allowed}")
+    if not p.is_file():
+        raise ConfigError(f"{field}: {path!r} does not exist")
+    return p
+
+
+def _load(path: Path):
+    from datasets import load_dataset
+
+    return load_dataset(BUILDERS[path.suffix], data_files=str(path), split="train")
+
+
+def warm_cache(cfg: DataConfig) -> None:
+    """Load the files once so that `datasets` has cached them (call on one rank first)."""
+    _load(resolve_path(cfg.path))
+    if cfg.val_path:
+        _load(resolve_path(cfg.val_path, "data.val_path"))
+
+
+def _texts(ds, cfg: DataConfig, tokenizer, field: str) -> list[str]:
+    fmt = cfg.format
+    if fmt == "auto":
+        fmt = "messages" if cfg.messages_field in ds.column_names else "text"
+    column = cfg.messages_field if fmt == "messages" else cfg.text_field
+    if column not in ds.column_names:
+        name = "data.messages_field" if fmt == "messages" else "data.text_field"
+        raise ConfigError(
+            f"{name}: {column!r} is not a column of {field}; columns: {', '.join(ds.column_names)}"
+        )
+    if fmt == "text":
+        return [str(t) for t in ds[column]]
+    if not tokenizer.chat_template:
+        raise ConfigError("data.format: 'messages' needs a tokenizer with a chat template")
+    return [tokenizer.apply_chat_template(m, tokenize=False) for m in ds[column]]
+
+
+def _encode(texts: list[str], tokenizer, max_len: int) -> dict[str, torch.Tensor]:
+    texts = [t + tokenizer.eos_token for t in texts] if tokenizer.eos_token else texts
+    enc = tokenizer(
+        texts, max_length=max_len, truncation=True, padding="max_length", return_tensors="pt"
+    )
+    labels = enc["input_ids"].clone()
+    labels[enc["attention_mask"] == 0] = -100  # no loss on padding
+    return {
+        "input_ids": enc["input_ids"],
+        "attention_mask": enc["attention_mask"],
+        "labels": labels,
+    }
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors["input_ids"])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.tensors.items()}
+
+
+def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[Rows, Rows]:
+    """(train, validation) tokenized rows; the split is seeded, identical on every rank."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    ds = _load(resolve_path(cfg.path))
+    if cfg.val_path:
+        train, val = ds, _load(resolve_path(cfg.val_path, "data.val_path"))
+    elif cfg.val_fraction > 0:
+        split = ds.train_test_split(test_size=cfg.val_fraction, seed=seed)
+        train, val = split["train"], split["test"]
+    else:
+        train, val = ds, ds.select(range(min(len(ds), 64)))
+    return tuple(
+        Rows(_encode(_texts(part, cfg, tokenizer, name), tokenizer, cfg.max_seq_len))
+        for part, name in ((train, cfg.path), (val, cfg.val_path or cfg.path))
+    )
+
+
+def loader(rows: Rows, batch_size: int, rank: int, world: int, seed: int, train: bool):
+    """Each rank sees its own slice (DistributedSampler); shuffled per epoch when training."""
+    if len(rows) < batch_size * world:
+        raise ConfigError(
+            f"training.batch_size: {batch_size} is not allowed; {len(rows)} rows cannot fill "
+            f"{world} ranks x {batch_size}; use a smaller batch or more data"
+        )
+    sampler = DistributedSampler(
+        rows, num_replicas=world, rank=rank, shuffle=train, seed=seed, drop_last=True
+    )
+    return DataLoader(rows, batch_size=batch_size, sampler=sampler, drop_last=True)
+
+
+def forever(dl: DataLoader):
+    """Endless batches; a new shuffle each epoch (same on every rank, different slices)."""
+    epoch = 0
+    while True:
+        dl.sampler.set_epoch(epoch)
+        yield from dl
+        epoch += 1

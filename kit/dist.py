@@ -1,0 +1,78 @@
+"""Process group for torchrun: one process per device, nccl on GPU, gloo on CPU.
+
+Started without torchrun (a notebook, a test, `python -m kit.train`), it forms a group of one, so
+the same recipe code runs everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init(device: str = "auto", timeout_min: int = 30) -> DistEnv:
+    """Join (or form) the process group; device 'auto' is cuda when there is one."""
+    if "RANK" not in os.environ:  # not under torchrun: a group of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if use_cuda else "gloo",
+            timeout=timedelta(minutes=timeout_min),
+            device_id=dev if use_cuda else None,
+        )
+    return DistEnv(rank, local_rank, world, dev)
+
+
+@contextlib.contextmanager
+def main_process_first(env: DistEnv):
+    """Rank 0 does the body first (builds a model, fills a cache), then the others reuse it."""
+    if not env.is_main:
+        dist.barrier()
+    yield
+    if env.is_main:
+        dist.barrier()
+
+
+def mean(value: float, env: DistEnv) -> float:
+    """Average a float over ranks (a collective: every rank must call it)."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=env.device)
+    dist.all_reduce(t)
+    return t.item() / env.world_size
+
+
+def cleanup() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,169 @@
+"""Models the kit builds itself, so that nothing is downloaded at run time.
+
+``kit:<name>`` in ``model.name`` resolves to a folder written here with ``save_pretrained`` (config,
+random weights, a tokenizer trained offline on the kit's bundled text). The recipe then loads that
+folder through exactly the ``from_pretrained`` path that a hub id or a user's checkpoint takes.
+
+Folders live under ``$KIT_HOME/models`` (default ``~/.cache/kit/models``); building is atomic
+(written to a temporary folder, then renamed), so concurrent ranks never see half a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DATA_DIR = Path(__file__).parent / "data"
+PREFIX = "kit:"
+
+# Architecture shapes. The tiny ones train visibly on 2 CPU processes in seconds; the larger ones
+# match public model shapes (random weights) for GPU runs and benchmarks.
+SPECS: dict[str, dict] = {
+    "tiny-llama": dict(
+        model_type="llama",
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    ),
+    # A second architecture: Qwen2 has biases on q/k/v and its own decoder-layer class.
+    "tiny-qwen2": dict(
+        model_type="qwen2",
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    ),
+    # Llama-3.2-1B's shape (1.24B params).
+    "llama-1b": dict(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    ),
+    # Llama-3-8B's shape (8.03B params).
+    "llama-8b": dict(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    ),
+}
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def kit_home() -> Path:
+    return Path(os.environ.get("KIT_HOME", Path.home() / ".cache" / "kit"))
+
+
+def is_builtin(name: str) -> bool:
+    return name.startswith(PREFIX)
+
+
+def _folder(name: str) -> Path:
+    spec = SPECS[name]
+    digest = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:8]
+    return kit_home() / "models" / f"{name}-{digest}"
+
+
+def train_tokenizer(vocab_size: int = 1024):
+    """A byte-level BPE tokenizer trained on the kit's bundled text (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    lines = []
+    for path in sorted(DATA_DIR.glob("*.jsonl")):
+        for row in map(json.loads, path.read_text().splitlines()):
+            lines.append(row.get("text") or " ".join(m["content"] for m in row["messages"]))
+    lines += ["<|user|> <|assistant|> <|system|>"] * 8
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(lines, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build(name: str, seed: int = 0) -> Path:
+    """Write model ``name`` (a key of SPECS) with save_pretrained, once; return its folder."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if name not in SPECS:
+        raise ValueError(
+            f"model.name: {PREFIX + name!r} is not a kit model; allowed: "
+            + ", ".join(PREFIX + k for k in SPECS)
+        )
+    folder = _folder(name)
+    if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
+    try:
+        spec = dict(SPECS[name])
+        tokenizer = train_tokenizer()
+        config = AutoConfig.for_model(
+            spec.pop("model_type"),
+            **spec,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        torch.manual_seed(seed)
+        # Large shapes are initialised on a GPU when there is one: minutes faster than CPU.
+        device = "cuda" if torch.cuda.is_available() and config.hidden_size >= 1024 else "cpu"
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        del model
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another process finished first: theirs is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def resolve(name: str) -> str:
+    """model.name -> what from_pretrained takes (kit models are built on first use)."""
+    return str(build(name[len(PREFIX) :])) if is_builtin(name) else name

@@ -1,0 +1,280 @@
+"""The training recipe: NF4 base + LoRA + FSDP2/FSDP1/DDP, one code path for CPU and GPUs.
+
+    torchrun --nproc_per_node=2 -m kit.train kit/configs/tiny-cpu.yaml sharding.engine=fsdp1
+
+Order of operations (each step is its own module): process group -> load (quantized) model ->
+LoRA -> activation checkpointing + train mode -> shard -> optimizer -> train -> save adapter.
+Rank 0 writes `metrics.jsonl` and `result.json` into the run folder and shows a progress bar;
+an exception on any rank is printed with its rank before torchrun stops the others.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from kit import checkpoint, data, lora, quantize, sharding, tiny
+from kit import dist as kdist
+from kit.config import Config, load_config
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (process RSS)
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Non-reentrant recompute per decoder layer, through transformers' own switch (renamed in
+    transformers 5.2x; the old name remains in the versions GPU images ship)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+class Recipe:
+    """setup -> train -> save -> cleanup, as `main` calls them."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.out = cfg.output_dir
+        self.log_lines: list[str] = []
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.env = env = kdist.init(cfg.training.device, cfg.run.dist_timeout_min)
+        if env.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.yaml").write_text(cfg.to_yaml())
+            (self.out / "metrics.jsonl").write_text("")
+        attn, warning = quantize.attention_implementation(cfg.attention.implementation)
+        if warning:
+            self.say(warning)
+        torch.manual_seed(cfg.training.seed)  # same LoRA init on every rank
+        with kdist.main_process_first(env):  # rank 0 builds kit models / fills caches first
+            tiny.resolve(cfg.model.name)
+            data.warm_cache(cfg.data)
+        model, self.tokenizer = quantize.load_model(cfg, env.device, attn)
+        self.train_rows, self.val_rows = data.build_datasets(
+            cfg.data, self.tokenizer, cfg.training.seed
+        )
+        self.peft_model = lora.apply_lora(model, cfg)
+        self.adapter_layout = checkpoint.AdapterLayout(self.peft_model)  # before sharding
+        self.params = lora.trainable_summary(self.peft_model)
+        self.say(
+            f"{cfg.model.name}: {self.params['trainable']:,} trainable of "
+            f"{self.params['total']:,} params ({self.params['percent']:.3f}%); "
+            f"quantization={cfg.quantization.method} engine={cfg.sharding.engine} "
+            f"attention={attn} world={env.world_size} device={env.device.type}"
+        )
+        if cfg.training.activation_checkpointing:
+            enable_activation_checkpointing(self.peft_model)
+        # from_pretrained returns eval mode, where HF checkpointing silently does nothing.
+        self.peft_model.train()
+        self.model = sharding.shard(self.peft_model, cfg, env.device)
+        t = cfg.training
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)
+        self.scheduler = self._scheduler()
+        torch.manual_seed(t.seed + env.rank)  # dropout differs per rank, as data does
+        self.train_batches = data.forever(
+            data.loader(self.train_rows, t.batch_size, env.rank, env.world_size, t.seed, True)
+        )
+        self.val_loader = data.loader(
+            self.val_rows, t.batch_size, env.rank, env.world_size, t.seed, False
+        )
+
+    def _scheduler(self):
+        from transformers import get_scheduler
+
+        t = self.cfg.training
+        name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
+        return get_scheduler(
+            name[t.scheduler],
+            self.optimizer,
+            num_warmup_steps=t.warmup_steps,
+            num_training_steps=t.steps,
+        )
+
+    # ------------------------------------------------------------------ train
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.env.device, non_blocking=True) for k, v in batch.items()}
+
+    def train_step(self) -> dict:
+        cfg, env = self.cfg, self.env
+        accum = cfg.training.grad_accum
+        start = time.perf_counter()
+        loss_sum, tokens = 0.0, 0
+        for micro in range(accum):
+            batch = self._to_device(next(self.train_batches))
+            with sharding.no_grad_sync(self.model, cfg.sharding.engine, micro < accum - 1):
+                loss = self.model(**batch).loss / accum
+                loss.backward()
+            loss_sum += loss.item()
+            tokens += int(batch["attention_mask"].sum())
+        grad_norm = sharding.clip_grad_norm(
+            self.model, cfg.sharding.engine, cfg.training.max_grad_norm
+        )
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if env.device.type == "cuda":
+            torch.cuda.synchronize(env.device)
+        seconds = time.perf_counter() - start
+        return {
+            "loss": kdist.mean(loss_sum, env),
+            "grad_norm": grad_norm,
+            "tokens_per_s": kdist.mean(tokens / seconds, env),  # per device
+            "step_s": seconds,
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss per token over eval_batches batches of every rank."""
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.env.device)
+        for i, batch in enumerate(self.val_loader):
+            if i >= self.cfg.training.eval_batches:
+                break
+            batch = self._to_device(batch)
+            n = int((batch["labels"][:, 1:] != -100).sum())
+            totals += torch.tensor([self.model(**batch).loss.item() * n, n], device=totals.device)
+        dist.all_reduce(totals)
+        self.model.train()
+        return (totals[0] / totals[1].clamp(min=1)).item()
+
+    def train(self) -> None:
+        from tqdm.auto import tqdm
+
+        cfg, env, t = self.cfg, self.env, self.cfg.training
+        self.started = time.perf_counter()
+        self.history: list[dict] = []
+        bar = tqdm(total=t.steps, desc="train", disable=not env.is_main, mininterval=1.0)
+        for step in range(1, t.steps + 1):
+            row = self.train_step()
+            row.update(step=step, lr=self.scheduler.get_last_lr()[0])
+            if step % t.log_every == 0 or step == t.steps:
+                self.log({"split": "train", **row})
+            if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+                self.log({"split": "val", "step": step, "loss": self.evaluate()})
+            if not math.isfinite(row["loss"]):
+                raise FloatingPointError(f"step {step}: loss is {row['loss']}")
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}")
+        bar.close()
+
+    # ------------------------------------------------------------------ save
+    @torch.no_grad()
+    def probe_logits(self) -> dict:
+        """Logits of the trained, sharded model on a fixed batch (every rank runs the forward)."""
+        rows = self.val_rows.tensors
+        batch = {k: rows[k][:2] for k in ("input_ids", "attention_mask")}
+        self.model.eval()
+        logits = self.model(**self._to_device(batch)).logits.float().cpu()
+        self.model.train()
+        return {**batch, "logits": logits}
+
+    def save(self) -> dict:
+        cfg, env = self.cfg, self.env
+        state = checkpoint.gather_trainable(self.model)
+        sums = [None] * env.world_size
+        dist.all_gather_object(sums, checkpoint.checksum(state))
+        result = {"lora_checksums": sums, "params": self.params}
+        if cfg.checkpointing.save_probe_logits:
+            probe = self.probe_logits()
+            if env.is_main:
+                torch.save(probe, self.out / "probe.pt")
+        if cfg.checkpointing.save_adapter and env.is_main:
+            folder = checkpoint.save_adapter(
+                self.adapter_layout, state, self.out / "adapter", self.tokenizer
+            )
+            info = checkpoint.verify_adapter(folder, self.adapter_layout.shapes)
+            result["adapter"] = {"path": str(folder), **info}
+            self.say(f"adapter: {folder} ({info['tensors']} tensors, {info['bytes']:,} bytes)")
+        dist.barrier()
+        return result
+
+    # ------------------------------------------------------------------ reporting
+    def say(self, line: str) -> None:
+        if self.env.is_main:
+            print(line, flush=True)
+
+    def log(self, row: dict) -> None:
+        row = {
+            **row,
+            "peak_mem_gib": round(peak_memory_gib(self.env.device), 4),
+            "elapsed_s": round(time.perf_counter() - self.started, 3),
+        }
+        self.history.append(row)
+        if self.env.is_main:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def finish(self, saved: dict) -> dict:
+        train = [r for r in self.history if r["split"] == "train"]
+        val = [r for r in self.history if r["split"] == "val"]
+        result = {
+            "status": "completed",
+            "steps": self.cfg.training.steps,
+            "first_loss": train[0]["loss"],
+            "final_loss": train[-1]["loss"],
+            "final_val_loss": val[-1]["loss"] if val else None,
+            "world_size": self.env.world_size,
+            "device": self.env.device.type,
+            "elapsed_s": round(time.perf_counter() - self.started, 3),
+            **saved,
+        }
+        if self.env.is_main:
+            (self.out / "result.json").write_text(json.dumps(result, indent=2))
+            self.say(
+                f"loss {result['first_loss']:.4f} -> {result['final_loss']:.4f} "
+                f"(val {result['final_val_loss']:.4f}) in {result['elapsed_s']:.1f}s"
+            )
+        return result
+
+    def cleanup(self) -> None:
+        kdist.cleanup()
+
+
+def run(cfg: Config) -> dict:
+    recipe = Recipe(cfg)
+    try:
+        recipe.setup()
+        recipe.train()
+        return recipe.finish(recipe.save())
+    finally:
+        recipe.cleanup()
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
+    try:
+        run(load_config(path, overrides))
+    except BaseException:
+        rank = os.environ.get("RANK", "0")
+        lines = traceback.format_exc().rstrip().splitlines()
+        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+        sys.stderr.flush()
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
