@@ -11,6 +11,7 @@ Every bad value raises ``ConfigError`` with one line: the field, the value, what
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,7 +161,7 @@ def _describe(tp: Any) -> str:
     origin = get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(tp))
-    if origin is Union:
+    if origin in (Union, types.UnionType):
         return " or ".join(_describe(a) for a in get_args(tp))
     if origin is list:
         return f"a list of {_describe(get_args(tp)[0])}"
@@ -175,7 +176,7 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
     if origin is Literal:
         if value in get_args(tp):
             return value
-    elif origin is Union:
+    elif origin in (Union, types.UnionType):
         for option in get_args(tp):
             try:
                 return _coerce(name, value, option)

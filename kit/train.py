@@ -24,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from kit import checkpoint, data, lora, quantize, sharding, tiny
 from kit import dist as kdist
-from kit.config import Config, load_config
+from kit.config import Config, ConfigError, load_config
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -158,7 +158,7 @@ class Recipe:
     def train(self) -> None:
         from tqdm.auto import tqdm
 
-        cfg, env, t = self.cfg, self.env, self.cfg.training
+        env, t = self.env, self.cfg.training
         self.started = time.perf_counter()
         self.history: list[dict] = []
         bar = tqdm(total=t.steps, desc="train", disable=not env.is_main, mininterval=1.0)
@@ -265,10 +265,13 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
+    rank = os.environ.get("RANK", "0")
     try:
         run(load_config(path, overrides))
+    except ConfigError as e:  # bad input: one line, no traceback
+        sys.stderr.write(f"[rank {rank}] ConfigError: {e}\n")
+        return 2
     except BaseException:
-        rank = os.environ.get("RANK", "0")
         lines = traceback.format_exc().rstrip().splitlines()
         sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
         sys.stderr.flush()

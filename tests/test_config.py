@@ -1,0 +1,60 @@
+"""Config: YAML + overrides, and one-line errors naming field, value and what is allowed."""
+
+from pathlib import Path
+
+import pytest
+
+from kit.config import ConfigError, load_config
+
+CONFIGS = sorted((Path(__file__).parents[1] / "kit" / "configs").glob("*.yaml"))
+
+
+def test_overrides_apply_and_coerce():
+    cfg = load_config(None, ["sharding.engine=fsdp1", "training.lr=2e-4", "lora.target_modules=[q_proj,v_proj]"])
+    assert cfg.sharding.engine == "fsdp1"
+    assert cfg.training.lr == pytest.approx(2e-4)  # YAML 1.1 reads 2e-4 as a string
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load_and_open_with_their_command(path):
+    load_config(path)
+    first = path.read_text().splitlines()[:4]
+    assert any("kit.train" in line or "kit.bench" in line for line in first), first
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["training.lr=-1"], "training.lr: -1.0 is not allowed; expected a number > 0"),
+        (["trainig.lr=1"], "trainig: unknown key; allowed keys: run, model,"),
+        (["training.lrr=1"], "training.lrr: unknown key; allowed keys: steps,"),
+        (["sharding.engine=zero3"], "sharding.engine: 'zero3' is not allowed; expected one of 'fsdp2', 'fsdp1', 'ddp'"),
+        (["training.steps=ten"], "training.steps: 'ten' is not allowed; expected an integer"),
+        (["training.batch_size=0"], "training.batch_size: 0 is not allowed; expected an integer >= 1"),
+        (["lora.dropout=1.5"], "lora.dropout: 1.5 is not allowed"),
+        (["sharding.engine=fsdp1", "quantization.storage=uint8"], "FSDP1 cannot flatten integer tensors"),
+        (["sharding.engine=fsdp1", "lora.dtype=float32"], "lora.dtype: 'float32' is not allowed; FSDP1 flattens one dtype"),
+        (["sharding.engine=fsdp1", "sharding.use_orig_params=false"], "sharding.use_orig_params: False is not allowed"),
+        (["sharding.engine=fsdp1", "sharding.strategy=SHARD_GRAD_OP"], "SHARD_GRAD_OP fails with 4-bit"),
+        (["model.dtype=float32", "attention.implementation=flash_attention_2"], "flash attention needs model.dtype"),
+        (["training"], "override 'training': expected key=value"),
+    ],
+)
+def test_bad_values_get_one_line_naming_the_field(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    text = str(err.value)
+    assert message in text and "\n" not in text
+
+
+def test_missing_file_is_named():
+    with pytest.raises(ConfigError, match="config file: 'nope.yaml' does not exist"):
+        load_config("nope.yaml")
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["sharding.engine=ddp", "run.name=x"])
+    (tmp_path / "c.yaml").write_text(cfg.to_yaml())
+    assert load_config(tmp_path / "c.yaml") == cfg
+    assert cfg.output_dir == Path("launch/x")
