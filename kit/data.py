@@ -26,34 +26,55 @@ def resolve_path(path: str, field: str = "data.path") -> Path:
     return p
 
 
-def _load(path: Path):
-    from datasets import load_dataset
+def read_rows(path: Path) -> list[dict]:
+    """Rows of a local file, read by `datasets` (the reader for every format). GPU images often
+    ship without `datasets` (and its pyarrow): there json/jsonl/csv fall back to the standard
+    library, and parquet asks for `datasets`."""
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        return read_rows_stdlib(path)
+    return load_dataset(BUILDERS[path.suffix], data_files=str(path), split="train").to_list()
 
-    return load_dataset(BUILDERS[path.suffix], data_files=str(path), split="train")
+
+def read_rows_stdlib(path: Path) -> list[dict]:
+    """The fallback reader (fills the gap where `datasets` is not installed)."""
+    import csv
+    import json
+
+    if path.suffix == ".parquet":
+        raise ConfigError(f"data.path: {str(path)!r} needs the datasets package (pip install datasets)")
+    text = path.read_text()
+    if path.suffix == ".csv":
+        return list(csv.DictReader(text.splitlines()))
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        return json.loads(text)
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def warm_cache(cfg: DataConfig) -> None:
-    """Load the files once so that `datasets` has cached them (call on one rank first)."""
-    _load(resolve_path(cfg.path))
+    """Read the files once so that `datasets` has cached them (call on one rank first)."""
+    read_rows(resolve_path(cfg.path))
     if cfg.val_path:
-        _load(resolve_path(cfg.val_path, "data.val_path"))
+        read_rows(resolve_path(cfg.val_path, "data.val_path"))
 
 
-def _texts(ds, cfg: DataConfig, tokenizer, field: str) -> list[str]:
+def _texts(rows: list[dict], cfg: DataConfig, tokenizer, field: str) -> list[str]:
+    columns = list(rows[0]) if rows else []
     fmt = cfg.format
     if fmt == "auto":
-        fmt = "messages" if cfg.messages_field in ds.column_names else "text"
+        fmt = "messages" if cfg.messages_field in columns else "text"
     column = cfg.messages_field if fmt == "messages" else cfg.text_field
-    if column not in ds.column_names:
+    if column not in columns:
         name = "data.messages_field" if fmt == "messages" else "data.text_field"
         raise ConfigError(
-            f"{name}: {column!r} is not a column of {field}; columns: {', '.join(ds.column_names)}"
+            f"{name}: {column!r} is not a column of {field}; columns: {', '.join(columns)}"
         )
     if fmt == "text":
-        return [str(t) for t in ds[column]]
+        return [str(r[column]) for r in rows]
     if not tokenizer.chat_template:
         raise ConfigError("data.format: 'messages' needs a tokenizer with a chat template")
-    return [tokenizer.apply_chat_template(m, tokenize=False) for m in ds[column]]
+    return [tokenizer.apply_chat_template(r[column], tokenize=False) for r in rows]
 
 
 def _encode(texts: list[str], tokenizer, max_len: int) -> dict[str, torch.Tensor]:
@@ -85,14 +106,16 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[Rows, Rows]:
     """(train, validation) tokenized rows; the split is seeded, identical on every rank."""
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    ds = _load(resolve_path(cfg.path))
+    rows = read_rows(resolve_path(cfg.path))
     if cfg.val_path:
-        train, val = ds, _load(resolve_path(cfg.val_path, "data.val_path"))
+        train, val = rows, read_rows(resolve_path(cfg.val_path, "data.val_path"))
     elif cfg.val_fraction > 0:
-        split = ds.train_test_split(test_size=cfg.val_fraction, seed=seed)
-        train, val = split["train"], split["test"]
+        # A seeded permutation: the same split on every rank and every machine.
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+        n_val = max(1, round(len(rows) * cfg.val_fraction))
+        val, train = [rows[i] for i in order[:n_val]], [rows[i] for i in order[n_val:]]
     else:
-        train, val = ds, ds.select(range(min(len(ds), 64)))
+        train, val = rows, rows[:64]
     return tuple(
         Rows(_encode(_texts(part, cfg, tokenizer, name), tokenizer, cfg.max_seq_len))
         for part, name in ((train, cfg.path), (val, cfg.val_path or cfg.path))

@@ -179,8 +179,8 @@ class Recipe:
     @torch.no_grad()
     def probe_logits(self) -> dict:
         """Logits of the trained, sharded model on a fixed batch (every rank runs the forward)."""
-        rows = self.val_rows.tensors
-        batch = {k: rows[k][:2] for k in ("input_ids", "attention_mask")}
+        rows = self.val_rows.tensors  # one row, 16 tokens: small even with a 128k vocabulary
+        batch = {k: rows[k][:1, :16] for k in ("input_ids", "attention_mask")}
         self.model.eval()
         logits = self.model(**self._to_device(batch)).logits.float().cpu()
         self.model.train()

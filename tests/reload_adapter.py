@@ -10,6 +10,7 @@ from peft import AutoPeftModelForCausalLM
 from transformers import BitsAndBytesConfig
 
 run = sys.argv[1]
+device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
 cfg = yaml.safe_load(open(f"{run}/config.yaml"))
 dtype = getattr(torch, cfg["model"]["dtype"])
 quant = None
@@ -22,16 +23,31 @@ if cfg["quantization"]["method"] != "none":
         bnb_4bit_quant_storage=dtype,
     )
 model = AutoPeftModelForCausalLM.from_pretrained(
-    f"{run}/adapter", dtype=dtype, quantization_config=quant
+    f"{run}/adapter", dtype=dtype, quantization_config=quant,
+    **({"device_map": {"": 0}} if device == "cuda" else {}),
 ).eval()
 probe = torch.load(f"{run}/probe.pt")
-inputs = {"input_ids": probe["input_ids"], "attention_mask": probe["attention_mask"]}
+inputs = {"input_ids": probe["input_ids"].to(device), "attention_mask": probe["attention_mask"].to(device)}
 mask = probe["attention_mask"].bool()
+
+
+def logits():
+    return model(**inputs).logits.float().cpu()
+
+
 with torch.no_grad():
-    with_adapter = model(**inputs).logits.float()
+    as_loaded = logits()  # PEFT upcasts the adapter to float32 on load
+    # Training computed LoRA in model.dtype (FSDP mixed precision / bf16 adapters): do the same.
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.to(dtype)
+    with_adapter = logits()
     with model.disable_adapter():
-        without = model(**inputs).logits.float()
+        without = logits()
+ref = probe["logits"]
 print(json.dumps({
-    "max_diff": (with_adapter - probe["logits"])[mask].abs().max().item(),
-    "max_diff_without_adapter": (without - probe["logits"])[mask].abs().max().item(),
+    "max_diff": (with_adapter - ref)[mask].abs().max().item(),
+    "max_diff_fp32_adapter": (as_loaded - ref)[mask].abs().max().item(),
+    "max_diff_without_adapter": (without - ref)[mask].abs().max().item(),
+    "scale": ref[mask].abs().max().item(),
 }))

@@ -63,3 +63,9 @@ def test_split_is_identical_across_ranks_and_slices_differ(tokenizer):
     b = next(iter(data.loader(train, 4, 1, 2, seed=0, train=True)))["input_ids"]
     again = next(iter(data.loader(train, 4, 0, 2, seed=0, train=True)))["input_ids"]
     assert (a == again).all() and not (a == b).all()
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "csv"])
+def test_stdlib_reader_matches_datasets(tmp_path, kind):
+    path = write(tmp_path, kind)
+    assert data.read_rows_stdlib(path) == data.read_rows(path)

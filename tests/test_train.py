@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT, read_run, torchrun
 
 pytestmark = pytest.mark.slow
-BF16_TOLERANCE = 0.05  # logits are O(1): a few bf16 ulps
+BF16_TOLERANCE = 0.02  # relative to the largest logit: a few bf16 ulps
 
 
 def reload_and_compare(out) -> dict:
@@ -36,8 +36,8 @@ def check_trained_and_saved(out, steps: int = 20) -> dict:
     assert result["adapter"]["tensors"] == 28
     # Plain PEFT, one process, no FSDP: same logits as the trained sharded model.
     cmp = reload_and_compare(out)
-    assert cmp["max_diff"] < BF16_TOLERANCE, cmp
-    assert cmp["max_diff_without_adapter"] > 10 * BF16_TOLERANCE, cmp  # the adapter matters
+    assert cmp["max_diff"] < BF16_TOLERANCE * cmp["scale"], cmp
+    assert cmp["max_diff_without_adapter"] > 10 * cmp["max_diff"], cmp  # the adapter matters
     return result
 
 
