@@ -101,6 +101,9 @@ class TrainingConfig:
     log_every: int = 1
     seed: int = 42
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # "auto": continue from the newest complete checkpoint in output_dir (if any); or a path to one.
+    resume: str = ""
+    stop_at_step: int = 0  # end the run early after this step, as an interruption would; 0: never
 
 
 @dataclass
@@ -118,6 +121,13 @@ class DataConfig:
 @dataclass
 class CheckpointingConfig:
     save_adapter: bool = True  # PEFT-format adapter in <output_dir>/adapter, verified after writing
+    # Training checkpoints (adapter + optimizer + scheduler + data position + RNG of every rank)
+    # in <output_dir>/checkpoints/step-NNNNNN every N steps; 0: none.
+    save_every: int = 0
+    # sharded: torch.distributed.checkpoint, each rank writes its shard in parallel (fast, any world
+    # size can load it); full: gathered to rank 0 into one torch.save file (portable, slower).
+    format: Literal["sharded", "full"] = "sharded"
+    keep_last: int = 2  # older complete checkpoints are deleted; 0 keeps all
     # A fixed probe batch's logits, saved next to the adapter: lets anyone check that the adapter
     # reloaded without FSDP reproduces the trained model.
     save_probe_logits: bool = True
@@ -257,6 +267,10 @@ def _check(cfg: Config) -> None:
         cfg.run.dist_timeout_min,
         "expected an integer >= 1 (minutes)",
     )
+    for name, value in (("training.stop_at_step", t.stop_at_step),
+                        ("checkpointing.save_every", cfg.checkpointing.save_every),
+                        ("checkpointing.keep_last", cfg.checkpointing.keep_last)):
+        need(value >= 0, name, value, "expected an integer >= 0")
     for name in ("warmup_steps", "eval_every"):
         need(
             getattr(t, name) >= 0, f"training.{name}", getattr(t, name), "expected an integer >= 0"

@@ -132,13 +132,38 @@ def loader(rows: Rows, batch_size: int, rank: int, world: int, seed: int, train:
     sampler = DistributedSampler(
         rows, num_replicas=world, rank=rank, shuffle=train, seed=seed, drop_last=True
     )
-    return DataLoader(rows, batch_size=batch_size, sampler=sampler, drop_last=True)
+    # A generator of its own: creating an iterator draws a seed from it, and drawing from the
+    # global RNG instead would shift dropout after a resume restores the RNG states.
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(rows, batch_size=batch_size, sampler=sampler, drop_last=True, generator=generator)
 
 
-def forever(dl: DataLoader):
-    """Endless batches; a new shuffle each epoch (same on every rank, different slices)."""
-    epoch = 0
-    while True:
-        dl.sampler.set_epoch(epoch)
-        yield from dl
-        epoch += 1
+class Batches:
+    """Endless batches with a new shuffle each epoch (same on every rank, different slices), and
+    a position (epoch, batch index) that a checkpoint saves and a resume restores."""
+
+    def __init__(self, dl: DataLoader):
+        self.dl, self.epoch, self.index, self._it = dl, 0, 0, None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self._it is None:
+            self.dl.sampler.set_epoch(self.epoch)
+            self._it = iter(self.dl)
+            for _ in range(self.index):  # resuming mid-epoch: skip what was already seen
+                next(self._it)
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self.epoch, self.index, self._it = self.epoch + 1, 0, None
+            return next(self)
+        self.index += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index, self._it = state["epoch"], state["index"], None

@@ -146,10 +146,11 @@ def build(name: str, seed: int = 0) -> Path:
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
-        torch.manual_seed(seed)
         # Large shapes are initialised on a GPU when there is one: minutes faster than CPU.
         device = "cuda" if torch.cuda.is_available() and config.hidden_size >= 1024 else "cpu"
-        with torch.device(device):
+        # fork_rng: building must not move the caller's RNG (rank 0 builds, the others do not).
+        with torch.random.fork_rng(devices=[0] if device == "cuda" else []), torch.device(device):
+            torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

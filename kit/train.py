@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from kit import checkpoint, data, lora, quantize, sharding, tiny
+from kit import checkpoint, data, faults, lora, quantize, sharding, tiny
 from kit import dist as kdist
 from kit.config import Config, ConfigError, load_config
 
@@ -58,11 +58,9 @@ class Recipe:
         if env.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(cfg.to_yaml())
-            (self.out / "metrics.jsonl").write_text("")
         attn, warning = quantize.attention_implementation(cfg.attention.implementation)
         if warning:
             self.say(warning)
-        torch.manual_seed(cfg.training.seed)  # same LoRA init on every rank
         with kdist.main_process_first(env):  # rank 0 builds kit models / fills caches first
             tiny.resolve(cfg.model.name)
             data.warm_cache(cfg.data)
@@ -70,8 +68,10 @@ class Recipe:
         self.train_rows, self.val_rows = data.build_datasets(
             cfg.data, self.tokenizer, cfg.training.seed
         )
+        torch.manual_seed(cfg.training.seed)  # the same LoRA init on every rank
         self.peft_model = lora.apply_lora(model, cfg)
         self.adapter_layout = checkpoint.AdapterLayout(self.peft_model)  # before sharding
+        self._check_same_init()
         self.params = lora.trainable_summary(self.peft_model)
         self.say(
             f"{cfg.model.name}: {self.params['trainable']:,} trainable of "
@@ -89,12 +89,44 @@ class Recipe:
         self.optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = self._scheduler()
         torch.manual_seed(t.seed + env.rank)  # dropout differs per rank, as data does
-        self.train_batches = data.forever(
+        self.train_batches = data.Batches(
             data.loader(self.train_rows, t.batch_size, env.rank, env.world_size, t.seed, True)
         )
         self.val_loader = data.loader(
             self.val_rows, t.batch_size, env.rank, env.world_size, t.seed, False
         )
+        self.start_step = self._resume()
+
+    def _resume(self) -> int:
+        """Restore the checkpoint training.resume names; keep the metrics up to its step."""
+        folder, notes = checkpoint.find_resume(self.cfg.training.resume, self.out)
+        for note in notes:
+            self.say(note)
+        step = 0
+        if folder is not None:
+            step = checkpoint.load_training_state(
+                folder, wrapped=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                batches=self.train_batches, env=self.env,
+            )
+            self.say(f"resumed from {folder} at step {step}")
+        self.history = []
+        if self.env.is_main:
+            metrics = self.out / "metrics.jsonl"
+            old = [json.loads(x) for x in metrics.read_text().splitlines()] if step and metrics.exists() else []
+            self.history = [r for r in old if r["step"] <= step]
+            metrics.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        return step
+
+    def _check_same_init(self) -> None:
+        """Every rank must start from the same adapter: FSDP keeps each rank's own slice of it,
+        so a rank that initialised differently would silently train a stitched-together model."""
+        mine = checkpoint.checksum(
+            {n: p.detach().cpu() for n, p in self.peft_model.named_parameters() if p.requires_grad}
+        )
+        sums = [None] * self.env.world_size
+        dist.all_gather_object(sums, mine)
+        if len(set(sums)) != 1:
+            raise RuntimeError(f"LoRA initialisation differs across ranks (checksums {sums})")
 
     def _scheduler(self):
         from transformers import get_scheduler
@@ -158,11 +190,12 @@ class Recipe:
     def train(self) -> None:
         from tqdm.auto import tqdm
 
-        env, t = self.env, self.cfg.training
+        env, t, c = self.env, self.cfg.training, self.cfg.checkpointing
         self.started = time.perf_counter()
-        self.history: list[dict] = []
-        bar = tqdm(total=t.steps, desc="train", disable=not env.is_main, mininterval=1.0)
-        for step in range(1, t.steps + 1):
+        last = min(t.steps, t.stop_at_step or t.steps)
+        bar = tqdm(total=t.steps, initial=self.start_step, desc="train", disable=not env.is_main,
+                   mininterval=1.0)
+        for step in range(self.start_step + 1, last + 1):
             row = self.train_step()
             row.update(step=step, lr=self.scheduler.get_last_lr()[0])
             if step % t.log_every == 0 or step == t.steps:
@@ -171,9 +204,19 @@ class Recipe:
                 self.log({"split": "val", "step": step, "loss": self.evaluate()})
             if not math.isfinite(row["loss"]):
                 raise FloatingPointError(f"step {step}: loss is {row['loss']}")
+            faults.maybe_fail(step, env.rank)
+            if c.save_every and step % c.save_every == 0:
+                folder = checkpoint.save_training_state(
+                    wrapped=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                    batches=self.train_batches, step=step, env=env, fmt=c.format,
+                    output_dir=self.out, layout=self.adapter_layout, keep_last=c.keep_last,
+                    tokenizer=self.tokenizer,
+                )
+                self.say(f"checkpoint: {folder}")
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4f}")
         bar.close()
+        self.last_step = last
 
     # ------------------------------------------------------------------ save
     @torch.no_grad()
@@ -226,8 +269,8 @@ class Recipe:
         train = [r for r in self.history if r["split"] == "train"]
         val = [r for r in self.history if r["split"] == "val"]
         result = {
-            "status": "completed",
-            "steps": self.cfg.training.steps,
+            "status": "completed" if self.last_step == self.cfg.training.steps else "stopped",
+            "steps": self.last_step,
             "first_loss": train[0]["loss"],
             "final_loss": train[-1]["loss"],
             "final_val_loss": val[-1]["loss"] if val else None,
@@ -238,9 +281,11 @@ class Recipe:
         }
         if self.env.is_main:
             (self.out / "result.json").write_text(json.dumps(result, indent=2))
+            val = result["final_val_loss"]
             self.say(
-                f"loss {result['first_loss']:.4f} -> {result['final_loss']:.4f} "
-                f"(val {result['final_val_loss']:.4f}) in {result['elapsed_s']:.1f}s"
+                f"{result['status']} at step {self.last_step}: loss {result['first_loss']:.4f} -> "
+                f"{result['final_loss']:.4f}" + (f" (val {val:.4f})" if val is not None else "")
+                + f" in {result['elapsed_s']:.1f}s"
             )
         return result
 

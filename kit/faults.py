@@ -1,0 +1,37 @@
+"""Failure injection for tests and demos: make one rank crash at a chosen step.
+
+Rank side (the recipe calls it once per optimizer step); off unless the environment asks:
+
+    KIT_FAIL_RANK=1 KIT_FAIL_STEP=3 torchrun --nproc_per_node=2 -m kit.train kit/configs/tiny-cpu.yaml
+
+makes rank 1 raise ``InjectedFailure`` right after step 3, while rank 0 goes on into the next
+collective: exactly the situation a real crash (OOM, a bad batch) creates on one GPU. It lets the
+tests and notebook 07 check that the launcher names the failed rank and shows its traceback
+instead of hanging. KIT_FAIL_STEP defaults to 1.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class InjectedFailure(RuntimeError):
+    """Raised on purpose by maybe_fail; never caught by the kit."""
+
+
+def maybe_fail(step: int, rank: int) -> None:
+    """Raise InjectedFailure if KIT_FAIL_RANK names this rank and KIT_FAIL_STEP this step."""
+    fail_rank = os.environ.get("KIT_FAIL_RANK", "")
+    if fail_rank == "" or int(fail_rank) != rank:
+        return
+    if step == int(os.environ.get("KIT_FAIL_STEP", "1")):
+        raise InjectedFailure(
+            f"injected failure on rank {rank} at step {step} (KIT_FAIL_RANK/KIT_FAIL_STEP are set)"
+        )
+
+
+def maybe_fail_in_save(step: int, rank: int) -> None:
+    """KIT_FAIL_SAVE_STEP=N: every rank dies in the middle of writing checkpoint N (shards written,
+    not yet marked complete), as a killed job would; resume must skip that checkpoint."""
+    if os.environ.get("KIT_FAIL_SAVE_STEP", "") == str(step):
+        os._exit(17)  # no cleanup, no exception handling: a hard kill
