@@ -295,12 +295,14 @@ class Recipe:
 
 def run(cfg: Config) -> dict:
     recipe = Recipe(cfg)
-    try:
-        recipe.setup()
-        recipe.train()
-        return recipe.finish(recipe.save())
-    finally:
-        recipe.cleanup()
+    recipe.setup()
+    recipe.train()
+    result = recipe.finish(recipe.save())
+    # Only on success: after a failure, destroy_process_group under NCCL waits for peers stuck in
+    # a collective, so the failed rank would never exit and torchrun would never notice (measured
+    # on 2x H200). Exiting the process frees the group all the same.
+    recipe.cleanup()
+    return result
 
 
 @record
