@@ -157,6 +157,14 @@ def scan(output_dir) -> tuple[list[tuple[int, Path]], list[Path]]:
     return sorted(complete), incomplete
 
 
+def summary(output_dir) -> list[dict]:
+    """One row per checkpoint folder: step, format, bytes, seconds to write, complete or not."""
+    complete, incomplete = scan(output_dir)
+    rows = [{"folder": f.name, **json.loads((f / MARKER).read_text()), "complete": True}
+            for _, f in complete]
+    return rows + [{"folder": f.name, "complete": False} for f in incomplete]
+
+
 def find_resume(resume: str, output_dir) -> tuple[Path | None, list[str]]:
     """The checkpoint folder that `training.resume` names, plus notes on what was skipped."""
     if not resume:
@@ -369,11 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--adapter", default=None)
     args = parser.parse_args(argv)
     if args.command == "list":
-        complete, incomplete = scan(args.run)
-        for step, folder in complete:
-            print(f"{folder}  step {step}  {json.loads((folder / MARKER).read_text())}")
-        for folder in incomplete:
-            print(f"{folder}  INCOMPLETE (interrupted while saving; never resumed)")
+        for row in summary(args.run):
+            print(row if row["complete"] else f"{row['folder']}: INCOMPLETE (never resumed)")
     elif args.command == "verify":
         from safetensors import safe_open
 

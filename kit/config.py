@@ -137,6 +137,9 @@ class CheckpointingConfig:
 class RunConfig:
     name: str = "default"
     output_dir: str = ""  # "": launch/<name>
+    # Start over in an output_dir that holds an earlier run's results or checkpoints (they are
+    # deleted). Off: such a start is refused, so nothing trained is lost by re-running a command.
+    overwrite: bool = False
     # Collective timeout (NCCL/gloo). Raise it when gathering or saving a large model takes long.
     dist_timeout_min: int = 30
 

@@ -42,7 +42,7 @@ DONE = ("completed", "failed", "stopped")
 # run.output_dir may point anywhere).
 RUN_FILES = ("config.yaml", "run.sh", "run.log", "pid", "exit_code", "stop_requested",
              "metrics.jsonl", "result.json", "probe.pt")
-RUN_DIRS = ("logs", "adapter")
+TRAINED = ("metrics.jsonl", "result.json", "probe.pt")
 
 
 class RunFailed(RuntimeError):
@@ -201,13 +201,12 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
     if folder.exists() and Run(folder).status == "running":
         raise RuntimeError(f"run {cfg.run.name!r} is running; stop it first: "
                            f"Run.attach({cfg.run.name!r}).stop()")
-    # A resumed run continues the metrics up to its checkpoint (the recipe trims the rest).
-    keep = {"metrics.jsonl"} if cfg.training.resume else set()
+    # Trained results (adapter, checkpoints, metrics, result) are the recipe's to keep or replace:
+    # it refuses a fresh start over them unless run.overwrite (and a resume continues them).
     for f in RUN_FILES:
-        if f not in keep:
+        if f not in TRAINED:
             (folder / f).unlink(missing_ok=True)
-    for d in RUN_DIRS:
-        shutil.rmtree(folder / d, ignore_errors=True)
+    shutil.rmtree(folder / "logs", ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
     cfg.run.output_dir = str(folder)
     (folder / "config.yaml").write_text(cfg.to_yaml())

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 import traceback
@@ -56,7 +57,7 @@ class Recipe:
         cfg = self.cfg
         self.env = env = kdist.init(cfg.training.device, cfg.run.dist_timeout_min)
         if env.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
+            self._claim_output_dir()
             (self.out / "config.yaml").write_text(cfg.to_yaml())
         attn, warning = quantize.attention_implementation(cfg.attention.implementation)
         if warning:
@@ -116,6 +117,21 @@ class Recipe:
             self.history = [r for r in old if r["step"] <= step]
             metrics.write_text("".join(json.dumps(r) + "\n" for r in self.history))
         return step
+
+    def _claim_output_dir(self) -> None:
+        """A fresh run never silently replaces an earlier run's trained results."""
+        cfg, out = self.cfg, self.out
+        earlier = [p for p in ("result.json", "checkpoints", "adapter") if (out / p).exists()]
+        if earlier and not cfg.training.resume:
+            if not cfg.run.overwrite:
+                raise ConfigError(
+                    f"run.output_dir: {str(out)!r} holds an earlier run ({', '.join(earlier)}); "
+                    "allowed: training.resume=auto to continue it, run.overwrite=true to replace "
+                    "it, or another run.name"
+                )
+            for p in earlier + ["metrics.jsonl", "probe.pt"]:
+                shutil.rmtree(out / p) if (out / p).is_dir() else (out / p).unlink(missing_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
 
     def _check_same_init(self) -> None:
         """Every rank must start from the same adapter: FSDP keeps each rank's own slice of it,
@@ -192,7 +208,7 @@ class Recipe:
 
         env, t, c = self.env, self.cfg.training, self.cfg.checkpointing
         self.started = time.perf_counter()
-        last = min(t.steps, t.stop_at_step or t.steps)
+        last = max(self.start_step, min(t.steps, t.stop_at_step or t.steps))
         bar = tqdm(total=t.steps, initial=self.start_step, desc="train", disable=not env.is_main,
                    mininterval=1.0)
         for step in range(self.start_step + 1, last + 1):
@@ -266,13 +282,13 @@ class Recipe:
                 f.write(json.dumps(row) + "\n")
 
     def finish(self, saved: dict) -> dict:
-        train = [r for r in self.history if r["split"] == "train"]
+        train = [r["loss"] for r in self.history if r["split"] == "train"] or [None]
         val = [r for r in self.history if r["split"] == "val"]
         result = {
             "status": "completed" if self.last_step == self.cfg.training.steps else "stopped",
             "steps": self.last_step,
-            "first_loss": train[0]["loss"],
-            "final_loss": train[-1]["loss"],
+            "first_loss": train[0],
+            "final_loss": train[-1],
             "final_val_loss": val[-1]["loss"] if val else None,
             "world_size": self.env.world_size,
             "device": self.env.device.type,
@@ -281,11 +297,13 @@ class Recipe:
         }
         if self.env.is_main:
             (self.out / "result.json").write_text(json.dumps(result, indent=2))
-            val = result["final_val_loss"]
+            def f(x):
+                return "-" if x is None else f"{x:.4f}"
+
             self.say(
-                f"{result['status']} at step {self.last_step}: loss {result['first_loss']:.4f} -> "
-                f"{result['final_loss']:.4f}" + (f" (val {val:.4f})" if val is not None else "")
-                + f" in {result['elapsed_s']:.1f}s"
+                f"{result['status']} at step {self.last_step}: loss {f(result['first_loss'])} -> "
+                f"{f(result['final_loss'])} (val {f(result['final_val_loss'])}) "
+                f"in {result['elapsed_s']:.1f}s"
             )
         return result
 

@@ -107,3 +107,14 @@ def test_merged_export_matches_adapter_on_base(tmp_path):
         b = with_adapter(**inputs).logits.float()[mask]
     assert (a - b).abs().max() < 0.02 * b.abs().max()
     assert plain.dtype == torch.bfloat16
+
+
+def test_fresh_start_never_replaces_trained_results_unless_asked(tmp_path):
+    out = tmp_path / "run"
+    torchrun(out, "training.steps=2", "training.eval_every=0")
+    proc = torchrun(out, "training.steps=2", check=False)
+    assert proc.returncode != 0
+    assert "ConfigError: run.output_dir:" in proc.stderr and "run.overwrite=true" in proc.stderr
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()  # still there
+    torchrun(out, "training.steps=3", "training.eval_every=0", "run.overwrite=true")
+    assert read_run(out)[0]["steps"] == 3
