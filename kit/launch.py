@@ -16,8 +16,6 @@ run survives a kernel restart and ``Run.attach`` finds it again.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import os
 import re
@@ -108,19 +106,14 @@ RUN_ENV = {
 
 
 def preflight(cfg: Config, force: bool = False, nproc: int = 2, env: dict | None = None) -> list:
-    """kit.doctor.preflight(cfg, env) when that module exists: print its findings, raise
-    PreflightFailed on an error-level one unless force. env: extra variables for the ranks."""
-    if importlib.util.find_spec("kit.doctor") is None:
-        return []
-    doctor = importlib.import_module("kit.doctor")
-    check = getattr(doctor, "preflight", None)
-    if check is None:
-        return []
-    machine = None
-    if hasattr(doctor, "detect_env"):  # this machine, as the ranks will see it
-        variables = {**RUN_ENV, **{k: str(v) for k, v in (env or {}).items()}}
-        machine = doctor.detect_env(vars=variables, nproc_per_node=nproc)
-    findings = list(check(cfg, machine))
+    """Run kit.doctor's pre-flight checks on cfg, for the environment run.sh gives the ranks:
+    print the findings; raise PreflightFailed on an error-level one unless force.
+    env: extra variables for the ranks."""
+    from kit import doctor
+
+    variables = {**RUN_ENV, **{k: str(v) for k, v in (env or {}).items()}}
+    machine = doctor.detect_env(vars=variables, nproc_per_node=nproc)
+    findings = list(doctor.preflight(cfg, machine))
     errors = [f for f in findings if f.level == "error"]
     if errors and not force:
         raise PreflightFailed(errors)

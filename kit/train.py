@@ -11,7 +11,6 @@ an exception on any rank is printed with its rank before torchrun stops the othe
 from __future__ import annotations
 
 import json
-import math
 import os
 import resource
 import shutil
@@ -26,6 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from kit import checkpoint, data, faults, lora, quantize, sharding, tiny
 from kit import dist as kdist
 from kit.config import Config, ConfigError, load_config
+from kit.doctor import run as checks
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -84,6 +84,8 @@ class Recipe:
             enable_activation_checkpointing(self.peft_model)
         # from_pretrained returns eval mode, where HF checkpointing silently does nothing.
         self.peft_model.train()
+        for finding in checks.check_checkpointing_active(self.peft_model):
+            raise RuntimeError(str(finding))
         self.model = sharding.shard(self.peft_model, cfg, env.device)
         t = cfg.training
         trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -181,11 +183,14 @@ class Recipe:
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)
         seconds = time.perf_counter() - start
+        per_rank = [None] * env.world_size  # one slow rank stalls every collective: name it
+        dist.all_gather_object(per_rank, round(seconds, 4))
         return {
             "loss": kdist.mean(loss_sum, env),
             "grad_norm": grad_norm,
             "tokens_per_s": kdist.mean(tokens / seconds, env),  # per device
             "step_s": seconds,
+            "step_s_per_rank": per_rank,
         }
 
     @torch.no_grad()
@@ -211,6 +216,7 @@ class Recipe:
         last = max(self.start_step, min(t.steps, t.stop_at_step or t.steps))
         bar = tqdm(total=t.steps, initial=self.start_step, desc="train", disable=not env.is_main,
                    mininterval=1.0)
+        lora_start = checks.trainable_snapshot(self.model)  # this rank's shard
         for step in range(self.start_step + 1, last + 1):
             row = self.train_step()
             row.update(step=step, lr=self.scheduler.get_last_lr()[0])
@@ -218,8 +224,7 @@ class Recipe:
                 self.log({"split": "train", **row})
             if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
                 self.log({"split": "val", "step": step, "loss": self.evaluate()})
-            if not math.isfinite(row["loss"]):
-                raise FloatingPointError(f"step {step}: loss is {row['loss']}")
+            self._doctor(row, step, lora_start)
             faults.maybe_fail(step, env.rank)
             if c.save_every and step % c.save_every == 0:
                 folder = checkpoint.save_training_state(
@@ -233,6 +238,19 @@ class Recipe:
             bar.set_postfix(loss=f"{row['loss']:.4f}")
         bar.close()
         self.last_step = last
+
+    def _doctor(self, row: dict, step: int, lora_start: dict) -> None:
+        """In-run checks (kit.doctor): NaN/inf, a slow rank, adapters that do not move."""
+        for finding in checks.check_step(row):
+            raise FloatingPointError(str(finding))
+        for finding in checks.check_rank_times(row["step_s_per_rank"], step):
+            self.say(f"[doctor] {finding}")
+        if step == self.start_step + 3:  # adapters that have not moved by now never will
+            problems = checks.check_lora_changed(lora_start, checks.trainable_snapshot(self.model), 3)
+            stuck = [None] * self.env.world_size
+            dist.all_gather_object(stuck, bool(problems))
+            if all(stuck):
+                raise RuntimeError(str(problems[0]))
 
     # ------------------------------------------------------------------ save
     @torch.no_grad()

@@ -67,7 +67,7 @@ def test_resume_nf4_bf16_other_engines_and_formats(tmp_path, engine, fmt):
     torchrun(resumed, *args, "training.resume=auto")
     a, b = losses(straight), losses(resumed)
     assert [x[:2] for x in a] == [x[:2] for x in b]
-    assert max(abs(x[2] - y[2]) for x, y in zip(a, b)) < 1e-3  # bf16: within tolerance
+    assert max(abs(x[2] - y[2]) for x, y in zip(a, b, strict=True)) < 1e-3  # bf16: within tolerance
     marker = json.loads((resumed / "checkpoints" / "step-000010" / checkpoint.MARKER).read_text())
     assert marker["format"] == fmt and marker["bytes"] > 0
 

@@ -1,0 +1,337 @@
+"""What the doctor looks at before a run: the machine (env), the config tree, the model's shape.
+
+The config may be a kit Config, a dict tree (possibly one load_config would reject), a kit YAML
+or an `accelerate config` YAML; all become one merged tree (defaults + given values) that the
+checks read through `Context`. The model is built on the meta device: names and parameter
+counts, no weights, no download.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import yaml
+
+from kit.config import Config, ConfigError, _set_override
+from kit.doctor.findings import Finding
+
+KIT = Path(__file__).resolve().parents[1]
+ROOT = KIT.parent  # the checkout: runs start here, relative data paths resolve here
+
+
+def detect_env(vars: dict | None = None, nproc_per_node: int | None = None) -> dict:
+    """The machine a run would start on: env vars, GPUs (via nvidia-smi, which never touches this
+    process's CUDA), host RAM, installed optional packages. `vars` adds or overrides variables
+    (e.g. what a launch script exports); `nproc_per_node` defaults to the GPU count, else 2."""
+    gpus = []
+    if shutil.which("nvidia-smi"):
+        query = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"]
+        try:
+            out = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout
+            for line in out.strip().splitlines():
+                name, mib = (s.strip() for s in line.rsplit(",", 1))
+                gpus.append({"name": name, "memory_gib": round(float(mib) / 1024, 1)})
+        except (OSError, ValueError, subprocess.SubprocessError):
+            gpus = []
+    ram = None
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        ram = int(re.search(r"MemAvailable:\s+(\d+)", meminfo).group(1)) / 2**20
+    except (OSError, AttributeError):
+        pass
+    env_vars = {**os.environ, **(vars or {})}
+    nproc = nproc_per_node or int(env_vars.get("LOCAL_WORLD_SIZE", 0)) or len(gpus) or 2
+    return {
+        "vars": env_vars,
+        "gpus": gpus,
+        "host_ram_gib": ram,
+        "nproc_per_node": nproc,
+        "nnodes": int(env_vars.get("NNODES", 1) or 1),
+        "packages": {"flash_attn": importlib.util.find_spec("flash_attn") is not None},
+    }
+
+
+def complete_env(env: dict | None) -> dict:
+    """A caller's env dict with the keys it left out: no GPUs, RAM unknown, 2 ranks."""
+    if env is None:
+        return detect_env()
+    gpus = list(env.get("gpus") or [])
+    full = {
+        "vars": {},
+        "gpus": gpus,
+        "host_ram_gib": None,
+        "nproc_per_node": len(gpus) or 2,
+        "nnodes": 1,
+        "packages": {"flash_attn": False},
+    }
+    full.update({k: v for k, v in env.items() if v is not None})
+    return full
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def lookup(tree: dict, key: str, default=None):
+    node = tree
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def from_accelerate(acc: dict) -> dict:
+    """An `accelerate config` YAML (the second article's fsdp_config.yaml) as a kit tree, so the
+    same checks apply; the keys no kit field has go under `accelerate`."""
+    fsdp = acc.get("fsdp_config") or {}
+    kind = str(acc.get("distributed_type", "NO")).upper()
+    strategy = fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")
+    strategies = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD", 4: "HYBRID_SHARD"}
+    mp = {"bf16": "bfloat16", "fp16": "float16"}.get(str(acc.get("mixed_precision")), "float32")
+    tree = {
+        "model": {"dtype": mp},
+        "sharding": {
+            "engine": ("fsdp2" if str(fsdp.get("fsdp_version")) == "2" else "fsdp1")
+            if kind == "FSDP"
+            else "ddp",
+            "strategy": strategies.get(strategy, str(strategy).upper()),
+            "use_orig_params": bool(fsdp.get("fsdp_use_orig_params", False)),
+            "cpu_offload": bool(fsdp.get("fsdp_offload_params", False)),
+            "sync_module_states": bool(fsdp.get("fsdp_sync_module_states", False)),
+        },
+        "accelerate": {
+            "distributed_type": kind,
+            "use_cpu": bool(acc.get("use_cpu", False)),
+            "cpu_ram_efficient_loading": bool(fsdp.get("fsdp_cpu_ram_efficient_loading", False)),
+            "num_processes": int(acc.get("num_processes", 1) or 1),
+            "num_machines": int(acc.get("num_machines", 1) or 1),
+        },
+    }
+    if "fsdp_activation_checkpointing" in fsdp:
+        tree["training"] = {"activation_checkpointing": bool(fsdp["fsdp_activation_checkpointing"])}
+    return tree
+
+
+def read_config(cfg, overrides: list[str] | None = None) -> tuple[dict | None, list[Finding]]:
+    """(raw tree, findings) from a Config, a dict tree, or a YAML path (kit or accelerate)."""
+    if isinstance(cfg, Config):
+        tree = cfg.to_dict()
+    elif isinstance(cfg, dict):
+        tree = copy.deepcopy(cfg)
+    else:
+        path = Path(cfg)
+        if not path.is_file():
+            msg = f"config file {str(path)!r} does not exist"
+            return None, [Finding("error", "config_missing", msg, "give the path of a YAML file")]
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            msg = f"{path}: not valid YAML ({str(e).splitlines()[0]})"
+            return None, [Finding("error", "config_invalid", msg, "fix the YAML syntax")]
+    if not isinstance(tree, dict):
+        msg = f"config: {tree!r} is not a mapping"
+        return None, [Finding("error", "config_invalid", msg, "give a YAML mapping of sections")]
+    if "distributed_type" in tree or "fsdp_config" in tree:
+        tree = from_accelerate(tree)
+    for item in overrides or []:
+        try:
+            _set_override(tree, item)
+        except ConfigError as e:
+            return None, [Finding("error", "config_invalid", str(e), "write key=value overrides")]
+    return tree, []
+
+
+# Architectures whose decoder layers have Llama's linears (q/k/v/o, gate/up/down): kit.memory's
+# Shape counts their parameters from the config alone, without importing torch.
+LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"}
+
+
+def model_config(name: str, trust_remote_code: bool = False) -> dict:
+    """The transformers config of model.name as a dict: a kit model's spec, a local folder's
+    config.json, or a hub id already in the local cache (nothing is downloaded)."""
+    from kit import tiny
+
+    if tiny.is_builtin(name):
+        key = name[len(tiny.PREFIX) :]
+        if key not in tiny.SPECS:
+            allowed = ", ".join(tiny.PREFIX + k for k in tiny.SPECS)
+            raise ValueError(f"{name!r} is not a kit model; allowed: {allowed}")
+        return dict(tiny.SPECS[key])
+    local = Path(name).expanduser() / "config.json"
+    if local.is_file():
+        return json.loads(local.read_text())
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(
+        name, trust_remote_code=trust_remote_code, local_files_only=True
+    )
+    return config.to_dict()
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    name: str
+    trust_remote_code: bool
+    config: dict  # the transformers config, as a dict (kit.memory reads it too)
+    params: int
+    linear_4bit_params: int  # what bitsandbytes quantizes: every Linear but the output head
+
+    @functools.cached_property
+    def modules(self) -> dict[str, str]:
+        """Full module name -> class name, from the model built on the meta device."""
+        return {n: type(m).__name__ for n, m in _meta_model(self).named_modules() if n}
+
+    def linear_names(self) -> list[str]:
+        return sorted({n.rsplit(".", 1)[-1] for n, c in self.modules.items() if c == "Linear"})
+
+    def host_bytes(self, dtype: str, quantized: bool) -> float:
+        """Bytes of the loaded model: 4-bit linears at ~0.53 B/param (+ scales), rest in dtype."""
+        size = 4 if dtype == "float32" else 2
+        if not quantized:
+            return self.params * size
+        return self.linear_4bit_params * 0.53 + (self.params - self.linear_4bit_params) * size
+
+
+def _meta_model(facts: ModelFacts):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(facts.config)
+    config = AutoConfig.for_model(config.pop("model_type"), **config)
+    with torch.device("meta"):  # shapes only: no memory, no weights
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=facts.trust_remote_code)
+
+
+@functools.lru_cache(maxsize=8)
+def model_facts(name: str, trust_remote_code: bool = False) -> ModelFacts:
+    """Parameter counts (and, on demand, module names) of model.name, without weights. Raises
+    when the model's config cannot be read offline."""
+    config = model_config(name, trust_remote_code)
+    facts = ModelFacts(name, trust_remote_code, config, 0, 0)
+    if config.get("model_type") in LLAMA_LIKE and importlib.util.find_spec("kit.memory"):
+        from kit.memory import shape_of
+
+        shape = shape_of(config)
+        params, linear = shape.params, shape.layers * shape.layer_linear_params
+    else:
+        import torch
+
+        model = _meta_model(facts)
+        head = model.get_output_embeddings()
+        params = sum(p.numel() for p in model.parameters())
+        linear = sum(
+            m.weight.numel()
+            for m in model.modules()
+            if isinstance(m, torch.nn.Linear) and m is not head
+        )
+    return ModelFacts(name, trust_remote_code, config, params, linear)
+
+
+class Context:
+    """What every check sees: the merged tree (defaults + raw), the raw tree, env, device."""
+
+    def __init__(self, raw: dict, env: dict):
+        self.raw, self.env = raw, env
+        self.tree = _merge(Config().to_dict(), {k: v for k, v in raw.items() if k != "accelerate"})
+        self.accelerate = raw.get("accelerate")
+        wants = self.get("training.device")
+        self.device = "cuda" if wants == "cuda" or (wants == "auto" and env["gpus"]) else "cpu"
+        self.ranks = int(env["nproc_per_node"]) * int(env["nnodes"])
+        if self.accelerate:
+            n = self.accelerate["num_machines"]
+            self.ranks = self.accelerate["num_processes"]
+            env["nproc_per_node"] = max(1, self.ranks // n)
+        self.facts_error = ""
+
+    def get(self, key: str):
+        return lookup(self.tree, key)
+
+    @property
+    def quantized(self) -> bool:
+        return self.get("quantization.method") != "none"
+
+    @property
+    def fsdp1(self) -> bool:
+        return self.get("sharding.engine") == "fsdp1"
+
+    @functools.cached_property
+    def facts(self) -> ModelFacts | None:
+        if self.accelerate:  # an accelerate config names no model
+            return None
+        try:
+            return model_facts(
+                str(self.get("model.name")), bool(self.get("model.trust_remote_code"))
+            )
+        except Exception as e:  # noqa: BLE001 - any failure means: cannot inspect this model
+            self.facts_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            return None
+
+
+def data_file(path: str) -> Path | None:
+    """data.path as a file: a bundled one (kit:sample is kit/data/sample.jsonl, as kit.data
+    names them; not imported here, it imports torch), or a path from here or the checkout."""
+    candidates = [Path(path).expanduser(), ROOT / path]
+    if path.startswith("kit:"):
+        candidates = [KIT / "data" / f"{path[4:]}.jsonl"]
+    for p in candidates:
+        if p.is_file():
+            return p
+    return None
+
+
+def data_columns(path: Path, n: int = 20) -> tuple[list[str], int | None]:
+    """(column names from the first rows, row count when cheap) without loading the file."""
+    if path.suffix == ".jsonl":
+        rows, count = [], 0
+        with open(path) as f:  # streamed: only the first n rows are parsed
+            for line in f:
+                if line.strip():
+                    count += 1
+                    if len(rows) < n:
+                        rows.append(json.loads(line))
+        return sorted({k for r in rows for k in r}), count
+    if path.suffix == ".json":
+        data = json.loads(path.read_text())
+        if isinstance(data, dict):  # {"col": [...]} or {"data": [rows]}
+            inner = next(
+                (v for v in data.values() if isinstance(v, list) and v and isinstance(v[0], dict)),
+                None,
+            )
+            if inner is None:
+                return sorted(data), None
+            data = inner
+        return sorted({k for r in data[:n] for k in r}), len(data)
+    if path.suffix == ".csv":
+        import csv
+
+        with open(path, newline="") as f:
+            reader = csv.reader(f)
+            header = next(reader, [])
+            return header, sum(1 for _ in reader)
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(path).metadata
+        return list(meta.schema.names), meta.num_rows
+    raise ValueError(f"unsupported file type {path.suffix!r}")
+
+
+def namespace(tree: dict):
+    """A dict tree with attribute access, as kit.memory.Setup.from_config reads a Config."""
+    return SimpleNamespace(
+        **{k: namespace(v) if isinstance(v, dict) else v for k, v in tree.items()}
+    )

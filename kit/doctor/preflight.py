@@ -1,0 +1,531 @@
+"""Pre-flight: every known pitfall a config (and the machine it will run on) walks into,
+found before it costs a GPU-hour. Each check reads the merged config tree through a
+`Context` and returns Findings; `preflight` runs them all.
+
+    preflight("kit/configs/tiny-cpu.yaml", overrides=["sharding.engine=fsdp1"])
+    preflight(cfg, env={"gpus": [{"name": "H100", "memory_gib": 79.6}] * 2, "vars": {}})
+
+The FSDP1 combinations are the ones load_config also refuses; here they come with the error text
+a run would have shown and work on a raw tree load_config cannot even build.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+from collections.abc import Callable
+
+from kit.config import ConfigError, config_from_dict
+from kit.doctor.context import (
+    Context,
+    complete_env,
+    data_columns,
+    data_file,
+    lookup,
+    namespace,
+    read_config,
+)
+from kit.doctor.findings import Finding, ordered
+
+# Conservative bytes/s for moving a whole model once: a network filesystem, one TCP stream, or
+# rank 0 writing a checkpoint while the others wait in a collective.
+SLOW_BYTES_PER_S = 100e6
+CPU_BF16_PARAMS = 40e6  # FINDINGS: this CPU has no bf16 instructions; above ~40M params use fp32
+
+CHECKS: list[Callable[[Context], list[Finding]]] = []
+
+
+def _check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+@_check
+def _fsdp1_combinations(c: Context) -> list[Finding]:
+    if not c.fsdp1:
+        return []
+    out, dtype = [], c.get("model.dtype")
+    storage = c.get("quantization.storage")
+    storage = dtype if storage == "auto" else storage
+    lora = c.get("lora.dtype")
+    if not c.get("sharding.use_orig_params"):
+        out.append(
+            Finding(
+                "error",
+                "fsdp1_use_orig_params",
+                "LoRA under FSDP1 with use_orig_params=false: frozen weights and trainable "
+                "adapters cannot share one FlatParameter ('Must flatten tensors with uniform "
+                "`requires_grad`'); "
+                "the adapters do not train",
+                "sharding.use_orig_params=true (accelerate: fsdp_use_orig_params: true), or "
+                "engine fsdp2",
+                "sharding.use_orig_params",
+            )
+        )
+    if c.quantized and storage == "uint8":
+        out.append(
+            Finding(
+                "error",
+                "fsdp1_int_storage",
+                "FSDP1 with 4-bit weights packed in uint8 (bitsandbytes' default storage): "
+                "'Cannot flatten integer dtype tensors'",
+                f"quantization.storage=auto (bnb_4bit_quant_storage={dtype}), or engine fsdp2",
+                "quantization.storage",
+            )
+        )
+    mixed = [
+        (name, d)
+        for name, d in (
+            ("quantization.storage", storage if c.quantized else dtype),
+            ("lora.dtype", dtype if lora == "auto" else lora),
+        )
+        if d not in (dtype, "uint8")
+    ]
+    for name, d in mixed:
+        out.append(
+            Finding(
+                "error",
+                "fsdp1_mixed_dtype",
+                f"FSDP1 flattens one dtype per unit but {name}={d} sits next to {dtype} weights: "
+                f"'Must flatten tensors with uniform dtype'",
+                f"{name}=auto (= model.dtype under FSDP1), or engine fsdp2 (mixed dtypes per "
+                "param)",
+                name,
+            )
+        )
+    if c.quantized and c.get("sharding.strategy") == "SHARD_GRAD_OP":
+        out.append(
+            Finding(
+                "error",
+                "shard_grad_op_4bit",
+                "FSDP1 SHARD_GRAD_OP with 4-bit weights fails in backward: 'FSDP does not support "
+                "changing the parameters between forward and backward'",
+                "sharding.strategy=FULL_SHARD, or engine fsdp2 with reshard_after_forward=false "
+                "(the same memory/traffic trade-off)",
+                "sharding.strategy",
+            )
+        )
+    return out
+
+
+@_check
+def _device_map(c: Context) -> list[Finding]:
+    value = lookup(c.raw, "model.device_map", c.raw.get("device_map"))
+    if value in (None, "", {}) or c.ranks < 2:
+        return []
+    return [
+        Finding(
+            "error",
+            "device_map_with_fsdp",
+            f"device_map={value!r} with {c.ranks} ranks: every rank spreads its own copy over all "
+            "visible GPUs, while FSDP/DDP need one whole model per rank on its own device",
+            "remove device_map (the kit loads each rank onto its own GPU: "
+            "device_map={'': local_rank})",
+            "model.device_map",
+        )
+    ]
+
+
+@_check
+def _host_ram(c: Context) -> list[Finding]:
+    ram = c.env.get("host_ram_gib")
+    per_node = int(c.env["nproc_per_node"])
+    acc = c.accelerate or {}
+    if not ram or per_node < 2:
+        return []
+    if acc:  # accelerate without cpu_ram_efficient_loading: every rank loads to host first
+        if acc["cpu_ram_efficient_loading"] or acc["distributed_type"] != "FSDP":
+            return []
+        return [
+            Finding(
+                "warning",
+                "host_ram_full_load",
+                f"fsdp_cpu_ram_efficient_loading is off: each of {per_node} ranks per node loads "
+                "the whole model into host RAM before FSDP shards it",
+                "fsdp_cpu_ram_efficient_loading: "
+                "true with fsdp_sync_module_states: true (rank 0 loads, the others receive)",
+            )
+        ]
+    if c.device != "cpu" or c.facts is None:
+        return []  # on GPUs the kit loads each rank straight onto its own GPU
+    dtype = c.get("model.dtype")
+    held = c.facts.host_bytes(dtype, c.quantized) * per_node / 2**30
+    peak = c.facts.host_bytes(dtype, False) * per_node / 2**30
+    what = f"{per_node} ranks each load the whole model into host RAM"
+    if held > 0.9 * ram:
+        level, msg = "error", f"{what}: {held:.1f} GiB > {ram:.1f} GiB available"
+    elif peak > 0.9 * ram:
+        level = "warning"
+        msg = f"{what}: up to {peak:.1f} GiB (unquantized) while loading, {ram:.1f} GiB free"
+    else:
+        return []
+    fix = "fewer processes per node, a smaller model, or GPUs (each rank loads onto its GPU)"
+    return [Finding(level, "host_ram_full_load", msg, fix)]
+
+
+@_check
+def _attention(c: Context) -> list[Finding]:
+    if c.get("attention.implementation") != "flash_attention_2":
+        return []
+    out = []
+    if c.get("model.dtype") == "float32":
+        out.append(
+            Finding(
+                "error",
+                "flash_attn_fp32",
+                "flash_attention_2 with model.dtype=float32: FlashAttention runs only in fp16/bf16",
+                "model.dtype=bfloat16, or attention.implementation=sdpa for float32",
+                "attention.implementation",
+            )
+        )
+    if not c.env["packages"].get("flash_attn") or c.device == "cpu":
+        why = "no GPU" if c.device == "cpu" else "the flash-attn package is not installed"
+        out.append(
+            Finding(
+                "warning",
+                "flash_attn_missing",
+                f"flash_attention_2 requested but {why}: transformers raises 'FlashAttention2 has "
+                "been toggled on, but it cannot be used'; the kit falls back to sdpa",
+                "attention.implementation=sdpa (its flash backend is the same algorithm; cuDNN "
+                "SDPA is faster on Hopper)",
+                "attention.implementation",
+            )
+        )
+    return out
+
+
+@_check
+def _environment(c: Context) -> list[Finding]:
+    out, env_vars = [], c.env["vars"]
+    workers = lookup(c.raw, "data.num_workers", 0) or 0
+    if isinstance(workers, int) and workers > 0 and "TOKENIZERS_PARALLELISM" not in env_vars:
+        out.append(
+            Finding(
+                "warning",
+                "tokenizers_parallelism",
+                f"data.num_workers={workers} with TOKENIZERS_PARALLELISM unset: fast tokenizers "
+                "used before the DataLoader forks can deadlock its workers",
+                "export TOKENIZERS_PARALLELISM=false before launching",
+            )
+        )
+    conf = env_vars.get("PYTORCH_CUDA_ALLOC_CONF", "") + env_vars.get("PYTORCH_ALLOC_CONF", "")
+    if c.device == "cuda" and "expandable_segments:true" not in conf.replace(" ", "").lower():
+        out.append(
+            Finding(
+                "warning",
+                "cuda_alloc_conf",
+                "PYTORCH_CUDA_ALLOC_CONF lacks expandable_segments:True: varying sequence lengths "
+                "fragment the caching allocator into 'CUDA out of memory' with memory still free",
+                "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before launching",
+            )
+        )
+    if c.get("training.device") == "cuda" and not c.env["gpus"]:
+        out.append(
+            Finding(
+                "error",
+                "no_gpu",
+                "training.device=cuda but no GPU is visible (nvidia-smi)",
+                "training.device=auto (CPU/gloo here), or run on a GPU machine",
+                "training.device",
+            )
+        )
+    elif c.device == "cuda" and int(c.env["nproc_per_node"]) > len(c.env["gpus"]):
+        out.append(
+            Finding(
+                "error",
+                "more_ranks_than_gpus",
+                f"{c.env['nproc_per_node']} ranks per node but {len(c.env['gpus'])} GPU(s): the "
+                "extra ranks fail with 'invalid device ordinal'",
+                f"--nproc_per_node={len(c.env['gpus'])} (one rank per GPU)",
+            )
+        )
+    if (
+        c.accelerate
+        and c.accelerate["distributed_type"] == "FSDP"
+        and (c.accelerate["use_cpu"] or not c.env["gpus"])
+    ):
+        out.append(
+            Finding(
+                "error",
+                "accelerate_fsdp_cpu",
+                "accelerate cannot run FSDP without GPUs: it raises 'no available devices' (with "
+                "use_cpu: true it silently runs plain DDP, FSDP off)",
+                "run on GPUs, or torchrun -m kit.train (FSDP over gloo works on CPU)",
+            )
+        )
+    return out
+
+
+@_check
+def _timeout(c: Context) -> list[Finding]:
+    if c.facts is None:
+        return []
+    minutes = c.get("run.dist_timeout_min")
+    if not isinstance(minutes, (int, float)) or minutes <= 0:
+        return []
+    full = c.facts.host_bytes(c.get("model.dtype"), False)
+    need = full / SLOW_BYTES_PER_S / 60
+    if need <= minutes / 2:
+        return []
+    level = "error" if need > minutes else "warning"
+    return [
+        Finding(
+            level,
+            "dist_timeout_short",
+            f"run.dist_timeout_min={minutes} but moving the {full / 1e9:.1f} GB model once (rank 0 "
+            f"building/loading or saving it while the others wait) takes ~{need:.0f} min at "
+            f"{SLOW_BYTES_PER_S / 1e6:.0f} MB/s: 'Watchdog caught collective operation timeout'",
+            f"run.dist_timeout_min={max(30, math.ceil(3 * need))}",
+            "run.dist_timeout_min",
+        )
+    ]
+
+
+@_check
+def _cpu_bf16(c: Context) -> list[Finding]:
+    if c.device != "cpu" or c.get("model.dtype") != "bfloat16" or c.facts is None:
+        return []
+    if c.facts.params < CPU_BF16_PARAMS:
+        return []
+    return [
+        Finding(
+            "warning",
+            "cpu_bf16_slow",
+            f"{c.facts.params / 1e6:.0f}M params in bfloat16 on a CPU: without bf16 instructions "
+            "matmuls run ~4x slower than float32",
+            "model.dtype=float32 on CPU",
+            "model.dtype",
+        )
+    ]
+
+
+@_check
+def _gpu_memory(c: Context) -> list[Finding]:
+    if c.device != "cuda" or not c.env["gpus"] or c.facts is None:
+        return []
+    if importlib.util.find_spec("kit.memory") is None:
+        return [
+            Finding(
+                "info",
+                "memory_check_skipped",
+                "kit.memory is not available: GPU memory was not estimated",
+                "install the full kit",
+            )
+        ]
+    from kit import memory
+
+    try:
+        est = memory.estimate(c.facts.config, memory.Setup.from_config(namespace(c.tree), c.ranks))
+    except (ValueError, KeyError) as e:
+        return [
+            Finding(
+                "info",
+                "memory_check_skipped",
+                f"no memory estimate: {e}",
+                "estimate by hand (notebook 03) or measure a short run",
+            )
+        ]
+    gpu = min(g["memory_gib"] for g in c.env["gpus"])
+    total, needed = est.total_gib, est.needed_gib()
+    if needed <= gpu:
+        return []
+    level = "error" if total > gpu else "warning"
+    return [
+        Finding(
+            level,
+            "memory_over_gpu",
+            f"estimated peak {total:.1f} GiB per GPU ({needed:.1f} with headroom) vs {gpu:.1f} GiB "
+            f"on {c.env['gpus'][0]['name']}: 'CUDA out of memory'",
+            "lower training.batch_size or data.max_seq_len, turn on activation_checkpointing, or "
+            "add GPUs (FSDP shards the weights)",
+        )
+    ]
+
+
+@_check
+def _target_modules(c: Context) -> list[Finding]:
+    targets = c.get("lora.target_modules")
+    if c.facts is None or targets in ("all-linear", None, "", []):
+        return []
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    supported = {"Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D"}
+    names = [targets] if isinstance(targets, str) else [str(t) for t in targets]
+    allowed = ", ".join(c.facts.linear_names())
+    out, unmatched = [], []
+    for name in names:
+        config = LoraConfig(target_modules=[name] if not isinstance(targets, str) else name)
+        hits = [k for k in c.facts.modules if check_target_module_exists(config, k)]
+        kinds = {c.facts.modules[k] for k in hits}
+        if not hits:
+            unmatched.append(name)
+        elif not kinds & supported:
+            out.append(
+                Finding(
+                    "error",
+                    "target_modules_unsupported",
+                    f"lora.target_modules: {name!r} names {', '.join(sorted(kinds))} modules, "
+                    "which LoRA cannot wrap ('is not supported')",
+                    f"name linear layers: {allowed}",
+                    "lora.target_modules",
+                )
+            )
+    if unmatched and len(unmatched) == len(names):
+        out.append(
+            Finding(
+                "error",
+                "target_modules_unmatched",
+                f"lora.target_modules {unmatched} match no module of {c.get('model.name')}: PEFT "
+                "raises 'Target modules ... not found in the base model'",
+                f"use 'all-linear' or names among: {allowed}",
+                "lora.target_modules",
+            )
+        )
+    elif unmatched:
+        out.append(
+            Finding(
+                "warning",
+                "target_modules_partial",
+                f"lora.target_modules {unmatched} match nothing (PEFT skips them silently)",
+                f"drop them or use names among: {allowed}",
+                "lora.target_modules",
+            )
+        )
+    return out
+
+
+@_check
+def _model_unreadable(c: Context) -> list[Finding]:
+    if c.accelerate or c.facts is not None:
+        return []
+    return [
+        Finding(
+            "warning",
+            "model_unreadable",
+            f"cannot read model {c.get('model.name')!r} offline ({c.facts_error}); size, target "
+            "module and timeout checks skipped",
+            "use a local folder or a kit: model, or fill the Hugging Face cache first",
+            "model.name",
+        )
+    ]
+
+
+@_check
+def _data(c: Context) -> list[Finding]:
+    if c.accelerate:
+        return []
+    out = []
+    for key in ("data.path", "data.val_path"):
+        path = c.get(key)
+        if not path:
+            continue
+        found = data_file(str(path))
+        if found is None:
+            out.append(
+                Finding(
+                    "error",
+                    "data_missing",
+                    f"{key}: {path!r} does not exist",
+                    "give a .jsonl/.json/.csv/.parquet file or kit:sample",
+                    key,
+                )
+            )
+            continue
+        try:
+            columns, rows = data_columns(found)
+        except Exception as e:  # noqa: BLE001 - unreadable for any reason is one finding
+            out.append(
+                Finding(
+                    "error",
+                    "data_unreadable",
+                    f"{key}: cannot read {found.name}: {e}",
+                    "check the file's format",
+                    key,
+                )
+            )
+            continue
+        fmt = c.get("data.format")
+        if fmt == "auto":
+            fmt = "messages" if c.get("data.messages_field") in columns else "text"
+        field = "data.messages_field" if fmt == "messages" else "data.text_field"
+        if columns and c.get(field) not in columns:
+            out.append(
+                Finding(
+                    "error",
+                    "text_field_missing",
+                    f"{field}: {c.get(field)!r} is not a column of {found.name} (columns: "
+                    f"{', '.join(columns)})",
+                    f"{field}=<one of: {', '.join(columns)}>",
+                    field,
+                )
+            )
+        batch, ranks = c.get("training.batch_size"), c.ranks
+        if key == "data.path" and rows is not None and isinstance(batch, int):
+            train_rows = (
+                rows
+                if c.get("data.val_path")
+                else int(rows * (1 - (c.get("data.val_fraction") or 0)))
+            )
+            if train_rows < batch * ranks:
+                out.append(
+                    Finding(
+                        "error",
+                        "data_too_small",
+                        f"{train_rows} training rows cannot fill {ranks} ranks x batch {batch}",
+                        "lower training.batch_size or add rows",
+                        "training.batch_size",
+                    )
+                )
+    return out
+
+
+def preflight(cfg, env: dict | None = None, overrides: list[str] | None = None) -> list[Finding]:
+    """Findings for a run of `cfg` (a Config, a dict tree, a kit or accelerate YAML path) on
+    `env` (see detect_env; None: this machine). Errors first. Never raises on a bad config: a
+    value load_config would reject becomes a finding, with the specific ones explained."""
+    raw, findings = read_config(cfg, overrides)
+    if raw is None:
+        return findings
+    ctx = Context(raw, complete_env(env))
+    for check in CHECKS:
+        try:
+            findings += check(ctx)
+        except Exception as e:  # noqa: BLE001 - a wrong-typed raw value must not stop the rest
+            if not ctx.accelerate:
+                findings.append(
+                    Finding(
+                        "info",
+                        "check_skipped",
+                        f"{check.__name__[1:]}: {e}",
+                        "fix the config values it reads",
+                    )
+                )
+    if not ctx.accelerate:
+        explained = {f.field for f in findings}
+        findings += [
+            Finding("error", "config_invalid", msg, "see kit/config.py for the allowed values", fld)
+            for fld, msg in config_errors(raw)
+            if fld not in explained
+        ]
+    return ordered(findings)
+
+
+def config_errors(tree: dict, limit: int = 20) -> list[tuple[str, str]]:
+    """(field, message) of every value load_config would reject, not only the first: each
+    rejected key is dropped (back to its default) and the tree validated again."""
+    tree, out = copy.deepcopy(tree), []
+    for _ in range(limit):
+        try:
+            config_from_dict(tree)
+            return out
+        except ConfigError as e:
+            field = str(e).split(":", 1)[0]
+            out.append((field, str(e)))
+            parent = lookup(tree, field.rsplit(".", 1)[0]) if "." in field else tree
+            key = field.rsplit(".", 1)[-1]
+            if not isinstance(parent, dict) or key not in parent:
+                return out
+            del parent[key]
+    return out
