@@ -5,7 +5,7 @@
 # Prints a table; per-run logs, metrics and results land in OUT_DIR.
 set -uo pipefail
 OUT=${1:-/tmp/gpu_recipe}; mkdir -p "$OUT"
-python3 -c "import bitsandbytes" 2>/dev/null || python3 -m pip install -q --no-deps .whl/bitsandbytes-*.whl
+bash benchmarks/gpu_setup.sh
 export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 NPROC=${NPROC:-2}

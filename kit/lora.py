@@ -58,3 +58,74 @@ def trainable_summary(peft_model) -> dict[str, float]:
     """Trainable vs all parameters; PEFT counts a packed 4-bit weight as its logical size."""
     trainable, total = peft_model.get_nb_trainable_parameters()
     return {"trainable": trainable, "total": total, "percent": 100.0 * trainable / max(total, 1)}
+
+
+# --------------------------------------------------------------------------- looking inside (03)
+
+TARGET_SETS = {
+    "q, v (LoRA paper)": ["q_proj", "v_proj"],
+    "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "all-linear (QLoRA paper)": "all-linear",
+}
+
+
+def injected(peft_model) -> list[dict]:
+    """One row per layer PEFT wrapped: where, what it wraps, the shapes and dtype of A and B."""
+    from peft.tuners.lora import LoraLayer
+
+    rows = []
+    for name, module in peft_model.named_modules():
+        if isinstance(module, LoraLayer):
+            a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+            rows.append({
+                "module": name.removeprefix("base_model.model."),
+                "wraps": type(module.get_base_layer()).__name__,
+                "A": tuple(a.shape), "B": tuple(b.shape), "dtype": str(a.dtype).removeprefix("torch."),
+                "scale": module.scaling["default"],
+            })  # fmt: skip
+    return rows
+
+
+def parameter_groups(peft_model) -> list[dict]:
+    """Parameters grouped by (trainable, dtype, kind): how many, and the bytes they occupy."""
+    import bitsandbytes as bnb
+
+    groups: dict[tuple, list[int]] = {}
+    for name, p in peft_model.named_parameters():
+        kind = "LoRA" if "lora_" in name else (
+            "4-bit packed" if isinstance(p, bnb.nn.Params4bit) else "other")  # fmt: skip
+        key = (p.requires_grad, str(p.dtype).removeprefix("torch."), kind)
+        count = groups.setdefault(key, [0, 0, 0])
+        count[0] += 1
+        count[1] += p.numel()
+        count[2] += p.numel() * p.element_size()
+    return [
+        {"trainable": t, "dtype": d, "kind": k, "tensors": n, "elements": e, "bytes": b}
+        for (t, d, k), (n, e, b) in sorted(groups.items(), key=lambda kv: (not kv[0][0], kv[0][2]))
+    ]
+
+
+def trainable_table(model, ranks=(4, 8, 16, 64), target_sets=None) -> list[dict]:
+    """Trainable LoRA parameters by rank and targets, counted from the model's shape alone (a
+    `kit:` name, a config dict or folder: see kit.memory.shape_of)."""
+    from kit.memory import lora_params, shape_of
+
+    shape = shape_of(model)
+    rows = []
+    for label, targets in (target_sets or TARGET_SETS).items():
+        for r in ranks:
+            n = lora_params(shape, r, targets)
+            rows.append({"targets": label, "r": r, "trainable": n,
+                         "percent": 100 * n / (shape.params + n),  # of all, as PEFT reports it
+                         # fp32 weights, gradients and AdamW's two moments: 16 bytes each
+                         "train_state_mib": n * 16 / 2**20})  # fmt: skip
+    return rows
+
+
+def adapter_changes_nothing_at_start(peft_model, input_ids) -> float:
+    """Max |logits with adapter - logits without| before training: 0, since B starts at zero."""
+    with torch.no_grad():
+        on = peft_model(input_ids=input_ids).logits.float()
+        with peft_model.disable_adapter():
+            off = peft_model(input_ids=input_ids).logits.float()
+    return (on - off).abs().max().item()

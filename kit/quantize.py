@@ -83,3 +83,102 @@ def quantized_bytes(model) -> dict[str, int]:
     )
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"packed_4bit": packed, "other": total - packed, "total": total}
+
+
+# --------------------------------------------------------------------------- looking inside (02)
+
+
+def quantize_weight(weight: torch.Tensor, method: str = "nf4", double_quant: bool = True,
+                    storage: torch.dtype = torch.uint8):  # fmt: skip
+    """(packed, quant_state) for one weight, exactly as bitsandbytes' Linear4bit stores it."""
+    import bitsandbytes.functional as F
+
+    return F.quantize_4bit(weight, blocksize=64, compress_statistics=double_quant,
+                           quant_type=method, quant_storage=storage)  # fmt: skip
+
+
+def state_bytes(state, tables: bool = True) -> int:
+    """Bytes of a QuantState's constants: per-block scales (absmax; with double quantization the
+    8-bit scales, their fp32 scales and offset) and, if `tables`, the fixed lookup tables (16
+    values of the 4-bit code; 256 of the 8-bit code for the scales) that cost the same per layer."""
+    tensors = [state.absmax] + ([state.code] if tables else [])
+    if state.nested:
+        tensors += [state.state2.absmax, state.offset] + ([state.state2.code] if tables else [])
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def quantization_report(weight: torch.Tensor, method: str = "nf4", double_quant: bool = True,
+                        storage: torch.dtype = torch.uint8) -> dict:  # fmt: skip
+    """What quantizing `weight` costs and keeps: storage layout, bytes, bits/param, error."""
+    import bitsandbytes.functional as F
+
+    packed, state = quantize_weight(weight, method, double_quant, storage)
+    restored = F.dequantize_4bit(packed, state)
+    w, r = weight.float(), restored.float()
+    scales = state_bytes(state, tables=False)
+    packed_bytes = packed.numel() * packed.element_size()
+    return {
+        "method": method,
+        "double_quant": double_quant,
+        "storage": str(storage).removeprefix("torch."),
+        "packed_shape": tuple(packed.shape),
+        "packed_bytes": packed_bytes,
+        "scale_bytes": scales,
+        "table_bytes": state_bytes(state) - scales,
+        "original_bytes": weight.numel() * weight.element_size(),
+        # Packed 4 bits + scales; the fixed tables are left out (a few bytes per layer).
+        "bits_per_param": 8 * (packed_bytes + scales) / weight.numel(),
+        "relative_error": ((r - w).norm() / w.norm()).item(),
+        "max_abs_error": (r - w).abs().max().item(),
+        "dequantized_dtype": str(restored.dtype).removeprefix("torch."),
+    }
+
+
+def linear4bit_layout(module) -> dict:
+    """How a bitsandbytes Linear4bit in a loaded model holds its weight."""
+    w = module.weight
+    state = w.quant_state
+    return {
+        "logical_shape": tuple(state.shape),
+        "stored_shape": tuple(w.shape),
+        "stored_dtype": str(w.dtype).removeprefix("torch."),
+        "stored_bytes": w.numel() * w.element_size(),
+        "constant_bytes": state_bytes(state),
+        "quant_type": state.quant_type,
+        "double_quant": bool(state.nested),
+        "compute_dtype": str(module.compute_dtype).removeprefix("torch."),
+    }
+
+
+def load_on_cpu(name: str = "kit:tiny-llama", method: str = "nf4", storage: str = "auto",
+                dtype: str = "bfloat16"):  # fmt: skip
+    """A model loaded the recipe's way (from_pretrained + BitsAndBytesConfig), on CPU, to look at."""
+    from kit.config import load_config
+
+    cfg = load_config(None, [f"model.name={name}", f"model.dtype={dtype}",
+                             f"quantization.method={method}", f"quantization.storage={storage}",
+                             "sharding.engine=fsdp2"])  # fmt: skip
+    return load_model(cfg, torch.device("cpu"))[0]
+
+
+def code_values(method: str = "nf4") -> list[float]:
+    """The 16 values a 4-bit code can take, as fractions of the block's absmax, sorted."""
+    _, state = quantize_weight(torch.zeros(64, dtype=torch.float32) + 1, method, False)
+    return sorted(state.code.tolist())
+
+
+def plot_levels(weight: torch.Tensor, blocksize: int = 64, ax=None):
+    """Histogram of the weights divided by their block's absmax, with the NF4 (solid) and FP4
+    (dotted) levels they are rounded to."""
+    import matplotlib.pyplot as plt
+
+    ax = ax or plt.subplots(figsize=(8, 3))[1]
+    blocks = weight.detach().float().reshape(-1, blocksize)
+    normalized = (blocks / blocks.abs().amax(dim=1, keepdim=True)).flatten()
+    ax.hist(normalized.numpy(), bins=120, density=True, color="0.7")
+    for method, style, color in (("nf4", "-", "C0"), ("fp4", ":", "C3")):
+        for i, v in enumerate(code_values(method)):
+            ax.axvline(v, ls=style, color=color, lw=1, label=method.upper() if i == 0 else None)
+    ax.set_xlabel(f"weight / absmax of its block of {blocksize}")
+    ax.legend()
+    return ax

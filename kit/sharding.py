@@ -129,3 +129,216 @@ def clip_grad_norm(wrapped: nn.Module, engine: str, max_norm: float) -> float:
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
             norm = norm.full_tensor()
     return float(norm)
+
+
+# --------------------------------------------------------------------------- what each rank holds (04)
+#
+#   torchrun --nproc_per_node=2 -m kit.sharding --report OUT [--engines fsdp2,fsdp1,ddp] [key=value]
+#
+# Builds the model exactly as the recipe does (load -> LoRA -> checkpointing -> train() -> shard),
+# once per engine, runs one forward/backward, and writes OUT/<engine>/rank<R>.json: every
+# parameter's full shape and the piece this rank holds, the compute dtypes seen inside forward,
+# the gradients' local shapes. The notebook reads these files; it never joins the group itself.
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2 parameters are DTensors
+
+
+def _bytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def wrapped_units(model: nn.Module) -> list[str]:
+    """Names of the modules an FSDP engine made into sharding units ('' is the root)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from kit.checkpoint import clean_name
+
+    return [clean_name(n) for n, m in model.named_modules() if isinstance(m, (FSDPModule, FSDP))]
+
+
+def quant_constant_bytes(model: nn.Module) -> int:
+    """Bytes of bitsandbytes' quantization constants (not parameters: FSDP never shards them)."""
+    import bitsandbytes as bnb
+
+    from kit.quantize import state_bytes
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            state = getattr(m.weight, "quant_state", None) or getattr(m, "quant_state", None)
+            total += state_bytes(state) if state is not None else 0
+    return total
+
+
+def held(model: nn.Module) -> dict[str, dict]:
+    """Per parameter (clean name): the shape, dtype and bytes this rank holds, and its grad's."""
+    from kit.checkpoint import clean_name
+
+    rows = {}
+    for name, p in model.named_parameters():
+        local, grad = _local(p), p.grad
+        rows[clean_name(name)] = {
+            "shape": list(local.shape), "dtype": str(local.dtype).removeprefix("torch."),
+            "bytes": _bytes(local), "trainable": p.requires_grad,
+            "grad_shape": None if grad is None else list(_local(grad).shape),
+            "grad_dtype": None if grad is None else str(grad.dtype).removeprefix("torch."),
+        }  # fmt: skip
+    return rows
+
+
+def _seen_in_forward(model: nn.Module) -> tuple[dict, list]:
+    """Forward pre-hooks on the first LoRA A and the first norm: the dtypes compute really uses."""
+    seen: dict[str, str] = {}
+    lora_a = next(m for n, m in model.named_modules() if n.endswith("lora_A.default"))
+    norm = next(m for n, m in model.named_modules() if n.endswith("input_layernorm"))
+
+    def hook(label):
+        def record(module, args):
+            seen.setdefault(f"{label} weight", str(module.weight.dtype).removeprefix("torch."))
+            seen.setdefault(f"{label} input", str(args[0].dtype).removeprefix("torch."))
+
+        return record
+
+    handles = [lora_a.register_forward_pre_hook(hook("LoRA A")),
+               norm.register_forward_pre_hook(hook("RMSNorm"))]  # fmt: skip
+    return seen, handles
+
+
+def report_rank(cfg: Config, env, out) -> dict:
+    """One engine on this rank: before sharding, after, and after one forward/backward."""
+    from kit import lora, quantize
+    from kit.train import enable_activation_checkpointing
+
+    model, _ = quantize.load_model(cfg, env.device)
+    peft_model = lora.apply_lora(model, cfg)
+    if cfg.training.activation_checkpointing:
+        enable_activation_checkpointing(peft_model)
+    peft_model.train()
+    before = held(peft_model)
+    quant_bytes = quant_constant_bytes(peft_model)
+    layer_classes = sorted(c.__name__ for c in decoder_layer_classes(peft_model))
+    wrapped = shard(peft_model, cfg, env.device)
+    after = held(wrapped)
+    seen, handles = _seen_in_forward(wrapped)
+    ids = torch.arange(2 * 16, device=env.device).reshape(2, 16) % 100 + 3
+    wrapped(input_ids=ids, labels=ids).loss.backward()
+    for h in handles:
+        h.remove()
+    grads = held(wrapped)
+    return {
+        "engine": cfg.sharding.engine, "rank": env.rank, "world_size": env.world_size,
+        "units": wrapped_units(wrapped),
+        "decoder_layer_classes": layer_classes,
+        "quant_constant_bytes": quant_bytes,
+        "params": {n: {"full_shape": before[n]["shape"], "full_bytes": before[n]["bytes"],
+                       **after.get(n, {}), "grad_shape": grads.get(n, {}).get("grad_shape"),
+                       "grad_dtype": grads.get(n, {}).get("grad_dtype")}
+                   for n in before},
+        "seen_in_forward": seen,
+    }  # fmt: skip
+
+
+def _report_main(argv: list[str]) -> int:
+    import argparse
+    import json
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from kit import dist as kdist
+    from kit import tiny
+    from kit.config import load_config
+
+    parser = argparse.ArgumentParser(prog="python -m kit.sharding")
+    parser.add_argument("--report", required=True, help="folder for <engine>/rank<R>.json")
+    parser.add_argument("--engines", default="fsdp2,fsdp1,ddp")
+    parser.add_argument("--config", default=str(Path(__file__).parent / "configs" / "tiny-cpu.yaml"))
+    parser.add_argument("overrides", nargs="*", help="config key=value")
+    args = parser.parse_args(argv)
+    cfgs = [load_config(args.config, [*args.overrides, f"sharding.engine={e}"])
+            for e in args.engines.split(",")]  # fmt: skip
+    env = kdist.init(cfgs[0].training.device, cfgs[0].run.dist_timeout_min)
+    try:
+        with kdist.main_process_first(env):
+            tiny.resolve(cfgs[0].model.name)
+        for cfg in cfgs:
+            torch.manual_seed(cfg.training.seed)
+            row = report_rank(cfg, env, args.report)
+            folder = Path(args.report) / cfg.sharding.engine
+            os.makedirs(folder, exist_ok=True)
+            (folder / f"rank{env.rank}.json").write_text(json.dumps(row, indent=1))
+            dist.barrier()
+    finally:
+        kdist.cleanup()
+    return 0
+
+
+# --------------------------------------------------------------------------- kernel side (04)
+
+
+def launch_report(out, engines=("fsdp2", "fsdp1", "ddp"), nproc: int = 2,
+                  overrides: list[str] | None = None) -> dict:  # fmt: skip
+    """Run the report under torchrun (separate processes) and read it back."""
+    from pathlib import Path
+
+    from kit.torchrun import torchrun
+
+    out = Path(out).resolve()
+    torchrun("kit.sharding", "--report", str(out), "--engines", ",".join(engines),
+             *(overrides or []), nproc=nproc)  # fmt: skip
+    found = read_report(out)
+    return {engine: found[engine] for engine in engines}
+
+
+def read_report(out) -> dict[str, list[dict]]:
+    """{engine: [rank 0's report, rank 1's, ...]}"""
+    import json
+    from pathlib import Path
+
+    found = {}
+    for folder in sorted(Path(out).iterdir()):
+        ranks = sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+        if ranks:
+            found[folder.name] = [json.loads(p.read_text()) for p in ranks]
+    return found
+
+
+def shard_table(ranks: list[dict], *contains: str) -> list[dict]:
+    """Per parameter whose name contains any of `contains` (all if none): its full shape and the
+    shape each rank holds (one engine's report)."""
+    params = ranks[0]["params"]
+    rows = []
+    for name, p in params.items():
+        if contains and not any(c in name for c in contains):
+            continue
+        row = {"param": name.removeprefix("base_model.model."), "dtype": p["dtype"],
+               "full": tuple(p["full_shape"])}  # fmt: skip
+        for r in ranks:
+            row[f"rank {r['rank']}"] = tuple(r["params"][name]["shape"])
+        rows.append(row)
+    return rows
+
+
+def bytes_per_rank(ranks: list[dict]) -> list[dict]:
+    """What each rank holds, in bytes: frozen params, trainable params, quantization constants."""
+    rows = []
+    for r in ranks:
+        ps = r["params"].values()
+        rows.append({
+            "rank": r["rank"],
+            "frozen": sum(p["bytes"] for p in ps if not p["trainable"]),
+            "trainable": sum(p["bytes"] for p in ps if p["trainable"]),
+            "quant constants": r["quant_constant_bytes"],
+            "full model": sum(p["full_bytes"] for p in ps),
+        })  # fmt: skip
+    return rows
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_report_main(sys.argv[1:]))

@@ -30,7 +30,11 @@ def torchrun(module: str, *args: str, nproc: int = 2, timeout: int = 900, check:
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **os.environ, **(env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        lines = (proc.stdout + proc.stderr).splitlines()
+        # The ranks' own messages ("[rank N] ..." from the recipe, "[rankN]:" from torch) name
+        # the cause; torchrun's closing summary often only says that a rank exited.
+        ranks = [line for line in lines if line.startswith("[rank")][-30:]
+        tail = "\n".join(ranks + ["..."] + lines[-15:])
         raise TorchrunFailed(f"{' '.join(cmd[2:])} exited with {proc.returncode}:\n{tail}")
     return proc
 

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Save + resume + merge of the 1.24B Llama (NF4) under FSDP2 and FSDP1 on 2 GPUs (issue 5):
+# times and sizes of each checkpoint kind. Run from the repo root: bash benchmarks/gpu_checkpoints.sh OUT
+# Per engine: run A stops at step 10 with a sharded (DCP) checkpoint every 5 steps; run B resumes
+# from it (resume=auto) and saves `full` checkpoints at 15 and 20; then the adapter is merged into
+# the dequantized base and exported. FSDP2 also gets an uninterrupted reference run.
+set -uo pipefail
+OUT=${1:-/tmp/gpu_checkpoints}; mkdir -p "$OUT"
+bash benchmarks/gpu_setup.sh
+export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+CFG=kit/configs/llama-1b-gpu.yaml
+common="training.steps=20 training.eval_every=0"
+train() { local out=$1; shift; torchrun --standalone --nproc_per_node=2 -m kit.train $CFG run.output_dir=$out $common "$@" >> "$out.log" 2>&1; echo "$(basename $out) $* rc=$?"; }
+for engine in fsdp2 fsdp1; do
+  d=$OUT/$engine
+  train $d sharding.engine=$engine checkpointing.save_every=5 checkpointing.format=sharded checkpointing.keep_last=0 training.stop_at_step=10
+  train $d sharding.engine=$engine checkpointing.save_every=5 checkpointing.format=full checkpointing.keep_last=0 training.resume=auto
+  start=$(date +%s.%N)
+  python3 -m kit.checkpoint merge $d $d/merged >> "$d.log" 2>&1; rc=$?
+  echo "$engine merge rc=$rc seconds=$(python3 -c "print(round($(date +%s.%N)-$start,1))") bytes=$(du -sb $d/merged | cut -f1)" | tee -a "$OUT/merge.txt"
+done
+train $OUT/fsdp2-straight sharding.engine=fsdp2
+python3 - "$OUT" <<'PY' | tee "$OUT/table.md"
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+print("| engine | checkpoint | format | bytes | seconds to write |")
+print("|---|---|---|---|---|")
+for engine in ("fsdp2", "fsdp1"):
+    for m in sorted((out / engine / "checkpoints").glob("step-*/COMPLETE.json")):
+        r = json.loads(m.read_text())
+        print(f"| {engine} | {m.parent.name} | {r['format']} | {r['bytes']:,} | {r['seconds']} |")
+def losses(d):
+    return [(x["step"], x["loss"]) for x in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if x["split"] == "train"]
+a, b = losses(out / "fsdp2-straight"), losses(out / "fsdp2")
+print()
+print(f"fsdp2 resumed vs uninterrupted: {len(a)} / {len(b)} steps, same steps {[s for s,_ in a] == [s for s,_ in b]}, "
+      f"max |loss diff| {max(abs(x[1]-y[1]) for x, y in zip(a, b)):.4g}, before the resume {max(abs(x[1]-y[1]) for x, y in zip(a[:10], b[:10])):.4g}")
+for e in ("fsdp2", "fsdp1"):
+    r = json.loads((out / e / "result.json").read_text())
+    print(f"{e}: status {r['status']}, loss {r['first_loss']:.3f} -> {r['final_loss']:.3f}")
+PY
