@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Stage notebooks with GPU parameters, executed by papermill on a GPU machine.
+#   bash benchmarks/gpu_notebooks.sh OUT [NPROC]
+# Executed copies land in OUT; their key numbers are copied into benchmarks/results/ by hand.
+set -uo pipefail
+OUT=${1:-/tmp/gpu_notebooks}; NPROC=${2:-1}; mkdir -p "$OUT"
+bash benchmarks/gpu_setup.sh
+export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+nb() {  # notebook params...
+  local name=$1; shift
+  local start=$(date +%s)
+  python3 -m papermill "notebooks/$name.ipynb" "$OUT/$name.ipynb" --cwd notebooks "$@" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
+}
+nb 00-setup-and-hardware -p model kit:llama-8b -p nproc "$NPROC"
+nb 02-quantize-nf4 -p model kit:llama-1b
+nb 01-memory-budget -p model kit:llama-1b -p nproc "$NPROC" -p device cuda -p seq_len 1024 -p batch_size 4 -p steps 4
+python3 - "$OUT" <<'PY' > "$OUT/outputs.txt"
+import json, sys, pathlib
+for p in sorted(pathlib.Path(sys.argv[1]).glob("*.ipynb")):
+    nb = json.loads(p.read_text())
+    print(f"===== {p.name}")
+    for c in nb["cells"]:
+        if c["cell_type"] != "code":
+            continue
+        for o in c.get("outputs", []):
+            text = o.get("text") or o.get("data", {}).get("text/plain")
+            if text:
+                print("".join(text) if isinstance(text, list) else text)
+PY
