@@ -10,7 +10,6 @@ import stat
 import subprocess
 import sys
 import time
-import types
 from pathlib import Path
 
 import psutil
@@ -93,31 +92,16 @@ def test_run_sh_builds_the_torchrun_command(tmp_path):
     assert Run(folder).status == "failed"
 
 
-def test_preflight_error_refuses_to_start(tmp_path, monkeypatch):
-    """kit.doctor is another module's: stand one in with the agreed contract."""
-    from dataclasses import dataclass
-
-    @dataclass
-    class Finding:
-        level: str
-        code: str
-        message: str
-        fix: str = ""
-
-    doctor = types.ModuleType("kit.doctor")
-    doctor.__spec__ = types.SimpleNamespace(name="kit.doctor")
-    doctor.preflight = lambda cfg, env=None: [
-        Finding("warning", "W1", "just so you know"),
-        Finding("error", "E1", f"{cfg.sharding.engine} cannot run here", "use ddp"),
-    ]
-    monkeypatch.setitem(sys.modules, "kit.doctor", doctor)
+def test_preflight_error_refuses_to_start(tmp_path):
+    """The doctor's error-level finding stops the launch before anything is written."""
+    bad = ["lora.target_modules=[nope_proj]"]
     out = tmp_path / "refused"
-    with pytest.raises(PreflightFailed, match="E1: fsdp2 cannot run here") as e:
-        launch("tiny-cpu", [f"run.output_dir={out}"])
-    assert [f.code for f in e.value.findings] == ["E1"]
+    with pytest.raises(PreflightFailed, match="nope_proj") as e:
+        launch("tiny-cpu", [*bad, f"run.output_dir={out}"])
+    assert e.value.findings and all(f.level == "error" for f in e.value.findings)
     assert not out.exists()  # nothing written, nothing started
-    cfg = resolve("tiny-cpu")
-    assert [f.code for f in preflight(cfg, force=True)] == ["W1", "E1"]
+    forced = preflight(resolve("tiny-cpu", bad), force=True)
+    assert any(f.level == "error" and "nope_proj" in f.message for f in forced)
 
 
 # --------------------------------------------------------------------------- real launches
