@@ -54,7 +54,6 @@ class Recipe:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.out = cfg.output_dir
-        self.log_lines: list[str] = []
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
