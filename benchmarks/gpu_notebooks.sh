@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Stage notebooks with GPU parameters, executed by papermill on a GPU machine.
-#   bash benchmarks/gpu_notebooks.sh OUT [NPROC]
+#   bash benchmarks/gpu_notebooks.sh OUT [NPROC] [NOTEBOOK_NUMBERS...]   (default: 00 01 02)
 # Executed copies land in OUT; their key numbers are copied into benchmarks/results/ by hand.
 set -uo pipefail
 OUT=${1:-/tmp/gpu_notebooks}; NPROC=${2:-1}; mkdir -p "$OUT"
+shift 2 2>/dev/null; WHICH=${*:-00 01 02}
 bash benchmarks/gpu_setup.sh
 export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 nb() {  # notebook params...
@@ -12,9 +13,15 @@ nb() {  # notebook params...
   python3 -m papermill "notebooks/$name.ipynb" "$OUT/$name.ipynb" --cwd notebooks "$@" > "$OUT/$name.log" 2>&1
   echo "$name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
 }
-nb 00-setup-and-hardware -p model kit:llama-8b -p nproc "$NPROC"
-nb 02-quantize-nf4 -p model kit:llama-1b
-nb 01-memory-budget -p model kit:llama-1b -p nproc "$NPROC" -p device cuda -p seq_len 1024 -p batch_size 4 -p steps 4
+for n in $WHICH; do case $n in
+  00) nb 00-setup-and-hardware -p model kit:llama-8b -p nproc "$NPROC" ;;
+  02) nb 02-quantize-nf4 -p model kit:llama-1b ;;
+  01) nb 01-memory-budget -p model kit:llama-1b -p nproc "$NPROC" -p device cuda -p seq_len 1024 -p batch_size 4 -p steps 4 ;;
+  04) nb 04-fsdp-sharding -p model kit:llama-1b -p nproc "$NPROC" -p device cuda ;;
+  05) nb 05-order-of-operations -p nproc "$NPROC" ;;
+  07) nb 07-launch-multi-gpu -p config llama-1b-gpu -p model kit:llama-1b -p device cuda -p nproc "$NPROC" -p steps 20 ;;
+  08) nb 08-checkpoints-resume-merge -p nproc "$NPROC" -p device cuda -p config kit/configs/llama-1b-gpu.yaml -p model kit:llama-1b -p dtype bfloat16 -p quantization nf4 ;;
+esac; done
 python3 - "$OUT" <<'PY' > "$OUT/outputs.txt"
 import json, sys, pathlib
 for p in sorted(pathlib.Path(sys.argv[1]).glob("*.ipynb")):

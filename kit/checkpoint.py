@@ -228,13 +228,19 @@ def save_training_state(*, wrapped, optimizer, scheduler, batches, step, env, fm
         tmp.mkdir(parents=True)
     dist.barrier()
     full = fmt == "full"
+    # cpu_offload makes FSDP1 gather to rank 0 only, and get_model_state_dict then fails on the
+    # other ranks while dropping frozen keys (KeyError, torch 2.11, 2x H200): FSDP1 gathers the
+    # (small, trainable-only) state on every device instead, and rank 0 moves it to the CPU.
+    fsdp1 = type(wrapped).__name__ == "FullyShardedDataParallel"
     options = StateDictOptions(full_state_dict=full, ignore_frozen_params=True,
-                               cpu_offload=full and env.device.type == "cuda")
+                               cpu_offload=full and env.device.type == "cuda" and not fsdp1)
     model_state = _trainable_only(wrapped, get_model_state_dict(wrapped, options=options))
     optim_state = get_optimizer_state_dict(wrapped, optimizer, options=options)
     if full:
         if env.is_main:
-            torch.save({"model": model_state, "optim": optim_state}, tmp / "full.pt")
+            to_cpu = lambda t: t.cpu() if isinstance(t, torch.Tensor) else t  # noqa: E731
+            state = torch.utils._pytree.tree_map(to_cpu, {"model": model_state, "optim": optim_state})
+            torch.save(state, tmp / "full.pt")
     else:
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / "dcp"))
     torch.save(_rng_state(env.device), tmp / f"rng-rank{env.rank}.pt")
