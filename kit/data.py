@@ -1,12 +1,19 @@
 """Training data: a local json/jsonl/csv/parquet file (or the bundled sample) through `datasets`,
-plain text or chat messages, tokenized to fixed-length rows and split across ranks."""
+plain text or chat messages, tokenized to fixed-length rows and split across ranks.
+
+With data.packing, several samples share a row (`_encode_packed`): rows carry `position_ids` that
+restart at 0 per sample and no `attention_mask`, which is how transformers recognises packed rows
+(masking_utils.find_packed_sequence_indices: a block-diagonal causal mask for sdpa/eager/flex;
+flash_attention_2 reads the boundaries from position_ids, but only in a batch of one row, hence
+`loader(one_row=True)`). The model must run without a KV cache (config.use_cache=False), or
+transformers ignores the packing and attention crosses samples."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
 from kit.config import ConfigError, DataConfig
 
@@ -91,6 +98,49 @@ def _encode(texts: list[str], tokenizer, max_len: int) -> dict[str, torch.Tensor
     }
 
 
+def _encode_packed(texts: list[str], tokenizer, max_len: int) -> dict[str, torch.Tensor]:
+    """Samples (each truncated to max_len) packed greedily, in order, into rows of max_len tokens.
+    transformers' DataCollatorWithFlattening joins each row's samples: position ids restart at 0,
+    and every sample's first label is -100, so no token predicts across a boundary. The row's
+    tail is padding: pad tokens, labels -100, position ids continuing the last sample's (it stays
+    one sample to transformers, so `count_tokens` can tell padding from a sample start)."""
+    from transformers import DataCollatorWithFlattening
+
+    texts = [t + tokenizer.eos_token for t in texts] if tokenizer.eos_token else texts
+    samples = tokenizer(texts, max_length=max_len, truncation=True)["input_ids"]
+    groups: list[list[list[int]]] = []
+    used = max_len + 1  # forces a first row
+    for ids in filter(None, samples):
+        if used + len(ids) > max_len:
+            groups.append([])
+            used = 0
+        groups[-1].append(ids)
+        used += len(ids)
+    flatten = DataCollatorWithFlattening()
+    n_rows = len(groups)
+    out = {
+        "input_ids": torch.full((n_rows, max_len), tokenizer.pad_token_id, dtype=torch.long),
+        "labels": torch.full((n_rows, max_len), -100, dtype=torch.long),
+        "position_ids": torch.zeros((n_rows, max_len), dtype=torch.long),
+    }
+    for i, group in enumerate(groups):
+        row = flatten([{"input_ids": ids} for ids in group], return_tensors="pt")
+        n = row["input_ids"].shape[1]
+        last = n - len(group[-1])  # where the last sample starts
+        for key in out:
+            out[key][i, :n] = row[key][0]
+        out["position_ids"][i, last:] = torch.arange(max_len - last)
+    return out
+
+
+def count_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Real (non-padding) tokens of a batch. Packed rows have no attention mask: their real tokens
+    are those with a label plus each sample's first (position 0; padding never restarts at 0)."""
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return int(((batch["labels"] != -100) | (batch["position_ids"] == 0)).sum())
+
+
 class Rows(torch.utils.data.Dataset):
     def __init__(self, tensors: dict[str, torch.Tensor]):
         self.tensors = tensors
@@ -116,17 +166,29 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[Rows, Rows]:
         val, train = [rows[i] for i in order[:n_val]], [rows[i] for i in order[n_val:]]
     else:
         train, val = rows, rows[:64]
+    encode = _encode_packed if cfg.packing else _encode
     return tuple(
-        Rows(_encode(_texts(part, cfg, tokenizer, name), tokenizer, cfg.max_seq_len))
+        Rows(encode(_texts(part, cfg, tokenizer, name), tokenizer, cfg.max_seq_len))
         for part, name in ((train, cfg.path), (val, cfg.val_path or cfg.path))
     )
 
 
-def loader(rows: Rows, batch_size: int, rank: int, world: int, seed: int, train: bool):
-    """Each rank sees its own slice (DistributedSampler); shuffled per epoch when training."""
+def _one_row(rows: list[dict]) -> dict[str, torch.Tensor]:
+    return {k: v.reshape(1, -1) for k, v in default_collate(rows).items()}
+
+
+def loader(
+    rows: Rows, batch_size: int, rank: int, world: int, seed: int, train: bool,
+    one_row: bool = False,
+):
+    """Each rank sees its own slice (DistributedSampler); shuffled per epoch when training.
+    one_row: each batch of packed rows joined into a single row, the only packed layout that
+    transformers' flash_attention_2 recognises (modeling_flash_attention_utils._is_packed_sequence
+    wants batch size 1; the labels' shift stays inside rows, whose first label is -100)."""
     if len(rows) < batch_size * world:
+        kind = "packed rows" if "position_ids" in rows.tensors else "rows"  # packing: fewer rows
         raise ConfigError(
-            f"training.batch_size: {batch_size} is not allowed; {len(rows)} rows cannot fill "
+            f"training.batch_size: {batch_size} is not allowed; {len(rows)} {kind} cannot fill "
             f"{world} ranks x {batch_size}; use a smaller batch or more data"
         )
     sampler = DistributedSampler(
@@ -135,7 +197,10 @@ def loader(rows: Rows, batch_size: int, rank: int, world: int, seed: int, train:
     # A generator of its own: creating an iterator draws a seed from it, and drawing from the
     # global RNG instead would shift dropout after a resume restores the RNG states.
     generator = torch.Generator().manual_seed(seed)
-    return DataLoader(rows, batch_size=batch_size, sampler=sampler, drop_last=True, generator=generator)
+    return DataLoader(
+        rows, batch_size=batch_size, sampler=sampler, drop_last=True, generator=generator,
+        collate_fn=_one_row if one_row else None,
+    )
 
 
 class Batches:

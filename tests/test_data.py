@@ -69,3 +69,126 @@ def test_split_is_identical_across_ranks_and_slices_differ(tokenizer):
 def test_stdlib_reader_matches_datasets(tmp_path, kind):
     path = write(tmp_path, kind)
     assert data.read_rows_stdlib(path) == data.read_rows(path)
+
+
+# ---------------------------------------------------------------- packing (data.packing=true)
+TEXTS = [
+    "short one",
+    "a somewhat longer sample that goes on for a while",
+    "Question: what is 13 plus 14? Answer: 13 plus 14 is 27.",
+    "mid length text here",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    return tiny.resolve("kit:tiny-llama")
+
+
+def samples(tokenizer, texts, max_len):
+    """Each text tokenized on its own, as packing sees it (eos appended, truncated)."""
+    return [tokenizer(t + tokenizer.eos_token, max_length=max_len, truncation=True)["input_ids"]
+            for t in texts]
+
+
+def segments(row):
+    """(start, end) of each sample in a packed row: position ids restart at 0, padding excluded."""
+    starts = (row["position_ids"] == 0).nonzero().flatten().tolist()
+    end = starts[-1] + int((row["labels"][starts[-1] + 1:] != -100).sum()) + 1
+    return list(zip(starts, starts[1:] + [end], strict=True))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_row_equals_samples_run_alone(tokenizer, tiny_llama, attn):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32,
+                                                 attn_implementation=attn).eval()
+    model.config.use_cache = False  # as kit.train sets it: with a KV cache packing is ignored
+    alone = [torch.tensor([ids]) for ids in samples(tokenizer, TEXTS, 96)]
+    assert len({x.shape[1] for x in alone}) == len(alone)  # lengths differ
+    packed = data._encode_packed(TEXTS, tokenizer, 96)
+    assert len(packed["input_ids"]) == 1 and data.count_tokens(packed) < 96  # one row, padded
+    bounds = segments({k: v[0] for k, v in packed.items()})
+    with torch.no_grad():
+        out = model(**packed)
+        runs = [model(input_ids=x, labels=x) for x in alone]
+        unpositioned = model(input_ids=packed["input_ids"]).logits
+    # Loss: the packed row's mean equals the token-weighted mean of the samples' own losses.
+    n = torch.tensor([x.shape[1] - 1 for x in alone], dtype=torch.float64)
+    expected = sum(r.loss.double() * k for r, k in zip(runs, n, strict=True)) / n.sum()
+    assert abs(out.loss.item() - expected.item()) < 1e-5
+    # Logits: each sample inside the row sees only itself (no attention across samples).
+    for (a, b), run in zip(bounds, runs, strict=True):
+        torch.testing.assert_close(out.logits[0, a:b], run.logits[0], atol=1e-5, rtol=1e-5)
+    # The check has teeth: without position ids the same row attends across samples.
+    a, b = bounds[1]
+    assert (unpositioned[0, a:b] - runs[1].logits[0]).abs().max() > 1e-2
+
+
+def test_packed_rows_hold_every_token_once(tmp_path, tokenizer):
+    texts = [("word " * n).strip() for n in (3, 20, 7, 1, 12, 40, 5, 9, 2, 15, 30, 4)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    max_len = 24  # the 40-word sample is truncated
+    cfg = DataConfig(path=str(path), max_seq_len=max_len, val_fraction=0, packing=True)
+    train, _ = data.build_datasets(cfg, tokenizer, seed=0)
+    expected = samples(tokenizer, texts, max_len)
+    assert max(map(len, expected)) == max_len
+    assert set(train.tensors) == {"input_ids", "labels", "position_ids"}  # no attention mask
+    found = []
+    for i in range(len(train)):
+        row = train[i]
+        bounds = segments(row)
+        for a, b in bounds:
+            found.append(row["input_ids"][a:b].tolist())
+            assert row["labels"][a] == -100  # no token predicts across a boundary
+            assert (row["labels"][a + 1:b] == row["input_ids"][a + 1:b]).all()
+            assert row["position_ids"][a:b].tolist() == list(range(b - a))
+        end = bounds[-1][1]
+        assert (row["input_ids"][end:] == tokenizer.pad_token_id).all()
+        assert (row["labels"][end:] == -100).all()
+        assert (row["position_ids"][end:] > 0).all()  # padding is not a sample start
+        if i + 1 < len(train):  # greedy: the next row's first sample did not fit here
+            assert end + segments(train[i + 1])[0][1] > max_len
+    assert found == expected  # every token, once, in order
+    assert data.count_tokens(train.tensors) == sum(map(len, expected))
+
+
+def test_packed_batches_resume_and_one_row(tokenizer):
+    train, _ = data.build_datasets(DataConfig(packing=True, max_seq_len=64), tokenizer, seed=0)
+    batches = data.Batches(data.loader(train, 4, 0, 2, seed=0, train=True))
+    for _ in range(len(batches.dl) + 2):  # into the second epoch
+        next(batches)
+    resumed = data.Batches(data.loader(train, 4, 0, 2, seed=0, train=True))
+    resumed.load_state_dict(batches.state_dict())
+    a, b = next(batches), next(resumed)
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    # flash_attention_2's layout: the same batch as one row, whose sample starts transformers
+    # finds from the position ids alone.
+    from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+
+    flat = next(iter(data.loader(train, 4, 0, 2, seed=0, train=True, one_row=True)))
+    rows = next(iter(data.loader(train, 4, 0, 2, seed=0, train=True)))
+    assert flat["input_ids"].shape == (1, 4 * 64)
+    assert all((flat[k] == rows[k].reshape(1, -1)).all() for k in rows)
+    (cu_seqlens, _), _ = prepare_fa_kwargs_from_position_ids(flat["position_ids"])
+    starts = [r * 64 + a for r in range(4) for a, _ in segments({k: v[r] for k, v in rows.items()})]
+    assert cu_seqlens.tolist() == starts + [4 * 64]
+
+
+@pytest.mark.slow
+def test_packed_training_run_learns(tmp_path):
+    from conftest import read_run, torchrun
+
+    out = tmp_path / "run"
+    # 64-token rows hold ~3.5 samples: 4 rows a rank (the validation split packs to 14 rows).
+    torchrun(out, "data.packing=true", "data.max_seq_len=64", "training.batch_size=4",
+             "training.steps=8",
+             "training.eval_every=0", "checkpointing.save_adapter=false")
+    result, metrics = read_run(out)
+    train = [m["loss"] for m in metrics if m["split"] == "train"]
+    assert result["status"] == "completed" and len(train) == 8
+    assert sum(train[-3:]) / 3 < train[0] - 0.3, train
+    assert all(m["tokens_per_s"] > 0 for m in metrics if m["split"] == "train")
