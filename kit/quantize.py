@@ -7,8 +7,6 @@ do that with integer storage or mixed dtypes.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from kit import tiny
@@ -43,14 +41,12 @@ def bnb_config(cfg: Config):
 
 
 def attention_implementation(requested: str) -> tuple[str, str | None]:
-    """(implementation to use, warning or None): flash_attention_2 falls back to sdpa without
-    the flash-attn package (sdpa carries a FlashAttention-2 kernel of its own)."""
-    if requested == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        return "sdpa", (
-            "attention.implementation: 'flash_attention_2' needs the flash-attn package, which is "
-            "not installed; using 'sdpa' (its flash backend is the same algorithm)"
-        )
-    return requested, None
+    """(implementation to use, warning or None), through kit.attention.resolve: flash_attention_2
+    falls back to sdpa without the flash-attn package (sdpa carries a FlashAttention-2 kernel of
+    its own); sdpa_<backend> is registered with transformers under its kit_sdpa_* name."""
+    from kit import attention
+
+    return attention.resolve(requested)
 
 
 def load_model(cfg: Config, device: torch.device, attn: str | None = None):

@@ -16,7 +16,7 @@ from conftest import ROOT
 from kit import tour
 
 ALL = tour.notebooks()
-# Notebooks of stages 00-05 and, for each, parameters that make the papermill run cheaper or
+# Notebooks of stages 00-06 and, for each, parameters that make the papermill run cheaper or
 # different from the defaults, plus text its executed copy must then contain (proof the
 # injection reached the code).
 STAGES = {
@@ -28,6 +28,13 @@ STAGES = {
     "04-fsdp-sharding": ({"engines": ["fsdp2"]}, ["fsdp2  layer class"]),
     "05-order-of-operations": ({"reproductions": ["uint8_storage_fsdp1"]},
                                ["Cannot flatten integer dtype tensors", "observed:     not run"]),
+    "06-attention-and-checkpointing": ({"seq_lens": [64, 128],
+                                        "implementations": ["sdpa", "sdpa_math", "sdpa_cudnn"],
+                                        "checkpoint_settings": ["none", "every-2"], "steps": 2},
+                                       ["for sequence x2", "sdpa_cudnn         did not run here",
+                                        "every-2   peak"]),
+    "09-benchmarks": ({"only": ["kit"], "batches": [1], "equivalence_steps": 2},
+                      ["kit: rc=0", "kit      kit      batches [1]", "(not in only: skipped)"]),
 }  # fmt: skip
 
 
@@ -48,7 +55,7 @@ def texts(path: Path) -> str:
 
 
 def test_stage_notebooks_exist():
-    assert [p.stem for p in ALL if p.stem[:2] <= "05"] == list(STAGES)
+    assert [p.stem for p in ALL if p.stem[:2] <= "06" or p.stem[:2] == "09"] == list(STAGES)
 
 
 @pytest.mark.parametrize("path", ALL, ids=lambda p: p.stem)
@@ -95,6 +102,8 @@ def test_runs_under_papermill_with_injected_parameters(name, tmp_path):
         assert [json.loads(r)["split"] for r in rows] == ["train", "train", "val"]
     if name == "04-fsdp-sharding":
         assert sorted(p.name for p in (tmp_path / "launch").iterdir()) == ["fsdp2"]
+    if name == "06-attention-and-checkpointing":  # one recipe run per injected setting
+        assert sorted(p.name for p in (tmp_path / "launch").iterdir()) == ["every-2", "none"]
 
 
 @pytest.mark.slow
