@@ -81,7 +81,11 @@ class ShardingConfig:
 @dataclass
 class AttentionConfig:
     # flash_attention_2 needs the flash-attn package (GPU only); sdpa includes a flash kernel too.
-    implementation: Literal["eager", "sdpa", "flex_attention", "flash_attention_2"] = "sdpa"
+    # sdpa_<backend> pins PyTorch SDPA to one kernel (kit.attention): flash, efficient, cudnn, math.
+    implementation: Literal[
+        "eager", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math",
+        "flex_attention", "flash_attention_2",
+    ] = "sdpa"
 
 
 @dataclass
@@ -96,6 +100,17 @@ class TrainingConfig:
     max_grad_norm: float = 1.0  # 0 disables clipping
     # Recompute each decoder layer in backward: ~30% more compute, activations of one layer only.
     activation_checkpointing: bool = True
+    # With checkpointing on: recompute every k-th decoder layer only (1: all). Fewer recomputed
+    # layers: less compute, more activation memory (selective checkpointing).
+    checkpoint_every: int = 1
+    # "hf": transformers' loss (upcasts all logits to fp32 at once); "chunked": the same loss in
+    # fp32 over chunks of tokens, recomputed in backward (kit.loss): ~2.6 GB less per 2k tokens
+    # with a 128k vocabulary.
+    loss: Literal["hf", "chunked"] = "hf"
+    # torch.compile each decoder layer (after sharding, so FSDP's hooks stay outside the graph):
+    # fuses the norm, rotary, activation, dropout and LoRA element-wise work around the matmuls.
+    # The first step pays the compile (tens of seconds; a new batch shape compiles once more).
+    compile: bool = False
     eval_every: int = 10  # steps between validation losses; 0: only at the end
     eval_batches: int = 2
     log_every: int = 1
@@ -114,6 +129,9 @@ class DataConfig:
     text_field: str = "text"
     messages_field: str = "messages"
     max_seq_len: int = 32  # longer: more context, activation memory grows linearly (sdpa)
+    # Pack several samples into each row (no padding); attention never crosses samples (position
+    # ids restart per sample). See kit.data.
+    packing: bool = False
     val_fraction: float = 0.1
     val_path: str = ""  # a separate validation file; overrides val_fraction
 
@@ -260,7 +278,8 @@ def _check(cfg: Config) -> None:
     need(
         m.name.strip() != "", "model.name", m.name, "expected a hub id, a local path or kit:<name>"
     )
-    for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every"):
+    for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every",
+                 "checkpoint_every"):
         need(
             getattr(t, name) >= 1, f"training.{name}", getattr(t, name), "expected an integer >= 1"
         )

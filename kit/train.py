@@ -24,6 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from kit import checkpoint, data, faults, lora, quantize, sharding, tiny
 from kit import dist as kdist
+from kit import loss as kloss
 from kit.config import Config, ConfigError, load_config
 from kit.doctor import run as checks
 
@@ -38,14 +39,38 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def enable_activation_checkpointing(model) -> None:
+def enable_activation_checkpointing(model, every: int = 1) -> list[int]:
     """Non-reentrant recompute per decoder layer, through transformers' own switch (renamed in
-    transformers 5.2x; the old name remains in the versions GPU images ship)."""
+    transformers 5.2x; the old name remains in the versions GPU images ship). With every=k only
+    layers 0, k, 2k, ... recompute (selective checkpointing): transformers keeps a
+    `gradient_checkpointing` flag on each decoder layer, and the others are switched back off.
+    Returns the indices of the checkpointed layers."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i % every == 0
+    return [i for i, layer in enumerate(layers) if layer.gradient_checkpointing]
+
+
+def compile_layers(model) -> int:
+    """torch.compile the forward of every decoder layer, in place; returns how many.
+
+    Called after sharding: FSDP2 swaps in a subclass of the layer, whose forward is the one
+    transformers' checkpointing treats as outermost, and its unshard/reshard hooks run around the
+    forward (eager), not inside the compiled graph. One compiled code object serves every layer
+    (parameters are graph inputs), so the compile is paid once per input shape, not per layer."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)
+    return len(layers)
 
 
 class Recipe:
@@ -69,6 +94,8 @@ class Recipe:
             tiny.resolve(cfg.model.name)
             data.warm_cache(cfg.data)
         model, self.tokenizer = quantize.load_model(cfg, env.device, attn)
+        if cfg.data.packing:  # with a KV cache, transformers ignores packing (kit.data)
+            model.config.use_cache = False
         self.train_rows, self.val_rows = data.build_datasets(
             cfg.data, self.tokenizer, cfg.training.seed
         )
@@ -84,22 +111,28 @@ class Recipe:
             f"attention={attn} world={env.world_size} device={env.device.type}"
         )
         if cfg.training.activation_checkpointing:
-            enable_activation_checkpointing(self.peft_model)
+            done = enable_activation_checkpointing(self.peft_model, cfg.training.checkpoint_every)
+            if cfg.training.checkpoint_every > 1:
+                self.say(f"activation checkpointing: {len(done)} decoder layers recompute")
+        kloss.install(self.peft_model, cfg.training.loss)
         # from_pretrained returns eval mode, where HF checkpointing silently does nothing.
         self.peft_model.train()
         for finding in checks.check_checkpointing_active(self.peft_model):
             raise RuntimeError(str(finding))
         self.model = sharding.shard(self.peft_model, cfg, env.device)
+        if cfg.training.compile:
+            self.say(f"torch.compile: {compile_layers(self.model)} decoder layers")
         t = cfg.training
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = self._scheduler()
         torch.manual_seed(t.seed + env.rank)  # dropout differs per rank, as data does
-        self.train_batches = data.Batches(
-            data.loader(self.train_rows, t.batch_size, env.rank, env.world_size, t.seed, True)
-        )
+        one_row = cfg.data.packing and attn.startswith("flash_attention")
+        self.train_batches = data.Batches(data.loader(
+            self.train_rows, t.batch_size, env.rank, env.world_size, t.seed, True, one_row
+        ))
         self.val_loader = data.loader(
-            self.val_rows, t.batch_size, env.rank, env.world_size, t.seed, False
+            self.val_rows, t.batch_size, env.rank, env.world_size, t.seed, False, one_row
         )
         self.start_step = self._resume()
 
@@ -176,7 +209,7 @@ class Recipe:
                 loss = self.model(**batch).loss / accum
                 loss.backward()
             loss_sum += loss.item()
-            tokens += int(batch["attention_mask"].sum())
+            tokens += data.count_tokens(batch)
         grad_norm = sharding.clip_grad_norm(
             self.model, cfg.sharding.engine, cfg.training.max_grad_norm
         )
@@ -260,7 +293,10 @@ class Recipe:
     def probe_logits(self) -> dict:
         """Logits of the trained, sharded model on a fixed batch (every rank runs the forward)."""
         rows = self.val_rows.tensors  # one row, 16 tokens: small even with a 128k vocabulary
-        batch = {k: rows[k][:1, :16] for k in ("input_ids", "attention_mask")}
+        ids = rows["input_ids"][:1, :16]
+        # Packed rows have no mask; the probe only compares two runs of one batch: plain causal.
+        mask = rows["attention_mask"][:1, :16] if "attention_mask" in rows else torch.ones_like(ids)
+        batch = {"input_ids": ids, "attention_mask": mask}
         self.model.eval()
         logits = self.model(**self._to_device(batch)).logits.float().cpu()
         self.model.train()

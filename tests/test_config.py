@@ -6,7 +6,9 @@ import pytest
 
 from kit.config import ConfigError, load_config
 
-CONFIGS = sorted((Path(__file__).parents[1] / "kit" / "configs").glob("*.yaml"))
+ALL_YAML = sorted((Path(__file__).parents[1] / "kit" / "configs").glob("*.yaml"))
+CONFIGS = [p for p in ALL_YAML if not p.name.startswith("bench-")]
+MATRICES = [p for p in ALL_YAML if p.name.startswith("bench-")]
 
 
 def test_overrides_apply_and_coerce():
@@ -20,7 +22,20 @@ def test_overrides_apply_and_coerce():
 def test_shipped_configs_load_and_open_with_their_command(path):
     load_config(path)
     first = path.read_text().splitlines()[:4]
-    assert any("kit.train" in line or "kit.bench" in line for line in first), first
+    assert any("kit.train" in line for line in first), first
+
+
+@pytest.mark.parametrize("path", MATRICES, ids=lambda p: p.name)
+def test_benchmark_matrices_hold_valid_kit_configs(path):
+    """Every kit case of a kit.bench matrix is a valid recipe config (checked before a GPU run)."""
+    from kit.bench import load_matrix
+
+    matrix = load_matrix(path)
+    assert any("kit.bench" in line for line in path.read_text().splitlines()[:6])
+    for case in matrix["cases"]:
+        if case["recipe"] == "kit":
+            load_config(None, [f"model.name={matrix['model']}", *case["overrides"]])
+        assert case["batches"] == sorted(case["batches"]), case["name"]
 
 
 @pytest.mark.parametrize(

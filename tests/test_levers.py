@@ -1,0 +1,65 @@
+"""Speed levers that must not change what is learned: the chunked loss and selective checkpointing."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+from kit import tiny
+from kit.loss import chunked_causal_lm_loss, install
+from kit.train import enable_activation_checkpointing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_items", [None, 37])
+def test_chunked_loss_equals_transformers_loss(dtype, num_items):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, 97, generator=g).to(dtype)
+    labels = torch.randint(0, 97, (3, 50), generator=g)
+    labels[0, :7] = -100
+    labels[2, 40:] = -100
+    a = logits.clone().requires_grad_()
+    b = logits.clone().requires_grad_()
+    n = None if num_items is None else torch.tensor(num_items)
+    ref = ForCausalLMLoss(a, labels, 97, num_items_in_batch=n)
+    got = chunked_causal_lm_loss(b, labels, 97, num_items_in_batch=n, chunk_tokens=16)
+    ref.backward()
+    got.backward()
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, ref, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(b.grad.float(), a.grad.float(), rtol=1e-3, atol=1e-6)
+
+
+def _tiny_model():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(tiny.resolve("kit:tiny-llama"), dtype=torch.float32)
+
+
+def test_chunked_loss_in_the_model_gives_the_same_loss():
+    model = _tiny_model()
+    ids = torch.randint(3, 1024, (2, 24), generator=torch.Generator().manual_seed(1))
+    ref = model(input_ids=ids, labels=ids).loss
+    install(model, "chunked")
+    assert model.loss_function is chunked_causal_lm_loss
+    got = model(input_ids=ids, labels=ids).loss
+    assert torch.allclose(got, ref, rtol=1e-6)
+
+
+@pytest.mark.parametrize("every,recomputed", [(1, [0, 1]), (2, [0])])
+def test_selective_checkpointing_recomputes_only_chosen_layers(every, recomputed):
+    model = _tiny_model()
+    chosen = enable_activation_checkpointing(model, every)
+    model.train()
+    assert chosen == recomputed
+    calls = [0] * len(model.model.layers)
+    for i, layer in enumerate(model.model.layers):
+        # A wrapped forward, not a hook: module hooks do not fire again in the recompute.
+        def counted(x, i=i, forward=layer.mlp.forward):
+            calls[i] += 1
+            return forward(x)
+
+        layer.mlp.forward = counted
+    ids = torch.randint(3, 1024, (2, 16), generator=torch.Generator().manual_seed(2))
+    model(input_ids=ids, labels=ids).loss.backward()
+    # A recomputed layer runs its forward twice: once in forward, once in backward.
+    assert calls == [2 if i in recomputed else 1 for i in range(len(calls))]
