@@ -57,6 +57,10 @@ class LoraConfig:
     # Dtype of the adapter weights. "auto": float32 (exact optimizer updates) except under FSDP1,
     # which must flatten one dtype per unit, so there they take model.dtype.
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # Recompute each adapter's dropout and down-projection in backward instead of storing the
+    # dropout mask and the dropped copy of the input (kit.lora.recompute_adapters): same result,
+    # less activation memory; the speed levers (kit.bench) use it.
+    recompute: bool = False
 
 
 @dataclass

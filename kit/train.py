@@ -101,6 +101,8 @@ class Recipe:
         )
         torch.manual_seed(cfg.training.seed)  # the same LoRA init on every rank
         self.peft_model = lora.apply_lora(model, cfg)
+        if cfg.lora.recompute:
+            lora.recompute_adapters(self.peft_model)
         self.adapter_layout = checkpoint.AdapterLayout(self.peft_model)  # before sharding
         self._check_same_init()
         self.params = lora.trainable_summary(self.peft_model)
