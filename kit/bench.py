@@ -332,8 +332,9 @@ def render(rows: list[dict], matrix: dict) -> str:
     lines = [f"Device: {first.get('device', '?')} x {first.get('world', '?')}; model "
              f"{matrix['model']}, sequence length {matrix['seq_len']}; model FLOPs per token "
              f"{_fmt(first.get('flops_per_token', 0) / 1e9, '.3g')} G (LoRA: forward + input "
-             "gradients, attention included, recompute not counted); MFU against "
-             "989 TFLOP/s dense bf16.", ""]
+             "gradients, attention included, recompute not counted)"
+             + ("; MFU against 989 TFLOP/s dense bf16." if first.get("device", "cpu") != "cpu"
+                else "; no MFU on CPU."), ""]
 
     def status(name: str) -> str:
         rs = by_case.get(name, [])
@@ -408,12 +409,10 @@ def render(rows: list[dict], matrix: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: a notebook's backend stays as it is
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig = Figure(figsize=(12, 4.5))
+    ax, bx = fig.subplots(1, 2)
     for name in dict.fromkeys(r["case"] for r in rows):
         rs = [r for r in rows if r["case"] == name and r.get("kind") == "batch"
               and r["status"] == "ok"]
@@ -431,7 +430,6 @@ def plot(rows: list[dict], path: Path) -> None:
         bx.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:

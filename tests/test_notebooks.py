@@ -16,7 +16,7 @@ from conftest import ROOT
 from kit import tour
 
 ALL = tour.notebooks()
-# Notebooks of stages 00-06 and, for each, parameters that make the papermill run cheaper or
+# Notebooks of stages 00-06 and 09 and, for each, parameters that make the papermill run cheaper or
 # different from the defaults, plus text its executed copy must then contain (proof the
 # injection reached the code).
 STAGES = {
