@@ -447,12 +447,14 @@ class Follow:
 
     def __init__(self, path: Path):
         self.path, self.offset, self.partial = Path(path), 0, b""
+        self.restarts = 0  # times the file was found shorter than what was read: start over
 
     def new_lines(self) -> list[str]:
         try:
             with open(self.path, "rb") as f:
                 if os.fstat(f.fileno()).st_size < self.offset:
                     self.offset, self.partial = 0, b""
+                    self.restarts += 1
                 f.seek(self.offset)
                 data = f.read()
         except FileNotFoundError:

@@ -111,7 +111,13 @@ class Dashboard:
         """Read what the run wrote since the last poll and feed it; returns the status."""
         status = self.run.status
         failure = self.run.failure() if status == "failed" else None
-        self.feed(self._metrics.new_rows(), self._log.new_lines(), status, failure)
+        restarts = self._metrics.restarts
+        rows = self._metrics.new_rows()
+        if self._metrics.restarts != restarts:
+            # The recipe rewrote metrics.jsonl (a fresh start replacing an earlier run, or a
+            # resume keeping the rows up to its step): what was read before is not this run's.
+            self.rows, self._printed = [], 0
+        self.feed(rows, self._log.new_lines(), status, failure)
         return status
 
     # ------------------------------------------------------------------ text

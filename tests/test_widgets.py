@@ -80,6 +80,22 @@ def test_dashboard_follows_rows_and_logs(run):
     assert dash.error.layout.display == "none"
 
 
+def test_dashboard_drops_an_earlier_runs_rows_when_the_recipe_rewrites_metrics(run):
+    """Watching starts before the relaunched recipe replaces the earlier run's metrics.jsonl:
+    the rows read from the old file must not stay in the curves (seen in JupyterLab)."""
+    dash = Dashboard(run, live=True, plot_interval_s=0)
+    metrics = run.folder / "metrics.jsonl"
+    write(metrics, [row(s, 7.0 - 0.1 * s) for s in range(1, STEPS + 1)])  # the earlier run
+    dash.poll()
+    assert dash.progress.value == STEPS
+    metrics.write_text("")  # the new run's setup (run.overwrite=true) starts the file over
+    write(metrics, [row(1, 6.9), row(2, 6.8)])
+    dash.poll()
+    assert list(dash.train_line.get_xdata()) == [1, 2]
+    assert list(dash.train_line.get_ydata()) == [6.9, 6.8]
+    assert dash.progress.value == 2
+
+
 def test_dashboard_shows_the_failed_rank(run):
     dash = Dashboard(run, live=True)
     failure = RunFailed(run.name, 1, "InjectedFailure: boom", "Traceback ...\n  maybe_fail\n",
