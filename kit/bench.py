@@ -301,23 +301,24 @@ def read_rows(path: Path) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------- report
-def best_by_case(rows: list[dict]) -> dict[str, dict]:
-    """case -> its fastest batch row (ok rows only)."""
-    best: dict[str, dict] = {}
+def _top_by_case(rows: list[dict], key: str) -> dict[str, dict]:
+    """case -> its ok batch row with the largest `key`."""
+    top: dict[str, dict] = {}
     for r in rows:
         if r.get("kind") == "batch" and r["status"] == "ok":
-            if r["case"] not in best or r["tokens_per_s_gpu"] > best[r["case"]]["tokens_per_s_gpu"]:
-                best[r["case"]] = r
-    return best
+            if r["case"] not in top or r[key] > top[r["case"]][key]:
+                top[r["case"]] = r
+    return top
+
+
+def best_by_case(rows: list[dict]) -> dict[str, dict]:
+    """case -> its fastest batch row."""
+    return _top_by_case(rows, "tokens_per_s_gpu")
 
 
 def largest_by_case(rows: list[dict]) -> dict[str, dict]:
-    out: dict[str, dict] = {}
-    for r in rows:
-        if r.get("kind") == "batch" and r["status"] == "ok":
-            if r["case"] not in out or r["batch"] > out[r["case"]]["batch"]:
-                out[r["case"]] = r
-    return out
+    """case -> its largest batch that fitted."""
+    return _top_by_case(rows, "batch")
 
 
 def _fmt(x, spec=",.0f", none="-"):
