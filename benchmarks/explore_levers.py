@@ -7,7 +7,7 @@ kit model once in NF4 with LoRA r16 on all linear layers (dropout 0.05, adapters
 mixed precision computes them), then times variants in the same process at sequence length 2048 on
 synthetic tokens: attention backend, loss, checkpointing (full / every 2nd layer / none), batch,
 LoRA dropout, torch.compile of the decoder layers; and profiles one configuration's kernels. The
-results decided which levers kit.bench measures on 2 GPUs (benchmarks/results/levers-*.md).
+results decided which levers kit.bench measures on 2 GPUs (benchmarks/results/bench-8b-2xh200.md).
 """
 
 from __future__ import annotations

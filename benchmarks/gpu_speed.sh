@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The speed benchmark on 2 GPUs, then notebook 06 with GPU parameters, then the FSDP1 checkpoint
 # re-check (save, resume from full and sharded, merge). Runs ~15 minutes: longer than one device
-# call, so it is started detached and polled (benchmarks/README.md):
+# call, so it is started detached and polled with benchmarks/poll.sh (results file names it):
 #   setsid nohup bash benchmarks/gpu_speed.sh /tmp/speed > /tmp/speed.log 2>&1 &
 # Results: /tmp/speed/bench/{table.md,results.jsonl,bench.png}, /tmp/speed/nb06*, /tmp/speed/ckpt.
 set -uo pipefail
