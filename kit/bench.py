@@ -203,6 +203,9 @@ def worker(matrix_path: str, name: str, out: str) -> int:
         case.get("measure_steps", matrix.get("measure_steps", 3))
     step_no = 0
     for size in case["batches"]:
+        # A compiled case compiles each batch size afresh, with static shapes, as a run of that
+        # size would (otherwise the second size recompiles with dynamic shapes).
+        torch._dynamo.reset()
         if env.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(env.device)

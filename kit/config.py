@@ -115,6 +115,11 @@ class TrainingConfig:
     # fuses the norm, rotary, activation, dropout and LoRA element-wise work around the matmuls.
     # The first step pays the compile (tens of seconds; a new batch shape compiles once more).
     compile: bool = False
+    # With compile: the share of a compiled layer's activations kept for backward (1.0: the
+    # default partitioner). Below 1, torch's partitioner recomputes the cheapest work in backward
+    # (element-wise first, matmuls last) until the kept activations fit this fraction: selective
+    # recompute chosen by cost, inside each compiled layer, instead of whole-layer checkpointing.
+    activation_memory_budget: float = 1.0
     eval_every: int = 10  # steps between validation losses; 0: only at the end
     eval_batches: int = 2
     log_every: int = 1
@@ -297,6 +302,11 @@ def _check(cfg: Config) -> None:
                         ("checkpointing.save_every", cfg.checkpointing.save_every),
                         ("checkpointing.keep_last", cfg.checkpointing.keep_last)):
         need(value >= 0, name, value, "expected an integer >= 0")
+    need(0 < t.activation_memory_budget <= 1, "training.activation_memory_budget",
+         t.activation_memory_budget, "expected a number in (0, 1]")
+    need(t.compile or t.activation_memory_budget == 1, "training.activation_memory_budget",
+         t.activation_memory_budget, "only 1.0 without training.compile=true (the budget steers "
+         "the compiler's recompute)")
     for name in ("warmup_steps", "eval_every"):
         need(
             getattr(t, name) >= 0, f"training.{name}", getattr(t, name), "expected an integer >= 0"

@@ -58,15 +58,22 @@ def enable_activation_checkpointing(model, every: int = 1) -> list[int]:
     return [i for i, layer in enumerate(layers) if layer.gradient_checkpointing]
 
 
-def compile_layers(model) -> int:
+def compile_layers(model, memory_budget: float = 1.0) -> int:
     """torch.compile the forward of every decoder layer, in place; returns how many.
+
+    `memory_budget` (training.activation_memory_budget) is torch's activation memory budget for
+    the partitioner that splits each compiled layer into forward and backward: 1.0 keeps what the
+    default min-cut keeps; lower values recompute in backward, cheapest ops first, until the kept
+    activations fit that fraction. It is process-wide and read when a graph compiles.
 
     Called after sharding: FSDP2 swaps in a subclass of the layer, whose forward is the one
     transformers' checkpointing treats as outermost, and its unshard/reshard hooks run around the
     forward (eager), not inside the compiled graph. One compiled code object serves every layer
     (parameters are graph inputs), so the compile is paid once per input shape, not per layer."""
+    import torch._functorch.config as functorch_config
     from transformers.modeling_layers import GradientCheckpointingLayer
 
+    functorch_config.activation_memory_budget = memory_budget
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     for layer in layers:
         layer.forward = torch.compile(layer.forward)
@@ -123,7 +130,10 @@ class Recipe:
             raise RuntimeError(str(finding))
         self.model = sharding.shard(self.peft_model, cfg, env.device)
         if cfg.training.compile:
-            self.say(f"torch.compile: {compile_layers(self.model)} decoder layers")
+            budget = cfg.training.activation_memory_budget
+            n = compile_layers(self.model, budget)
+            self.say(f"torch.compile: {n} decoder layers"
+                     + (f", activation memory budget {budget}" if budget < 1 else ""))
         t = cfg.training
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)

@@ -1,4 +1,5 @@
-"""Speed levers that must not change what is learned: the chunked loss and selective checkpointing."""
+"""Speed levers that must not change what is learned: the chunked loss, selective checkpointing,
+recomputed adapters and the compiled layers' activation memory budget."""
 
 import pytest
 import torch
@@ -108,3 +109,51 @@ def test_recomputed_adapters_give_the_same_result_and_keep_less():
     for name in grads_a:
         assert torch.allclose(grads_a[name], grads_b[name], atol=1e-6), name
     assert kept_b < 0.85 * kept_a, (kept_a, kept_b)
+
+
+def test_activation_memory_budget_keeps_less_and_learns_the_same():
+    """training.activation_memory_budget: the compiled layers recompute more in backward, keep
+    fewer activations, and give the same loss and gradients as the uncompiled model."""
+    from kit import lora
+    from kit.config import load_config
+    from kit.train import compile_layers
+
+    cfg = load_config(None, ["lora.dropout=0", "quantization.method=none"])
+    ids = torch.randint(3, 1024, (2, 64), generator=torch.Generator().manual_seed(5))
+
+    def run(budget):
+        torch.manual_seed(0)
+        model = lora.apply_lora(_tiny_model(), cfg)
+        for n, p in model.named_parameters():  # non-zero B, so the adapters matter
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.02)
+        model.train()
+        if budget is not None:
+            torch._dynamo.reset()
+            compile_layers(model, budget)
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        kept = {}  # activations only: a compiled graph also keeps the weights it recomputes with
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in weights:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        return loss.item(), grads, sum(kept.values())
+
+    try:
+        eager, full, low = run(None), run(1.0), run(0.1)
+    finally:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = 1.0
+        torch._dynamo.reset()
+    for loss, grads, _ in (full, low):
+        assert loss == pytest.approx(eager[0], rel=1e-5)
+        for name, g in grads.items():
+            assert torch.allclose(g, eager[1][name], rtol=1e-4, atol=1e-6), name
+    assert low[2] < 0.6 * full[2], (eager[2], full[2], low[2])
