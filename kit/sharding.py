@@ -63,8 +63,36 @@ def _fsdp2(model, cfg, device):
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
+        keep_quant_state(layer)
     fully_shard(model, **kwargs)  # the root: embeddings, final norm, output head
     return model
+
+
+def keep_quant_state(layer: nn.Module) -> int:
+    """Give FSDP2's gathered 4-bit weights their quantization state before each forward.
+
+    FSDP2 gathers a plain Parameter in place of bitsandbytes' Params4bit, so every Linear4bit
+    forward finds no `quant_state` on its weight and wraps it in a new Params4bit (bitsandbytes'
+    FSDP fix-up, which sets `.data`). That is cheap in eager mode, but torch.compile cannot trace
+    it: each 4-bit linear layer breaks the compiled decoder layer into pieces (no fusion across
+    them, no recompute choices across them). This pre-forward hook, which runs after FSDP2's
+    gather, puts the module's state on the gathered weight, so the fix-up returns at once.
+    Returns the number of 4-bit layers covered."""
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:
+        return 0
+    quantized = [m for m in layer.modules() if isinstance(m, Linear4bit)]
+    if not quantized:
+        return 0
+
+    def attach(module, args):
+        for m in quantized:
+            if getattr(m.weight, "quant_state", None) is None:
+                m.weight.quant_state = m.quant_state
+
+    layer.register_forward_pre_hook(attach)
+    return len(quantized)
 
 
 def _fsdp1(model, cfg, device):
