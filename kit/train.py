@@ -218,7 +218,7 @@ class Recipe:
         for micro in range(accum):
             batch = self._to_device(next(self.train_batches))
             with sharding.no_grad_sync(self.model, cfg.sharding.engine, micro < accum - 1):
-                loss = self.model(**batch).loss / accum
+                loss = self.model(**batch, use_cache=False).loss / accum
                 loss.backward()
             loss_sum += loss.item()
             tokens += data.count_tokens(batch)
@@ -251,7 +251,7 @@ class Recipe:
                 break
             batch = self._to_device(batch)
             n = int((batch["labels"][:, 1:] != -100).sum())
-            totals += torch.tensor([self.model(**batch).loss.item() * n, n], device=totals.device)
+            totals += torch.tensor([self.model(**batch, use_cache=False).loss.item() * n, n], device=totals.device)
         dist.all_reduce(totals)
         self.model.train()
         return (totals[0] / totals[1].clamp(min=1)).item()
@@ -310,7 +310,7 @@ class Recipe:
         mask = rows["attention_mask"][:1, :16] if "attention_mask" in rows else torch.ones_like(ids)
         batch = {"input_ids": ids, "attention_mask": mask}
         self.model.eval()
-        logits = self.model(**self._to_device(batch)).logits.float().cpu()
+        logits = self.model(**self._to_device(batch), use_cache=False).logits.float().cpu()
         self.model.train()
         return {**batch, "logits": logits}
 
