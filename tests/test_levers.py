@@ -1,6 +1,8 @@
 """Speed levers that must not change what is learned: the chunked loss, selective checkpointing,
 recomputed adapters and the compiled layers' activation memory budget."""
 
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -157,3 +159,45 @@ def test_activation_memory_budget_keeps_less_and_learns_the_same():
         for name, g in grads.items():
             assert torch.allclose(g, eager[1][name], rtol=1e-4, atol=1e-6), name
     assert low[2] < 0.6 * full[2], (eager[2], full[2], low[2])
+
+
+def test_compiled_layers_under_fsdp2_compile_once_for_all_layers(tmp_path, monkeypatch):
+    """The kit's training step with training.compile=true under FSDP2 and NF4: no graph break
+    inside a decoder layer, and no recompile per layer. Two regressions this guards: FSDP2's
+    gathered 4-bit weights lost bitsandbytes' quant_state (a graph break per 4-bit linear layer),
+    and a KV cache in training forwards made every layer recompile (past torch's recompile limit,
+    the rest ran uncompiled)."""
+    import torch._dynamo.utils as dynamo_utils
+    from transformers import AutoConfig
+
+    from kit.config import load_config
+    from kit.train import Recipe
+
+    src = tiny.resolve("kit:tiny-llama")  # its tokenizer, with four layers instead of two
+    shutil.copytree(src, tmp_path / "model")
+    config = AutoConfig.from_pretrained(src)
+    config.num_hidden_layers = 4
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = load_config(None, [
+        f"model.name={tmp_path / 'model'}", "training.device=cpu", "sharding.engine=fsdp2",
+        "quantization.method=nf4", "training.compile=true",
+        "training.activation_checkpointing=false", "training.batch_size=2",
+        "data.max_seq_len=32", f"run.output_dir={tmp_path / 'run'}",
+    ])
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    recipe = Recipe(cfg)
+    try:
+        recipe.setup()
+        losses = [recipe.train_step()["loss"] for _ in range(2)]
+    finally:
+        recipe.cleanup()
+        torch._dynamo.reset()
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert sum(dynamo_utils.counters["graph_break"].values()) == 0, dict(
+        dynamo_utils.counters["graph_break"])
+    # One graph for layer 0 (its input needs no grad: frozen embeddings), one for layers 1-3.
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 2
