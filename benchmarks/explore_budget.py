@@ -60,7 +60,7 @@ def measure(model, layer, x, pos, device, steps):
 
     dutils.counters.clear()
     times = []
-    for i in range(steps):
+    for _ in range(steps):
         kept.clear()
         if device == "cuda":
             torch.cuda.synchronize()
