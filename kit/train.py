@@ -251,7 +251,8 @@ class Recipe:
                 break
             batch = self._to_device(batch)
             n = int((batch["labels"][:, 1:] != -100).sum())
-            totals += torch.tensor([self.model(**batch, use_cache=False).loss.item() * n, n], device=totals.device)
+            loss = self.model(**batch, use_cache=False).loss.item()
+            totals += torch.tensor([loss * n, n], device=totals.device)
         dist.all_reduce(totals)
         self.model.train()
         return (totals[0] / totals[1].clamp(min=1)).item()

@@ -68,12 +68,14 @@ def test_selective_checkpointing_recomputes_only_chosen_layers(every, recomputed
     assert calls == [2 if i in recomputed else 1 for i in range(len(calls))]
 
 
-def _saved_bytes(fn) -> int:
-    """Bytes autograd keeps for backward while fn runs (distinct storages)."""
+def _saved_bytes(fn, exclude=frozenset()) -> tuple:
+    """(fn's result, bytes autograd keeps for backward while fn runs): distinct storages, less
+    those whose data pointers are in `exclude`."""
     seen = {}
 
     def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if t.untyped_storage().data_ptr() not in exclude:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -133,19 +135,12 @@ def test_activation_memory_budget_keeps_less_and_learns_the_same():
         if budget is not None:
             torch._dynamo.reset()
             compile_layers(model, budget)
+        # Activations only: a compiled graph also keeps the weights it recomputes with.
         weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        kept = {}  # activations only: a compiled graph also keeps the weights it recomputes with
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in weights:
-                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = model(input_ids=ids, labels=ids).loss
+        loss, kept = _saved_bytes(lambda: model(input_ids=ids, labels=ids).loss, weights)
         loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-        return loss.item(), grads, sum(kept.values())
+        return loss.item(), grads, kept
 
     try:
         eager, full, low = run(None), run(1.0), run(0.1)
