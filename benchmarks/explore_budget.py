@@ -95,7 +95,7 @@ def main():
     a = ap.parse_args()
     import torch._functorch.config as fc
 
-    from kit.train import compile_layers
+    from kit.recompute import compile_layers
 
     if a.fsdp:
         import torch.distributed as dist

@@ -25,7 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from kit import lora, quantize
 from kit import loss as kloss
 from kit.config import load_config
-from kit.train import enable_activation_checkpointing
+from kit.recompute import enable_activation_checkpointing
 
 SEQ = 2048
 OUT = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/explore")

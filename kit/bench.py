@@ -237,8 +237,64 @@ def worker(matrix_path: str, name: str, out: str) -> int:
               "mfu": round(tps * run.flops / peak, 4) if peak else None,
               "peak_alloc_gib": alloc, "peak_reserved_gib": reserved,
               "loss_first": losses[0], "loss_last": losses[-1]})
+    if case.get("profile") and env.device.type == "cuda" and not oom and case["batches"]:
+        emit({"kind": "profile", "batch": size, **profile_step(run, run.batch(step_no, size))})
     emit({"kind": "done", "seconds": round(time.perf_counter() - started, 1)})
     return 0
+
+
+# Kernel families by name (first match wins): where a step's GPU time goes.
+KERNEL_FAMILIES = [
+    ("nccl", ("nccl",)), ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("4-bit dequantize", ("dequantize", "kdequant")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "splitk", "cublas")),
+    ("compiled (triton)", ("triton",)), ("copy", ("memcpy", "memset", "copy")),
+]
+
+
+def _is_annotation(name: str) -> bool:
+    """Ranges that modules and optimizers mark on the GPU timeline: spans, not kernels."""
+    marks = ("FSDP::", "Optimizer.", "FullyShardedDataParallel", "DistributedDataParallel",
+             "ProfilerStep", "## ")
+    return name.startswith(marks) or "#" in name
+
+
+def kernel_family(name: str) -> str:
+    low = name.lower()
+    return next((fam for fam, keys in KERNEL_FAMILIES if any(k in low for k in keys)),
+                "other eager kernels")
+
+
+def profile_step(run: _Run, batch: dict) -> dict:
+    """One more step under torch.profiler: GPU time per kernel family and the 20 costliest
+    kernels, plus the share of the step the GPU sat idle (launch overhead, host syncs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(run.env.device)
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run.step(batch)
+        _sync(run.env.device)
+    wall_ms = (time.perf_counter() - t) * 1e3
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not _is_annotation(e.name)]
+    by_family: dict[str, float] = {}
+    by_name: dict[str, float] = {}
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:  # union of kernel intervals over all streams
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    for e in kernels:
+        us = e.time_range.elapsed_us()
+        by_family[kernel_family(e.name)] = by_family.get(kernel_family(e.name), 0.0) + us
+        by_name[e.name] = by_name.get(e.name, 0.0) + us
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:20]
+    return {"wall_ms": round(wall_ms, 1), "gpu_busy_ms": round(busy / 1e3, 1),
+            "families_ms": {k: round(v / 1e3, 1) for k, v in
+                            sorted(by_family.items(), key=lambda kv: -kv[1])},
+            "top_kernels_ms": [[n[:90], round(v / 1e3, 2)] for n, v in top]}
 
 
 # ---------------------------------------------------------------------------------------- runner

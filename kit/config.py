@@ -99,6 +99,9 @@ class TrainingConfig:
     grad_accum: int = 1  # micro-steps per optimizer step
     lr: float = 1e-2
     weight_decay: float = 0.0
+    # AdamW as one fused kernel per step instead of a few kernels per parameter tensor: the same
+    # update; with FSDP2's hundreds of sharded LoRA tensors the per-tensor launches add up.
+    fused_optimizer: bool = False
     warmup_steps: int = 2
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     max_grad_norm: float = 1.0  # 0 disables clipping
@@ -107,10 +110,19 @@ class TrainingConfig:
     # With checkpointing on: recompute every k-th decoder layer only (1: all). Fewer recomputed
     # layers: less compute, more activation memory (selective checkpointing).
     checkpoint_every: int = 1
+    # With checkpointing on: what a checkpointed layer keeps for backward (kit.recompute).
+    # inputs: only its input; backward reruns the whole layer (~1/3 more compute, least memory).
+    # matmuls: the frozen linear layers', attention's and the adapters' results; backward reruns
+    #   only norms, RoPE, SiLU, dropout: no matmul twice, ~40% of the memory of keeping everything.
+    # attention: as matmuls, but the MLP's gate/up projections are recomputed (2 of 7 matmuls
+    #   twice): about half the memory of matmuls.
+    checkpoint_keeps: Literal["inputs", "matmuls", "attention"] = "inputs"
     # "hf": transformers' loss (upcasts all logits to fp32 at once); "chunked": the same loss in
     # fp32 over chunks of tokens, recomputed in backward (kit.loss): ~2.6 GB less per 2k tokens
-    # with a 128k vocabulary.
-    loss: Literal["hf", "chunked"] = "hf"
+    # with a 128k vocabulary; "fused": the output head and the loss together, a chunk of tokens
+    # at a time, gradient taken in forward: no logits for the whole batch ever exist (a further
+    # ~1 GB per 2k tokens at 128k vocabulary). Needs a frozen output head.
+    loss: Literal["hf", "chunked", "fused"] = "hf"
     # torch.compile each decoder layer (after sharding, so FSDP's hooks stay outside the graph):
     # fuses the norm, rotary, activation, dropout and LoRA element-wise work around the matmuls.
     # The first step pays the compile (tens of seconds; a new batch shape compiles once more).
@@ -307,6 +319,15 @@ def _check(cfg: Config) -> None:
     need(t.compile or t.activation_memory_budget == 1, "training.activation_memory_budget",
          t.activation_memory_budget, "only 1.0 without training.compile=true (the budget steers "
          "the compiler's recompute)")
+    need(t.activation_checkpointing or t.checkpoint_keeps == "inputs", "training.checkpoint_keeps",
+         t.checkpoint_keeps, "only 'inputs' with training.activation_checkpointing=false")
+    need(t.checkpoint_keeps == "inputs" or t.activation_memory_budget == 1,
+         "training.activation_memory_budget", t.activation_memory_budget,
+         f"only 1.0 with training.checkpoint_keeps={t.checkpoint_keeps!r} (its policy decides "
+         "what is recomputed)")
+    need(not (lo.recompute and t.activation_checkpointing and t.checkpoint_keeps != "inputs"),
+         "lora.recompute", lo.recompute, "only false with training.checkpoint_keeps="
+         f"{t.checkpoint_keeps!r} (its policy already recomputes the adapters' branch)")
     for name in ("warmup_steps", "eval_every"):
         need(
             getattr(t, name) >= 0, f"training.{name}", getattr(t, name), "expected an integer >= 0"

@@ -1,4 +1,5 @@
-"""Causal-LM loss without an fp32 copy of every logit (training.loss=chunked).
+"""Causal-LM loss without an fp32 copy of every logit (training.loss=chunked), or without any
+logits of the whole batch (training.loss=fused).
 
 transformers' default loss upcasts the whole logits tensor to fp32 and keeps its log-softmax for
 backward: with a 128k vocabulary that is ~2 GB per 2,048 tokens on top of the bf16 logits, alive at
@@ -55,9 +56,98 @@ def chunked_causal_lm_loss(
     return total / num_items_in_batch
 
 
+# --------------------------------------------------------------------------- training.loss=fused
+# Even chunked, the loss above starts from the bf16 logits of the whole batch, and backward makes
+# their gradient: 2 x tokens x vocabulary x 2 bytes (1 GB per 2,048 tokens at 128k). Fused, the
+# output head runs inside the loss, a chunk of tokens at a time, and each chunk's gradient with
+# respect to the hidden states is taken right there, in forward: the head is frozen, so that
+# gradient is all backward needs, and it is as small as the hidden states. The same arithmetic
+# as transformers' path: bf16 head matmul, fp32 softmax, bf16 gradient matmul.
+
+FUSED_CHUNK_LOGITS = 2**26  # logits per chunk: 256 MiB in fp32
+
+
+class _HeadAndLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, ignore_index, denominator, chunk):
+        total = hidden.new_zeros((), dtype=torch.float32)
+        grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        for start in range(0, hidden.shape[0], chunk):
+            part = slice(start, start + chunk)
+            logits = F.linear(hidden[part], weight).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            valid = target[part] != ignore_index
+            index = target[part].masked_fill(~valid, 0).unsqueeze(1)
+            total += ((lse - logits.gather(1, index).squeeze(1)) * valid).sum()
+            if grad is not None:  # d(sum of losses)/d(logits) = softmax - one-hot, per valid row
+                probs = logits.sub_(lse.unsqueeze(1)).exp_()
+                probs.scatter_add_(1, index, -valid.to(probs.dtype).unsqueeze(1))
+                probs.mul_((valid / denominator).unsqueeze(1))
+                grad[part] = probs.to(hidden.dtype) @ weight
+        ctx.save_for_backward(grad)
+        return total / denominator
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_output.to(grad.dtype), None, None, None, None, None
+
+
+def fused_causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    *,
+    head: torch.nn.Linear,
+    **kwargs: object,
+) -> torch.Tensor:
+    """transformers' ForCausalLMLoss with the output head inside: `logits` are the hidden states
+    the head would have multiplied (what the head returns in training, see `install`). Given real
+    logits (evaluation, no gradient), it is the chunked loss."""
+    if logits.shape[-1] != head.in_features or head.in_features == vocab_size:
+        return chunked_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch,
+                                      ignore_index, shift_labels, **kwargs)
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    hidden = logits.reshape(-1, logits.shape[-1])
+    target = shift_labels.reshape(-1).to(hidden.device)
+    if num_items_in_batch is None:
+        num_items_in_batch = (target != ignore_index).sum()
+    denominator = torch.as_tensor(num_items_in_batch, device=hidden.device, dtype=torch.float32)
+    chunk = max(1, FUSED_CHUNK_LOGITS // vocab_size)
+    return _HeadAndLoss.apply(hidden, head.weight, target, ignore_index, denominator, chunk)
+
+
+def _deferred_head(self, hidden: torch.Tensor) -> torch.Tensor:
+    """The output head's forward under training.loss=fused: in training with gradients, hand the
+    hidden states on to the loss, which applies the head itself; otherwise the plain head."""
+    if self.training and torch.is_grad_enabled():
+        return hidden
+    return F.linear(hidden, self.weight)
+
+
 def install(model, kind: str) -> None:
     """Set the loss of a transformers model (or the one inside a PEFT model) by config name."""
+    import functools
+    import types
+
+    from kit.config import ConfigError
+
     if kind == "hf":
         return
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    inner.loss_function = chunked_causal_lm_loss
+    if kind == "chunked":
+        inner.loss_function = chunked_causal_lm_loss
+        return
+    head = inner.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None or head.weight.requires_grad:
+        raise ConfigError(
+            f"training.loss: 'fused' is not allowed for this model; it needs a frozen output head "
+            f"without bias (found {type(head).__name__}, trainable="
+            f"{getattr(getattr(head, 'weight', None), 'requires_grad', '?')}); allowed: hf, chunked"
+        )
+    head.forward = types.MethodType(_deferred_head, head)
+    inner.loss_function = functools.partial(fused_causal_lm_loss, head=head)

@@ -405,7 +405,7 @@ def measured_vs_estimated(model: str = "kit:tiny-llama", batch_size: int = 8,
 
     from kit import lora, quantize
     from kit.config import load_config
-    from kit.train import enable_activation_checkpointing
+    from kit.recompute import enable_activation_checkpointing
 
     cfg = load_config(Path(__file__).parent / "configs" / "tiny-cpu.yaml",
                       [f"model.name={model}", "training.device=cpu"])  # fmt: skip

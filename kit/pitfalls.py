@@ -25,7 +25,7 @@ PIPELINE = [
      "each rank onto its own device (device_map={'': rank}), 4-bit storage in the model dtype"),
     ("3. LoRA", "kit.lora.apply_lora",
      "adapters in fp32, or in the model dtype under FSDP1; no prepare_model_for_kbit_training"),
-    ("4. checkpointing + train()", "kit.train.enable_activation_checkpointing",
+    ("4. checkpointing + train()", "kit.recompute.enable_activation_checkpointing",
      "from_pretrained returns eval mode, where HF checkpointing does nothing"),
     ("5. shard", "kit.sharding.shard", "decoder layers first, then the root"),
     ("6. optimizer", "torch.optim.AdamW", "after sharding: it must hold the sharded parameters"),
@@ -168,7 +168,7 @@ def eval_mode_checkpointing(env) -> dict:
     """Count the MLP forwards of the decoder layers in one training step: a checkpointed layer
     runs its body twice (forward, then recompute in backward)."""
     from kit import sharding
-    from kit.train import enable_activation_checkpointing
+    from kit.recompute import enable_activation_checkpointing
 
     cfg = _config("sharding.engine=fsdp2")
     counts = {}

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from kit import checkpoint, data, faults, lora, quantize, sharding, tiny
+from kit import checkpoint, data, faults, lora, quantize, recompute, sharding, tiny
 from kit import dist as kdist
 from kit import loss as kloss
 from kit.config import Config, ConfigError, load_config
@@ -37,47 +37,6 @@ def peak_memory_gib(device: torch.device) -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 2**20  # KiB -> GiB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def enable_activation_checkpointing(model, every: int = 1) -> list[int]:
-    """Non-reentrant recompute per decoder layer, through transformers' own switch (renamed in
-    transformers 5.2x; the old name remains in the versions GPU images ship). With every=k only
-    layers 0, k, 2k, ... recompute (selective checkpointing): transformers keeps a
-    `gradient_checkpointing` flag on each decoder layer, and the others are switched back off.
-    Returns the indices of the checkpointed layers."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    for i, layer in enumerate(layers):
-        layer.gradient_checkpointing = i % every == 0
-    return [i for i, layer in enumerate(layers) if layer.gradient_checkpointing]
-
-
-def compile_layers(model, memory_budget: float = 1.0) -> int:
-    """torch.compile the forward of every decoder layer, in place; returns how many.
-
-    `memory_budget` (training.activation_memory_budget) is torch's activation memory budget for
-    the partitioner that splits each compiled layer into forward and backward: 1.0 keeps what the
-    default min-cut keeps; lower values recompute in backward, cheapest ops first, until the kept
-    activations fit that fraction. It is process-wide and read when a graph compiles.
-
-    Called after sharding: FSDP2 swaps in a subclass of the layer, whose forward is the one
-    transformers' checkpointing treats as outermost, and its unshard/reshard hooks run around the
-    forward (eager), not inside the compiled graph. One compiled code object serves every layer
-    (parameters are graph inputs), so the compile is paid once per input shape, not per layer."""
-    import torch._functorch.config as functorch_config
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    functorch_config.activation_memory_budget = memory_budget
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    for layer in layers:
-        layer.forward = torch.compile(layer.forward)
-    return len(layers)
 
 
 class Recipe:
@@ -119,24 +78,29 @@ class Recipe:
             f"quantization={cfg.quantization.method} engine={cfg.sharding.engine} "
             f"attention={attn} world={env.world_size} device={env.device.type}"
         )
-        if cfg.training.activation_checkpointing:
-            done = enable_activation_checkpointing(self.peft_model, cfg.training.checkpoint_every)
-            if cfg.training.checkpoint_every > 1:
-                self.say(f"activation checkpointing: {len(done)} decoder layers recompute")
+        t = cfg.training
+        if t.activation_checkpointing and t.checkpoint_keeps == "inputs":
+            done = recompute.enable_activation_checkpointing(self.peft_model, t.checkpoint_every)
+        elif t.activation_checkpointing:
+            done = recompute.selective_checkpointing(self.peft_model, t.checkpoint_keeps,
+                                                     cfg.lora.r, t.checkpoint_every)
+        if t.activation_checkpointing and (t.checkpoint_every > 1 or t.checkpoint_keeps != "inputs"):
+            self.say(f"activation checkpointing: {len(done)} decoder layers recompute, keeping "
+                     f"their {t.checkpoint_keeps}")
         kloss.install(self.peft_model, cfg.training.loss)
         # from_pretrained returns eval mode, where HF checkpointing silently does nothing.
         self.peft_model.train()
         for finding in checks.check_checkpointing_active(self.peft_model):
             raise RuntimeError(str(finding))
         self.model = sharding.shard(self.peft_model, cfg, env.device)
-        if cfg.training.compile:
-            budget = cfg.training.activation_memory_budget
-            n = compile_layers(self.model, budget)
-            self.say(f"torch.compile: {n} decoder layers"
-                     + (f", activation memory budget {budget}" if budget < 1 else ""))
-        t = cfg.training
+        if t.compile:
+            n = recompute.compile_layers(self.model, t.activation_memory_budget)
+            self.say(f"torch.compile: {n} decoder layers" + (
+                f", activation memory budget {t.activation_memory_budget}"
+                if t.activation_memory_budget < 1 else ""))
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)
+        self.optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay,
+                                           fused=t.fused_optimizer or None)
         self.scheduler = self._scheduler()
         torch.manual_seed(t.seed + env.rank)  # dropout differs per rank, as data does
         one_row = cfg.data.packing and attn.startswith("flash_attention")

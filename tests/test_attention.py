@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from kit import attention, quantize, tiny
 from kit.config import ConfigError, load_config
-from kit.train import enable_activation_checkpointing
+from kit.recompute import enable_activation_checkpointing
 
 CPU_KERNELS = ("sdpa_flash", "sdpa_math")  # PyTorch's CPU SDPA kernels; efficient/cudnn: CUDA only
 

@@ -10,7 +10,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from kit import tiny
 from kit.loss import chunked_causal_lm_loss, install
-from kit.train import enable_activation_checkpointing
+from kit.recompute import enable_activation_checkpointing
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -120,7 +120,7 @@ def test_activation_memory_budget_keeps_less_and_learns_the_same():
     fewer activations, and give the same loss and gradients as the uncompiled model."""
     from kit import lora
     from kit.config import load_config
-    from kit.train import compile_layers
+    from kit.recompute import compile_layers
 
     cfg = load_config(None, ["lora.dropout=0", "quantization.method=none"])
     ids = torch.randint(3, 1024, (2, 64), generator=torch.Generator().manual_seed(5))

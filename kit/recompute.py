@@ -1,0 +1,140 @@
+"""What each decoder layer keeps for backward, and what it computes again (training.* levers).
+
+    enable_activation_checkpointing(model, every=1)   # whole layers: keep only their inputs
+    selective_checkpointing(model, "matmuls", r=16)   # keep the matmuls' results, redo the rest
+    compile_layers(model, memory_budget=1.0)          # torch.compile each layer (after sharding)
+
+Backward needs what forward computed. Keeping all of it costs ~0.4 GiB per decoder layer and
+2,048-token sequence at the 8B shape (most of it element-wise results: norms, RoPE, SiLU, the
+adapters' dropout copies); recomputing a whole layer costs a second forward, a third more compute.
+Between the two, `training.checkpoint_keeps` chooses what a checkpointed layer keeps:
+
+- `inputs`: only the layer's input (transformers' own activation checkpointing); backward runs the
+  whole layer again, its frozen matmuls included.
+- `matmuls`: the results of the frozen linear layers (q, k, v, o, gate, up, down), of attention and
+  of each adapter's down-projection; backward recomputes only the cheap rest (norms, RoPE, SiLU,
+  dropout from its saved RNG state, the adapters' up-projections). No base-model matmul runs twice.
+- `attention`: as `matmuls`, except the MLP's gate and up projections, the widest results, which
+  are recomputed (two of the layer's seven matmuls run twice).
+
+This is torch's selective activation checkpointing (`torch.utils.checkpoint` with
+`create_selective_checkpoint_contexts`): a policy sees each operation of the layer's forward and
+says save or recompute. It runs the same eagerly and inside compiled layers, where the compiler's
+partitioner follows the policy (and recomputes dropout with the RNG state of the forward).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+
+KEEPS = ("inputs", "matmuls", "attention")
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+_ATTENTION = {getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward", "_efficient_attention_forward",
+) if hasattr(torch.ops.aten, name)}  # fmt: skip
+
+
+def _decoder_layers(model) -> list:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def enable_activation_checkpointing(model, every: int = 1) -> list[int]:
+    """Non-reentrant recompute per decoder layer, through transformers' own switch (renamed in
+    transformers 5.2x; the old name remains in the versions GPU images ship). With every=k only
+    layers 0, k, 2k, ... recompute (selective checkpointing): transformers keeps a
+    `gradient_checkpointing` flag on each decoder layer, and the others are switched back off.
+    Returns the indices of the checkpointed layers."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    layers = _decoder_layers(model)
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i % every == 0
+    return [i for i, layer in enumerate(layers) if layer.gradient_checkpointing]
+
+
+def save_policy(keeps: str, rank: int, mlp_width: int):
+    """The policy for `keeps` ('matmuls' or 'attention'): which results of a decoder layer's forward
+    backward gets from memory. Matmuls are told apart by shape: an adapter's down-projection has
+    `rank` outputs, its up-projection `rank` inputs; the MLP's gate and up projections have
+    `mlp_width` outputs. Everything not saved is recomputed."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if keeps not in KEEPS[1:]:
+        raise ValueError(f"training.checkpoint_keeps: {keeps!r} has no policy; expected "
+                         f"one of {KEEPS[1:]}")
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in _ATTENTION:
+            return CheckpointPolicy.MUST_SAVE
+        if op in _MATMULS:
+            a, b = args[-2], args[-1]  # addmm(bias, a, b), mm(a, b)
+            inner, out = a.shape[-1], b.shape[-1]
+            if out == rank:  # adapter down-projection: rank numbers per token, cheap to keep
+                return CheckpointPolicy.MUST_SAVE
+            if inner == rank:  # adapter up-projection: recomputing it costs next to nothing
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            if keeps == "attention" and out in (mlp_width, 2 * mlp_width):
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def selective_checkpointing(model, keeps: str, rank: int, every: int = 1) -> list[int]:
+    """Run decoder layers 0, every, 2*every, ... under torch.utils.checkpoint with the save policy
+    for `keeps`; returns their indices. Call before sharding and compiling: the layer's forward is
+    replaced in place (one function for every layer, so a compiled layer compiles once)."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    config = model.config
+    policy = save_policy(keeps, rank, config.intermediate_size)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+
+    def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return type(self).forward(self, *args, **kwargs)
+        # As transformers' own checkpointing: a KV cache written in forward would be written again
+        # by the recompute (and training needs none).
+        if kwargs.get("past_key_values") is not None:
+            kwargs["past_key_values"] = None
+        return checkpoint(type(self).forward, self, *args, use_reentrant=False,
+                          context_fn=context_fn, **kwargs)
+
+    chosen = []
+    for i, layer in enumerate(_decoder_layers(model)):
+        if i % every == 0:
+            layer.forward = types.MethodType(forward, layer)
+            chosen.append(i)
+    return chosen
+
+
+def compile_layers(model, memory_budget: float = 1.0) -> int:
+    """torch.compile the forward of every decoder layer, in place; returns how many.
+
+    `memory_budget` (training.activation_memory_budget) is torch's activation memory budget for
+    the partitioner that splits each compiled layer into forward and backward: 1.0 keeps what the
+    default min-cut keeps; lower values recompute in backward, cheapest ops first, until the kept
+    activations fit that fraction. It is process-wide and read when a graph compiles.
+
+    Called after sharding: FSDP2 swaps in a subclass of the layer, whose forward is the one
+    transformers' checkpointing treats as outermost, and its unshard/reshard hooks run around the
+    forward (eager), not inside the compiled graph. One compiled code object serves every layer
+    (parameters are graph inputs), so the compile is paid once per input shape, not per layer."""
+    import torch._functorch.config as functorch_config
+
+    functorch_config.activation_memory_budget = memory_budget
+    layers = _decoder_layers(model)
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)
+    return len(layers)
