@@ -99,9 +99,6 @@ class TrainingConfig:
     grad_accum: int = 1  # micro-steps per optimizer step
     lr: float = 1e-2
     weight_decay: float = 0.0
-    # AdamW as one fused kernel per step instead of a few kernels per parameter tensor: the same
-    # update; with FSDP2's hundreds of sharded LoRA tensors the per-tensor launches add up.
-    fused_optimizer: bool = False
     warmup_steps: int = 2
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     max_grad_norm: float = 1.0  # 0 disables clipping
@@ -114,9 +111,11 @@ class TrainingConfig:
     # inputs: only its input; backward reruns the whole layer (~1/3 more compute, least memory).
     # matmuls: the frozen linear layers', attention's and the adapters' results; backward reruns
     #   only norms, RoPE, SiLU, dropout: no matmul twice, ~40% of the memory of keeping everything.
-    # attention: as matmuls, but the MLP's gate/up projections are recomputed (2 of 7 matmuls
-    #   twice): about half the memory of matmuls.
-    checkpoint_keeps: Literal["inputs", "matmuls", "attention"] = "inputs"
+    # mlp: as matmuls, but the attention block's q/k/v/o projections are recomputed (a fifth of
+    #   the matmul work twice): ~70% of the memory of matmuls.
+    # attention: as matmuls, but the MLP's gate/up projections are recomputed (half of the
+    #   matmul work twice): ~45% of the memory of matmuls.
+    checkpoint_keeps: Literal["inputs", "matmuls", "mlp", "attention"] = "inputs"
     # "hf": transformers' loss (upcasts all logits to fp32 at once); "chunked": the same loss in
     # fp32 over chunks of tokens, recomputed in backward (kit.loss): ~2.6 GB less per 2k tokens
     # with a 128k vocabulary; "fused": the output head and the loss together, a chunk of tokens

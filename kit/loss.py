@@ -104,15 +104,16 @@ def fused_causal_lm_loss(
     head: torch.nn.Linear,
     **kwargs: object,
 ) -> torch.Tensor:
-    """transformers' ForCausalLMLoss with the output head inside: `logits` are the hidden states
-    the head would have multiplied (what the head returns in training, see `install`). Given real
-    logits (evaluation, no gradient), it is the chunked loss."""
-    if logits.shape[-1] != head.in_features or head.in_features == vocab_size:
+    """transformers' ForCausalLMLoss with the output head inside: it takes the hidden states the
+    head was given in training (see `install`); after a plain forward (evaluation, no gradient)
+    it is the chunked loss of the real logits."""
+    hidden = head.__dict__.pop("_kit_hidden", None)
+    if hidden is None:
         return chunked_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch,
                                       ignore_index, shift_labels, **kwargs)
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    hidden = logits.reshape(-1, logits.shape[-1])
+    hidden = hidden.reshape(-1, hidden.shape[-1])
     target = shift_labels.reshape(-1).to(hidden.device)
     if num_items_in_batch is None:
         num_items_in_batch = (target != ignore_index).sum()
@@ -122,11 +123,19 @@ def fused_causal_lm_loss(
 
 
 def _deferred_head(self, hidden: torch.Tensor) -> torch.Tensor:
-    """The output head's forward under training.loss=fused: in training with gradients, hand the
-    hidden states on to the loss, which applies the head itself; otherwise the plain head."""
+    """The output head's forward under training.loss=fused: in training with gradients, keep the
+    hidden states for the loss, which applies the head itself, and return no logits (an empty
+    tensor: the model's output then holds none); otherwise the plain head."""
     if self.training and torch.is_grad_enabled():
-        return hidden
+        self._kit_hidden = hidden
+        return hidden.new_empty(0)
     return F.linear(hidden, self.weight)
+
+
+# Config fields of models that transform the logits after the head (softcapping, scaling): the
+# fused loss would skip that step, so it refuses them.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                    "output_multiplier_scale")
 
 
 def install(model, kind: str) -> None:
@@ -142,6 +151,10 @@ def install(model, kind: str) -> None:
     if kind == "chunked":
         inner.loss_function = chunked_causal_lm_loss
         return
+    transforms = [f for f in LOGIT_TRANSFORMS if getattr(inner.config, f, None) not in (None, 1, 1.0)]
+    if transforms:
+        raise ConfigError(f"training.loss: 'fused' is not allowed for this model; its logits pass "
+                          f"through {', '.join(transforms)} after the head; allowed: hf, chunked")
     head = inner.get_output_embeddings()
     if type(head) is not torch.nn.Linear or head.bias is not None or head.weight.requires_grad:
         raise ConfigError(

@@ -64,8 +64,25 @@ def load_model(cfg: Config, device: torch.device, attn: str | None = None):
         # Each rank loads (and quantizes) onto its own GPU; never device_map="auto" under FSDP.
         kwargs["device_map"] = {"": device.index}
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    keep_packing(model)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
     return model, tokenizer
+
+
+def keep_packing(model) -> int:
+    """Switch off bitsandbytes' CPU inference repacking; returns the 4-bit layers it covered.
+
+    On a CPU with AVX512-BF16, an eval-mode forward without gradients rewrites each 4-bit weight
+    in place into a CPU-only layout (`packing_format_for_cpu`). Under FSDP1 those weights are views
+    into a flat parameter in the model dtype, and saving then fails in bitsandbytes
+    (`assert packed_weight.dtype == torch.uint8`); under any engine the weights would no longer be
+    what the GPUs hold. The layout is only an inference speed-up: training keeps the plain one."""
+    import bitsandbytes as bnb
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for m in layers:
+        m.support_avx512bf16_for_cpu = False
+    return len(layers)
 
 
 def quantized_bytes(model) -> dict[str, int]:

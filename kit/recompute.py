@@ -14,8 +14,10 @@ Between the two, `training.checkpoint_keeps` chooses what a checkpointed layer k
 - `matmuls`: the results of the frozen linear layers (q, k, v, o, gate, up, down), of attention and
   of each adapter's down-projection; backward recomputes only the cheap rest (norms, RoPE, SiLU,
   dropout from its saved RNG state, the adapters' up-projections). No base-model matmul runs twice.
+- `mlp`: as `matmuls`, except the attention block's projections (q, k, v, o), which are recomputed
+  (about a fifth of the layer's matmul work runs twice).
 - `attention`: as `matmuls`, except the MLP's gate and up projections, the widest results, which
-  are recomputed (two of the layer's seven matmuls run twice).
+  are recomputed (about half of the layer's matmul work runs twice).
 
 This is torch's selective activation checkpointing (`torch.utils.checkpoint` with
 `create_selective_checkpoint_contexts`): a policy sees each operation of the layer's forward and
@@ -30,7 +32,7 @@ import types
 
 import torch
 
-KEEPS = ("inputs", "matmuls", "attention")
+KEEPS = ("inputs", "matmuls", "mlp", "attention")
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 _ATTENTION = {getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -62,11 +64,25 @@ def enable_activation_checkpointing(model, every: int = 1) -> list[int]:
     return [i for i, layer in enumerate(layers) if layer.gradient_checkpointing]
 
 
+def _matmul_shape(op, args) -> tuple[int, int] | None:
+    """(inputs, outputs) per token of a matmul of a linear layer, or None for any other op.
+    bitsandbytes runs a 4-bit layer as one op of its own, `bitsandbytes::gemm_4bit(A, B, shape,
+    ...)`, with the weight's (out, in) shape as its third argument."""
+    if op in _MATMULS:
+        a, b = args[-2], args[-1]  # addmm(bias, a, b), mm(a, b)
+        return a.shape[-1], b.shape[-1]
+    if getattr(op, "namespace", None) == "bitsandbytes" and "gemm" in op.__name__:
+        out, inner = args[2][0], args[2][1]
+        return inner, out
+    return None
+
+
 def save_policy(keeps: str, rank: int, mlp_width: int):
-    """The policy for `keeps` ('matmuls' or 'attention'): which results of a decoder layer's forward
-    backward gets from memory. Matmuls are told apart by shape: an adapter's down-projection has
-    `rank` outputs, its up-projection `rank` inputs; the MLP's gate and up projections have
-    `mlp_width` outputs. Everything not saved is recomputed."""
+    """The policy for `keeps` ('matmuls', 'mlp' or 'attention'): which results of a decoder layer's
+    forward backward gets from memory. Matmuls are told apart by shape: an adapter's
+    down-projection has `rank` outputs, its up-projection `rank` inputs; the MLP's gate and up
+    projections have `mlp_width` outputs (2 x that when fused). Everything not saved is
+    recomputed."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     if keeps not in KEEPS[1:]:
@@ -76,17 +92,18 @@ def save_policy(keeps: str, rank: int, mlp_width: int):
     def policy(ctx, op, *args, **kwargs):
         if op in _ATTENTION:
             return CheckpointPolicy.MUST_SAVE
-        if op in _MATMULS:
-            a, b = args[-2], args[-1]  # addmm(bias, a, b), mm(a, b)
-            inner, out = a.shape[-1], b.shape[-1]
-            if out == rank:  # adapter down-projection: rank numbers per token, cheap to keep
-                return CheckpointPolicy.MUST_SAVE
-            if inner == rank:  # adapter up-projection: recomputing it costs next to nothing
-                return CheckpointPolicy.PREFER_RECOMPUTE
-            if keeps == "attention" and out in (mlp_width, 2 * mlp_width):
-                return CheckpointPolicy.PREFER_RECOMPUTE
+        shape = _matmul_shape(op, args)
+        if shape is None:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        inner, out = shape
+        if out == rank:  # adapter down-projection: rank numbers per token, cheap to keep
             return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
+        if inner == rank:  # adapter up-projection: recomputing it costs next to nothing
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        in_mlp = out in (mlp_width, 2 * mlp_width)
+        if (keeps == "attention" and in_mlp) or (keeps == "mlp" and not in_mlp):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
 
     return policy
 

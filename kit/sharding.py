@@ -152,17 +152,15 @@ def no_grad_sync(wrapped: nn.Module, engine: str, active: bool):
             yield
 
 
-def clip_grad_norm(wrapped: nn.Module, engine: str, max_norm: float) -> float:
-    """Clip (max_norm > 0) and return the global gradient norm, whatever the engine."""
+def clip_grad_norm(wrapped: nn.Module, engine: str, max_norm: float) -> torch.Tensor:
+    """Clip (max_norm > 0) and return the global gradient norm, whatever the engine, as a
+    tensor on the device (reading it waits for the GPU: read it after queuing the step)."""
     limit = max_norm if max_norm > 0 else float("inf")
     if engine == "fsdp1":
-        norm = wrapped.clip_grad_norm_(limit)
-    else:
-        params = [p for p in wrapped.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, limit)
-        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
-            norm = norm.full_tensor()
-    return float(norm)
+        return wrapped.clip_grad_norm_(limit)
+    params = [p for p in wrapped.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, limit)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
 
 
 # --------------------------------------------------------------------------- what each rank holds (04)

@@ -99,8 +99,7 @@ class Recipe:
                 f", activation memory budget {t.activation_memory_budget}"
                 if t.activation_memory_budget < 1 else ""))
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay,
-                                           fused=t.fused_optimizer or None)
+        self.optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = self._scheduler()
         torch.manual_seed(t.seed + env.rank)  # dropout differs per rank, as data does
         one_row = cfg.data.packing and attn.startswith("flash_attention")
@@ -184,16 +183,17 @@ class Recipe:
             with sharding.no_grad_sync(self.model, cfg.sharding.engine, micro < accum - 1):
                 loss = self.model(**batch, use_cache=False).loss / accum
                 loss.backward()
-            loss_sum += loss.item()
+            loss_sum += loss.detach()
             tokens += data.count_tokens(batch)
+        # No value is read back until the optimizer step is queued: a read waits for the GPU, and
+        # the GPU would then sit idle while Python queues clipping and the optimizer's kernels.
         grad_norm = sharding.clip_grad_norm(
             self.model, cfg.sharding.engine, cfg.training.max_grad_norm
         )
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if env.device.type == "cuda":
-            torch.cuda.synchronize(env.device)
+        loss_sum, grad_norm = float(loss_sum), float(grad_norm)
         seconds = time.perf_counter() - start
         per_rank = [None] * env.world_size  # one slow rank stalls every collective: name it
         dist.all_gather_object(per_rank, round(seconds, 4))
