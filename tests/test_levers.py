@@ -196,3 +196,175 @@ def test_compiled_layers_under_fsdp2_compile_once_for_all_layers(tmp_path, monke
         dynamo_utils.counters["graph_break"])
     # One graph for layer 0 (its input needs no grad: frozen embeddings), one for layers 1-3.
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 2
+
+
+# --------------------------------------------------------------------------- training.loss=fused
+
+
+def _frozen_tiny_model():
+    model = _tiny_model()
+    for p in model.parameters():  # only the layers train, as under LoRA: the head is frozen
+        p.requires_grad_(False)
+    for p in model.model.layers.parameters():
+        p.requires_grad_(True)
+    return model.train()
+
+
+def test_fused_loss_equals_transformers_loss_and_gradients(monkeypatch):
+    import kit.loss
+
+    monkeypatch.setattr(kit.loss, "FUSED_CHUNK_LOGITS", 7 * 1024)  # several chunks of 7 tokens
+    ids = torch.randint(3, 1024, (2, 24), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :5] = -100
+    ref, fused = _frozen_tiny_model(), _frozen_tiny_model()
+    install(fused, "fused")
+    for n in (None, torch.tensor(30)):
+        extra = {} if n is None else {"num_items_in_batch": n}
+        want = ref(input_ids=ids, labels=labels, **extra)
+        got = fused(input_ids=ids, labels=labels, **extra)
+        assert got.logits.numel() == 0  # training: no logits for the whole batch exist
+        assert torch.allclose(got.loss, want.loss, rtol=1e-6), (got.loss, want.loss)
+        want.loss.backward()
+        got.loss.backward()
+        for (name, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters(), strict=True):
+            if a.grad is not None:
+                assert torch.allclose(b.grad, a.grad, rtol=1e-4, atol=1e-7), name
+                a.grad = b.grad = None
+    fused.eval()
+    with torch.no_grad():  # evaluation: the plain head, real logits, the same loss
+        out = fused(input_ids=ids, labels=labels)
+        assert out.logits.shape == (2, 24, 1024)
+        assert out.loss.item() == pytest.approx(ref(input_ids=ids, labels=labels).loss.item(), rel=1e-6)
+
+
+def test_fused_loss_refuses_heads_it_cannot_fuse():
+    from kit.config import ConfigError
+
+    trainable = _tiny_model()  # from_pretrained leaves the head trainable
+    with pytest.raises(ConfigError, match="training.loss: 'fused' is not allowed for this model; "
+                                          "it needs a frozen output head"):
+        install(trainable, "fused")
+    capped = _frozen_tiny_model()
+    capped.config.final_logit_softcapping = 30.0
+    with pytest.raises(ConfigError, match="its logits pass through final_logit_softcapping"):
+        install(capped, "fused")
+
+
+# --------------------------------------------------------------------------- training.checkpoint_keeps
+
+
+def test_policies_tell_the_matmuls_apart_4bit_included():
+    """The policy sees bitsandbytes' 4-bit matmul as one op of its own, not aten.mm (the GPU run
+    that missed it recomputed every matmul): both kinds are recognised, by shape."""
+    from types import SimpleNamespace
+
+    import bitsandbytes  # noqa: F401  (registers its ops)
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from kit.recompute import save_policy
+
+    save, redo = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    mm, gemm4 = torch.ops.aten.mm.default, torch.ops.bitsandbytes.gemm_4bit.default
+    x = SimpleNamespace  # only shapes are read
+
+    def decide(keeps, op, inner, out):
+        if op is mm:
+            args = (x(shape=(32, inner)), x(shape=(inner, out)))
+        else:  # gemm_4bit(A, B, shape=(out, in), absmax, blocksize, quant_type)
+            args = (x(shape=(32, inner)), x(shape=(1,)), [out, inner], None, 64, "nf4")
+        return save_policy(keeps, rank=8, mlp_width=448)(None, op, *args)
+
+    for op in (mm, gemm4):
+        assert decide("matmuls", op, 128, 128) == save  # q / o projection
+        assert decide("matmuls", op, 128, 448) == save  # gate / up
+        assert decide("attention", op, 128, 448) == redo
+        assert decide("attention", op, 128, 128) == save
+        assert decide("mlp", op, 128, 448) == save
+        assert decide("mlp", op, 128, 32) == redo  # k / v projection
+    assert decide("attention", mm, 128, 8) == save  # adapter down-projection: kept
+    assert decide("matmuls", mm, 8, 128) == redo  # adapter up-projection: recomputed
+    policy = save_policy("matmuls", rank=8, mlp_width=448)
+    assert policy(None, torch.ops.aten.add.Tensor, x(shape=(1,)), x(shape=(1,))) == redo
+
+
+def _nf4_layer_model(tmp_path, hidden=128):
+    """A 2-layer NF4 + LoRA model with the 8B shape's ratios (MLP 3.5x, a quarter as many
+    key/value heads), as the recipe builds it, on CPU in float32."""
+    from transformers import LlamaConfig
+
+    from kit import lora, quantize
+    from kit.config import load_config
+
+    folder = tmp_path / "model"
+    if not folder.exists():
+        shutil.copytree(tiny.resolve("kit:tiny-llama"), folder)  # its tokenizer
+        config = LlamaConfig(vocab_size=1024, hidden_size=hidden, intermediate_size=hidden * 7 // 2,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    cfg = load_config(None, [f"model.name={folder}", "model.dtype=float32", "lora.dropout=0.1",
+                             "quantization.method=nf4"])
+    torch.manual_seed(0)
+    model, _ = quantize.load_model(cfg, torch.device("cpu"))
+    model = lora.apply_lora(model, cfg)
+    for n, p in model.named_parameters():  # non-zero B, so the adapters matter
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.02)
+    return model.train(), cfg.lora.r
+
+
+def _with_keeps(model, keeps, r):
+    from kit.recompute import selective_checkpointing
+
+    if keeps == "inputs":
+        enable_activation_checkpointing(model)
+    elif keeps != "none":
+        assert selective_checkpointing(model, keeps, r) == [0, 1]
+    return model.train()
+
+
+def test_checkpoint_keeps_gives_the_same_gradients(tmp_path):
+    """Eager, NF4, dropout 0.1: each policy recomputes with the forward's RNG state, so loss and
+    gradients equal those of the layer run once."""
+    ids = torch.randint(3, 1000, (2, 48), generator=torch.Generator().manual_seed(3))
+    results = {}
+    for keeps in ("none", "matmuls", "mlp", "attention"):
+        model, r = _nf4_layer_model(tmp_path)
+        _with_keeps(model, keeps, r)
+        torch.manual_seed(7)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        results[keeps] = loss.item(), {n: p.grad for n, p in model.named_parameters()
+                                       if p.requires_grad}
+    loss0, grads0 = results["none"]
+    for keeps, (loss, grads) in results.items():
+        assert loss == pytest.approx(loss0, abs=1e-6), keeps
+        for name, g in grads.items():
+            assert torch.allclose(g, grads0[name], atol=1e-6), (keeps, name)
+
+
+def test_checkpoint_keeps_policies_on_nf4(tmp_path):
+    """Compiled, NF4: what each policy keeps for backward, in the order the docs promise
+    (nothing recomputed > matmuls > mlp > attention), by the amounts the GPU run measured."""
+    from kit.recompute import compile_layers
+
+    ids = torch.randint(3, 1000, (1, 128), generator=torch.Generator().manual_seed(4))
+    kept = {}
+    try:
+        for keeps in ("none", "matmuls", "mlp", "attention"):
+            model, r = _nf4_layer_model(tmp_path)
+            _with_keeps(model, keeps, r)
+            torch._dynamo.reset()
+            compile_layers(model)
+            weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            loss, kept[keeps] = _saved_bytes(
+                lambda m=model: m(input_ids=ids, labels=ids, use_cache=False).loss, weights)
+            loss.backward()
+    finally:
+        torch._dynamo.reset()
+    assert kept["none"] > kept["matmuls"] > kept["mlp"] > kept["attention"], kept
+    # Per token and layer, in hidden-size units: 23.5, 12.5, 10, 5.5 (+ the same logits and
+    # embeddings in each); a policy that recomputed every matmul would keep ~2.
+    assert 0.45 < kept["matmuls"] / kept["none"] < 0.65, kept
+    assert 0.2 < kept["attention"] / kept["none"] < 0.4, kept
