@@ -110,17 +110,18 @@ class TrainingConfig:
     # With checkpointing on: what a checkpointed layer keeps for backward (kit.recompute).
     # inputs: only its input; backward reruns the whole layer (~1/3 more compute, least memory).
     # matmuls: the frozen linear layers', attention's and the adapters' results; backward reruns
-    #   only norms, RoPE, SiLU, dropout: no matmul twice, ~40% of the memory of keeping everything.
+    #   only norms, RoPE, SiLU, dropout: no matmul twice, about half the memory of keeping all.
     # mlp: as matmuls, but the attention block's q/k/v/o projections are recomputed (a fifth of
-    #   the matmul work twice): ~70% of the memory of matmuls.
+    #   the matmul work twice): ~80% of the memory of matmuls.
     # attention: as matmuls, but the MLP's gate/up projections are recomputed (half of the
-    #   matmul work twice): ~45% of the memory of matmuls.
+    #   matmul work twice): about half the memory of matmuls.
     checkpoint_keeps: Literal["inputs", "matmuls", "mlp", "attention"] = "inputs"
     # "hf": transformers' loss (upcasts all logits to fp32 at once); "chunked": the same loss in
     # fp32 over chunks of tokens, recomputed in backward (kit.loss): ~2.6 GB less per 2k tokens
     # with a 128k vocabulary; "fused": the output head and the loss together, a chunk of tokens
     # at a time, gradient taken in forward: no logits for the whole batch ever exist (a further
-    # ~1 GB per 2k tokens at 128k vocabulary). Needs a frozen output head.
+    # ~1 GB per 2k tokens at 128k vocabulary). Needs a frozen output head; in training the
+    # model's output then holds no logits (evaluation still gets them).
     loss: Literal["hf", "chunked", "fused"] = "hf"
     # torch.compile each decoder layer (after sharding, so FSDP's hooks stay outside the graph):
     # fuses the norm, rotary, activation, dropout and LoRA element-wise work around the matmuls.

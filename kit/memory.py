@@ -124,6 +124,7 @@ class Setup:
     batch_size: int = 1  # sequences per GPU per micro-step
     seq_len: int = 2048
     activation_checkpointing: bool = True
+    checkpoint_keeps: str = "inputs"  # inputs | matmuls | mlp | attention (kit.recompute)
     attention: str = "sdpa"  # sdpa/flash keep O(seq) per token; eager keeps the seq x seq scores
     cpu_offload: bool = False  # FSDP: shards, grads and optimizer state live in CPU memory
     reshard_after_forward: bool = True  # FSDP2: False keeps every layer gathered until backward
@@ -146,6 +147,7 @@ class Setup:
             batch_size=cfg.training.batch_size,
             seq_len=cfg.data.max_seq_len,
             activation_checkpointing=cfg.training.activation_checkpointing,
+            checkpoint_keeps=cfg.training.checkpoint_keeps,
             attention=cfg.attention.implementation,
             cpu_offload=cfg.sharding.cpu_offload,
             reshard_after_forward=cfg.sharding.reshard_after_forward,
@@ -207,6 +209,21 @@ def activation_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
     for fan_in, _ in lora_targets(shape, setup.lora_targets).values():
         total += (lb + mask) * fan_in + lb * r
     return total
+
+
+def selective_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
+    """Bytes one decoder layer keeps per token under training.checkpoint_keeps (kit.recompute):
+    the matmul results the policy keeps (matmuls: q, k, v, o and gate, up; mlp: gate, up;
+    attention: q, k, v, o), each adapter's r-wide down-projection, attention's output, and three
+    hidden-wide tensors (the layer's input among them: a count of what compiled NF4 layers keep,
+    tests/test_levers.py). Within ~10% of the 8B shape's measured 6.3 / 5.1 / 3.0 GiB per
+    2,048-token sequence (benchmarks/results/bench-8b-2xh200-run4.md)."""
+    h, i, r = shape.hidden, shape.intermediate, setup.lora_r
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    attention, mlp = q + 2 * kv, 2 * i
+    kept = {"matmuls": attention + mlp, "mlp": mlp, "attention": attention}[setup.checkpoint_keeps]
+    adapters = len(lora_targets(shape, setup.lora_targets)) * setup.adapter_bytes * r
+    return DTYPE_BYTES[setup.dtype] * (3 * h + q + kept) + adapters
 
 
 # Bytes per logit at the loss's peak: the logits in the compute dtype (a), their fp32 copy (4),
@@ -318,7 +335,14 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
     # Activations and the loss.
     per_layer = activation_bytes_per_token_layer(shape, setup) * tokens
     logits = tokens * shape.vocab * (a + LOGIT_BYTES_FP32_PART)
-    if setup.activation_checkpointing:
+    if setup.activation_checkpointing and setup.checkpoint_keeps != "inputs":
+        kept = selective_bytes_per_token_layer(shape, setup) * tokens
+        parts["activations"] = shape.layers * kept + per_layer
+        notes["activations"] = (f"{shape.layers} layers x {kept / tokens / 1024:.0f} KiB/token kept "
+                                f"({setup.checkpoint_keeps}), one layer recomputed in backward")
+        parts["logits and loss"] = max(0, logits - per_layer)
+        notes["logits and loss"] = "vocab x tokens x (2 + 12) B, beyond the recomputed layer"
+    elif setup.activation_checkpointing:
         inputs = shape.layers * tokens * shape.hidden * a
         parts["activations"] = inputs + per_layer
         notes["activations"] = "each layer's input kept, one layer recomputed in backward"

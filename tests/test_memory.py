@@ -158,3 +158,18 @@ def test_total_is_sum_of_parts_in_gib():
     est = estimate("kit:llama-8b")
     assert est.total_gib == pytest.approx(sum(est.parts.values()) / GiB)
     assert [row[0] for row in est.table()][0] == max(est.parts, key=est.parts.get)
+
+
+def test_selective_checkpointing_estimate_sits_between_full_and_none():
+    """training.checkpoint_keeps in the estimate: the 8B shape's measured GiB per 2,048-token
+    sequence on 2x H200 (benchmarks/results/bench-8b-2xh200-run4.md) within 15%."""
+    shape8 = memory.shape_of("kit:llama-8b")
+    measured = {"matmuls": 6.3, "mlp": 5.1, "attention": 3.0}
+    for keeps, gib in measured.items():
+        setup = memory.Setup(checkpoint_keeps=keeps)
+        per_seq = memory.selective_bytes_per_token_layer(shape8, setup) * 2048 * shape8.layers
+        assert abs(per_seq / 2**30 - gib) < 0.15 * gib, (keeps, per_seq / 2**30)
+    totals = [memory.estimate("kit:llama-8b", memory.Setup(batch_size=4, **kw)).total_gib
+              for kw in ({"activation_checkpointing": False}, {"checkpoint_keeps": "matmuls"},
+                         {"checkpoint_keeps": "attention"}, {})]
+    assert totals == sorted(totals, reverse=True), totals
