@@ -12,7 +12,8 @@ result row, not a crash. Per batch: warm-up steps excluded, tokens/s per GPU as 
 peak allocated and reserved memory, MFU (model FLOPs per token are printed with the table).
 A case marked `equivalence: true` first trains `equivalence.steps` steps at one common batch size
 from its initial adapter and records the loss of every step, so that two recipes can be compared
-for what they learn, not only for speed.
+for what they learn, not only for speed. Both recipes are seeded alike (the matrix's `seed`,
+default 42): the same LoRA initialisation, and dropout that differs per rank the same way.
 
 Output in --out: results.jsonl (every row), table.md (the article's table, kit vs baseline per
 cap, every case, equivalence), bench.png.
@@ -98,11 +99,16 @@ class _Run:
             path = tiny.resolve(matrix["model"])
         self.seq = matrix["seq_len"]
         lr = matrix.get("lr", 2e-4)
+        seed = matrix.get("seed", 42)  # the kit recipe's training.seed default
         if case["recipe"] == "article":
             from kit import article
 
+            # Seeded as the kit's recipe seeds itself: the same adapter initialisation before
+            # building, dropout differing per rank after, so that both start from one adapter.
+            torch.manual_seed(seed)
             self.model, self.optimizer = article.build(path, env.device, lr=lr,
                                                        **case.get("options", {}))
+            torch.manual_seed(seed + env.rank)
             # The mean over ranks, as the kit's recipe reports it.
             self._step = lambda b: kdist.mean(article.train_step(self.model, self.optimizer, b), env)
         else:
@@ -113,6 +119,7 @@ class _Run:
                 f"model.name={matrix['model']}", f"training.device={device}",
                 f"data.max_seq_len={self.seq}", "lora.r=16", "lora.alpha=32", "lora.dropout=0.05",
                 "lora.target_modules=all-linear", f"training.lr={lr}", "training.warmup_steps=0",
+                f"training.seed={seed}",
                 "training.scheduler=constant", "training.weight_decay=0",
                 "training.max_grad_norm=1.0", "training.eval_every=0", "training.grad_accum=1",
                 f"run.output_dir={out / 'runs' / case['name']}", "run.overwrite=true",

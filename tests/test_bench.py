@@ -48,8 +48,10 @@ def test_both_recipes_learn_the_same_from_the_same_data(tiny_bench):
     a, k = curves["article"], curves["kit"]
     assert len(a) == len(k) == 8
     assert a[-1] < a[0] - 0.1 and k[-1] < k[0] - 0.1  # both learn
-    # Same data, same start, same optimizer: the curves agree within bf16 noise.
-    assert max(abs(x - y) for x, y in zip(a, k, strict=True)) < 0.05, (a, k)
+    # Same data, same adapter initialisation and dropout masks (kit.bench seeds the article recipe
+    # as the kit's recipe seeds itself), same optimizer: the curves differ only by rounding (bf16
+    # against fp32 adapters, the loss kernel): measured within 0.001.
+    assert max(abs(x - y) for x, y in zip(a, k, strict=True)) < 0.01, (a, k)
 
 
 def test_report_names_the_oom_and_compares_recipes(tiny_bench):
