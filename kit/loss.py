@@ -35,11 +35,9 @@ def chunked_causal_lm_loss(
     **_: object,
 ) -> torch.Tensor:
     """Drop-in for transformers' ForCausalLMLoss (same arguments, same value)."""
-    if shift_labels is None:
-        labels = F.pad(labels, (0, 1), value=ignore_index)
-        shift_labels = labels[..., 1:]
     flat = logits.reshape(-1, vocab_size)
-    target = shift_labels.reshape(-1).to(flat.device)
+    target, denominator = _targets(labels, shift_labels, ignore_index, num_items_in_batch,
+                                   flat.device)
     total = flat.new_zeros((), dtype=torch.float32)
     for start in range(0, flat.shape[0], chunk_tokens):
         part = slice(start, start + chunk_tokens)
@@ -49,11 +47,18 @@ def chunked_causal_lm_loss(
             )
         else:
             total = total + _chunk_sum(flat[part], target[part], ignore_index)
+    return total / denominator
+
+
+def _targets(labels, shift_labels, ignore_index, num_items_in_batch, device):
+    """(next-token targets as one flat tensor, the count the summed loss is divided by), as
+    transformers' ForCausalLMLoss makes them."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    target = shift_labels.reshape(-1).to(device)
     if num_items_in_batch is None:
         num_items_in_batch = (target != ignore_index).sum()
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch
+    return target, torch.as_tensor(num_items_in_batch, device=device, dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------- training.loss=fused
@@ -111,13 +116,9 @@ def fused_causal_lm_loss(
     if hidden is None:
         return chunked_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch,
                                       ignore_index, shift_labels, **kwargs)
-    if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     hidden = hidden.reshape(-1, hidden.shape[-1])
-    target = shift_labels.reshape(-1).to(hidden.device)
-    if num_items_in_batch is None:
-        num_items_in_batch = (target != ignore_index).sum()
-    denominator = torch.as_tensor(num_items_in_batch, device=hidden.device, dtype=torch.float32)
+    target, denominator = _targets(labels, shift_labels, ignore_index, num_items_in_batch,
+                                   hidden.device)
     chunk = max(1, FUSED_CHUNK_LOGITS // vocab_size)
     return _HeadAndLoss.apply(hidden, head.weight, target, ignore_index, denominator, chunk)
 

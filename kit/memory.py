@@ -216,7 +216,7 @@ def selective_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
     the matmul results the policy keeps (matmuls: q, k, v, o and gate, up; mlp: gate, up;
     attention: q, k, v, o), each adapter's r-wide down-projection, attention's output, and three
     hidden-wide tensors (the layer's input among them: a count of what compiled NF4 layers keep,
-    tests/test_levers.py). Within ~10% of the 8B shape's measured 6.3 / 5.1 / 3.0 GiB per
+    benchmarks/kept_per_policy.py). Within ~10% of the 8B shape's measured 6.3 / 5.1 / 3.0 GiB per
     2,048-token sequence (benchmarks/results/bench-8b-2xh200-run4.md)."""
     h, i, r = shape.hidden, shape.intermediate, setup.lora_r
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim

@@ -80,3 +80,18 @@ def test_bad_recipe_is_one_line(tmp_path):
     path.write_text("model: kit:tiny-llama\nseq_len: 8\ncases:\n  - {name: a, recipe: trl}\n")
     with pytest.raises(ValueError, match=r"cases\.a\.recipe: 'trl' is not allowed"):
         bench.load_matrix(path)
+
+
+def test_profile_sorts_kernels_into_families_and_skips_annotations():
+    """profile_step's bookkeeping (its profiling runs only on GPUs): kernel names to families,
+    and the ranges modules mark on the GPU timeline are not counted as kernels."""
+    assert bench.kernel_family("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
+    assert bench.kernel_family("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
+    assert bench.kernel_family("void kDequantizeBlockwise<__nv_bfloat16, 512>") == "4-bit dequantize"
+    assert bench.kernel_family("triton_poi_fused_add_mul_native_dropout_silu_6") == "compiled (triton)"
+    assert bench.kernel_family("ncclDevKernel_AllGather_RING_LL") == "nccl"
+    assert bench.kernel_family("void at::native::vectorized_elementwise_kernel") == "other eager kernels"
+    for span in ("FSDP::pre_backward (layers.22)", "Optimizer.step#AdamW.step",
+                 "FullyShardedDataParallel.forward"):
+        assert bench._is_annotation(span)
+    assert not bench._is_annotation("nvjet_sm90_tst_16x64_64x16_1x2_h_bz_TNN")

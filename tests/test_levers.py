@@ -365,6 +365,6 @@ def test_checkpoint_keeps_policies_on_nf4(tmp_path):
         torch._dynamo.reset()
     assert kept["none"] > kept["matmuls"] > kept["mlp"] > kept["attention"], kept
     # Per token and layer, in hidden-size units: 23.5, 12.5, 10, 5.5 (+ the same logits and
-    # embeddings in each); a policy that recomputed every matmul would keep ~2.
+    # embeddings in each; benchmarks/kept_per_policy.py); recomputing every matmul keeps ~2.
     assert 0.45 < kept["matmuls"] / kept["none"] < 0.65, kept
     assert 0.2 < kept["attention"] / kept["none"] < 0.4, kept
