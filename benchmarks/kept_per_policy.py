@@ -5,8 +5,8 @@ per token and layer, in units of hidden-size values (CPU, float32, a few seconds
 
 A 2-layer Llama with the 8B shape's ratios (hidden 256, MLP 3.5x, a quarter as many key/value
 heads), built and loaded as the recipe loads it (kit.quantize, kit.lora), compiled per layer.
-Bytes are counted with saved-tensor hooks (weights excluded) at two sequence lengths; the
-difference removes what does not grow with tokens, and the logits' share (vocab 1024 = 4 hidden
+Bytes are counted with saved-tensor hooks (kit.memory.measure_saved_activations) at two sequence
+lengths; the difference removes what does not grow with tokens (weights included), and the logits' share (vocab 1024 = 4 hidden
 per token, over 2 layers) is subtracted. Results: benchmarks/results/profile-8b-1xh100.md.
 """
 
@@ -18,23 +18,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from kit import lora, quantize, recompute, tiny
+from kit import lora, memory, quantize, recompute, tiny
 from kit.config import load_config
 
 H, T = 256, 256
-
-
-def saved_bytes(fn, exclude) -> int:
-    seen = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in exclude:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
 
 
 def main(policies) -> None:
@@ -46,7 +33,6 @@ def main(policies) -> None:
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     cfg = load_config(None, [f"model.name={folder}", "lora.dropout=0.05", "lora.r=8",
                              "quantization.method=nf4", "model.dtype=float32"])
-    ids = torch.randint(3, 1000, (1, T), generator=torch.Generator().manual_seed(3))
     for keeps in policies:
         torch.manual_seed(0)
         model, _ = quantize.load_model(cfg, torch.device("cpu"))
@@ -58,13 +44,8 @@ def main(policies) -> None:
         model.train()
         torch._dynamo.reset()
         recompute.compile_layers(model)
-        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-        def kept(n, m=model, w=weights):
-            x = ids[:, :n]
-            return saved_bytes(lambda: m(input_ids=x, labels=x, use_cache=False).loss, w)
-
-        per_token_layer = (kept(T) - kept(T // 2)) / (T // 2) / 2 / (4 * H) - 2  # less the logits
+        longer, shorter = (memory.measure_saved_activations(model, 1, n) for n in (T, T // 2))
+        per_token_layer = (longer - shorter) / (T // 2) / 2 / (4 * H) - 2  # less the logits
         print(f"{keeps:<10} {per_token_layer:6.2f} hidden-size values per token and layer", flush=True)
 
 
