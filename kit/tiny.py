@@ -72,6 +72,19 @@ SPECS: dict[str, dict] = {
         rope_theta=500000.0,
         tie_word_embeddings=False,
     ),
+    # Tiny, with Llama-3-8B's ratios (MLP 3.5x hidden, a quarter as many key/value heads): what
+    # a decoder layer keeps for backward, counted on CPU, scales to the 8B shape by hidden size.
+    "tiny-llama-8b-ratios": dict(
+        model_type="llama",
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=448,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    ),
 }
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
