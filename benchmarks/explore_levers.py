@@ -91,8 +91,8 @@ def main():
         "lora.r=16", "lora.alpha=32", "lora.dropout=0.05", "lora.target_modules=all-linear",
     ])
     t = time.perf_counter()
-    from kit import tiny
-    tiny.resolve(cfg.model.name)
+    from kit import builtin
+    builtin.resolve(cfg.model.name)
     print(f"build: {time.perf_counter() - t:.1f}s", flush=True)
     t = time.perf_counter()
     model, _ = quantize.load_model(cfg, torch.device("cuda", 0), "sdpa")

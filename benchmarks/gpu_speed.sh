@@ -16,9 +16,9 @@ print("torch", torch.__version__, "transformers", transformers.__version__, "pef
       "bitsandbytes", bitsandbytes.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0))
 PY
 start=$(date +%s)
-python3 -c "from kit import tiny; print(tiny.resolve('kit:llama-8b'))"
+python3 -c "from kit import builtin; print(builtin.resolve('kit:llama-8b'))"
 echo "build: $(( $(date +%s) - start ))s"
-python3 -m kit.bench "${MATRIX:-kit/configs/bench-8b.yaml}" --out "$OUT/bench" ${BENCH_ONLY:+--only "$BENCH_ONLY"}
+python3 -m kit.bench "${MATRIX:-benchmarks/matrices/bench-8b.yaml}" --out "$OUT/bench" ${BENCH_ONLY:+--only "$BENCH_ONLY"}
 echo "bench: $(( $(date +%s) - start ))s"
 touch "$OUT/BENCH_DONE"
 if [ -z "${SKIP_EXTRAS:-}" ]; then

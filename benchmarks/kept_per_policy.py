@@ -1,4 +1,4 @@
-"""What a compiled NF4 + LoRA decoder layer keeps for backward under each training.checkpoint_keeps,
+"""What a compiled NF4 + LoRA decoder layer keeps for backward under each training.recompute.keeps,
 per token and layer, in units of hidden-size values (CPU, float32, a few seconds per policy).
 
     python3 benchmarks/kept_per_policy.py
@@ -15,14 +15,14 @@ import sys
 
 import torch
 
-from kit import lora, memory, quantize, recompute, tiny
+from kit import builtin, lora, memory, quantize, recompute
 from kit.config import load_config
 
 T = 256
 
 
 def main(policies) -> None:
-    spec = tiny.SPECS["tiny-llama-8b-ratios"]
+    spec = builtin.SPECS["tiny-llama-8b-ratios"]
     hidden, layers = spec["hidden_size"], spec["num_hidden_layers"]
     logits = spec["vocab_size"] / hidden / layers
     cfg = load_config(None, ["model.name=kit:tiny-llama-8b-ratios", "lora.dropout=0.05",

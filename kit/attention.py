@@ -476,15 +476,15 @@ KEEPS_SETTINGS = ("keeps-matmuls", "keeps-mlp", "keeps-attention")
 def setting_overrides(setting: str) -> list[str]:
     """'none' | 'full' | 'every-K' | 'keeps-<what>' -> the recipe's config overrides."""
     if setting == "none":
-        return ["training.activation_checkpointing=false"]
+        return ["training.recompute.enabled=false"]
     if setting == "full":
-        return ["training.activation_checkpointing=true", "training.checkpoint_every=1"]
+        return ["training.recompute.enabled=true", "training.recompute.every=1"]
     if setting in KEEPS_SETTINGS:  # selective checkpointing (kit.recompute)
-        return ["training.activation_checkpointing=true",
-                f"training.checkpoint_keeps={setting.removeprefix('keeps-')}"]
+        return ["training.recompute.enabled=true",
+                f"training.recompute.keeps={setting.removeprefix('keeps-')}"]
     k = setting.removeprefix("every-")
     if setting.startswith("every-") and k.isdigit() and int(k) >= 1:
-        return ["training.activation_checkpointing=true", f"training.checkpoint_every={k}"]
+        return ["training.recompute.enabled=true", f"training.recompute.every={k}"]
     raise ConfigError(f"checkpointing setting: {setting!r} is not allowed; expected 'none', "
                       "'full', 'every-K' (K >= 1: every K-th decoder layer recomputes) or "
                       f"one of {', '.join(KEEPS_SETTINGS)}")  # fmt: skip

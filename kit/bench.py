@@ -1,7 +1,7 @@
 """Benchmark runner: a matrix of training configurations, each in its own torchrun, in one invocation.
 
-    python -m kit.bench kit/configs/bench-8b.yaml --out runs/bench          # the whole matrix
-    python -m kit.bench kit/configs/bench-8b.yaml --out runs/bench --only kit-40-none,article-40
+    python -m kit.bench benchmarks/matrices/bench-8b.yaml --out runs/bench          # the whole matrix
+    python -m kit.bench benchmarks/matrices/bench-8b.yaml --out runs/bench --only kit-40-none,article-40
 
 A matrix (YAML) names the model, sequence length and processes, and its cases. A case is either the
 article recipe (`kit.article`, the hand-written baseline) or the kit's recipe (`kit.train.Recipe`)
@@ -85,7 +85,7 @@ class _Run:
 
     def __init__(self, matrix: dict, case: dict, out: Path):
         from kit import dist as kdist
-        from kit import tiny
+        from kit import builtin
 
         self.case, self.matrix = case, matrix
         device = matrix.get("device", "auto")
@@ -96,7 +96,7 @@ class _Run:
                 min(1.0, case["cap_gib"] * 2**30 / total), env.device
             )
         with kdist.main_process_first(env):
-            path = tiny.resolve(matrix["model"])
+            path = builtin.resolve(matrix["model"])
         self.seq = matrix["seq_len"]
         lr = matrix.get("lr", 2e-4)
         seed = matrix.get("seed", 42)  # the kit recipe's training.seed default

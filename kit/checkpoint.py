@@ -322,13 +322,13 @@ def load_for_inference(run_dir, adapter: str | Path | None = None, merged: bool 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kit import quantize, tiny
+    from kit import builtin, quantize
     from kit.config import load_config
 
     cfg = load_config(Path(run_dir) / "config.yaml")
     adapter = Path(adapter or Path(run_dir) / "adapter")
     model = AutoModelForCausalLM.from_pretrained(
-        tiny.resolve(cfg.model.name),
+        builtin.resolve(cfg.model.name),
         dtype=quantize.DTYPES[cfg.model.dtype],
         quantization_config=quantize.bnb_config(cfg),
         **({"device_map": {"": 0}} if torch.cuda.is_available() else {}),

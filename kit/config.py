@@ -29,7 +29,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     # A hub id, a local checkpoint folder, or a model the kit builds itself ("kit:tiny-llama",
-    # "kit:tiny-qwen2", "kit:llama-1b", "kit:llama-8b": random weights, see kit/tiny.py).
+    # "kit:tiny-qwen2", "kit:llama-1b", "kit:llama-8b": random weights, see kit/builtin.py).
     name: str = "kit:tiny-llama"
     # Dtype of everything that is not 4-bit: norms, embeddings, compute. bf16 on GPUs; this CPU has
     # no bf16 instructions, so above ~40M params prefer float32 when running on CPU.
@@ -93,6 +93,30 @@ class AttentionConfig:
 
 
 @dataclass
+class RecomputeConfig:
+    """training.recompute: activation recomputation ("activation checkpointing" in torch and
+    transformers; the kit keeps the word checkpoint for what is saved to disk)."""
+
+    # Recompute decoder layers in backward: ~30% more compute, activations of one layer only.
+    enabled: bool = True
+    # Recompute every k-th decoder layer only (1: all). Fewer recomputed layers: less compute,
+    # more activation memory.
+    every: int = 1
+    # What a recomputed layer keeps for backward (kit.recompute):
+    # inputs: only its input; backward reruns the whole layer (~1/3 more compute, least memory).
+    # matmuls: the results of the frozen linear layers, attention and the adapters; backward
+    #   reruns only norms, RoPE, SiLU, dropout: no matmul twice, about half the memory of
+    #   keeping all.
+    # mlp_matmuls: the MLP's widest results (gate and up projections), attention's and the
+    #   adapters'; q/k/v/o and down are recomputed (about a fifth of the matmul work twice): ~80%
+    #   of the memory of matmuls.
+    # attention_matmuls: only the attention block's matmul results (q, k, v, o, attention) and the
+    #   MLP's down projection; gate/up are recomputed (half of the matmul work twice): about half
+    #   the memory of matmuls.
+    keeps: Literal["inputs", "matmuls", "mlp_matmuls", "attention_matmuls"] = "inputs"
+
+
+@dataclass
 class TrainingConfig:
     steps: int = 20  # optimizer steps
     batch_size: int = 8  # sequences per device per micro-step
@@ -102,20 +126,8 @@ class TrainingConfig:
     warmup_steps: int = 2
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     max_grad_norm: float = 1.0  # 0 disables clipping
-    # Recompute each decoder layer in backward: ~30% more compute, activations of one layer only.
-    activation_checkpointing: bool = True
-    # With checkpointing on: recompute every k-th decoder layer only (1: all). Fewer recomputed
-    # layers: less compute, more activation memory (selective checkpointing).
-    checkpoint_every: int = 1
-    # With checkpointing on: what a checkpointed layer keeps for backward (kit.recompute).
-    # inputs: only its input; backward reruns the whole layer (~1/3 more compute, least memory).
-    # matmuls: the frozen linear layers', attention's and the adapters' results; backward reruns
-    #   only norms, RoPE, SiLU, dropout: no matmul twice, about half the memory of keeping all.
-    # mlp: as matmuls, but the attention block's q/k/v/o projections are recomputed (a fifth of
-    #   the matmul work twice): ~80% of the memory of matmuls.
-    # attention: as matmuls, but the MLP's gate/up projections are recomputed (half of the
-    #   matmul work twice): about half the memory of matmuls.
-    checkpoint_keeps: Literal["inputs", "matmuls", "mlp", "attention"] = "inputs"
+    # What a decoder layer keeps for backward and recomputes (kit.recompute).
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     # "hf": transformers' loss (upcasts all logits to fp32 at once); "chunked": the same loss in
     # fp32 over chunks of tokens, recomputed in backward (kit.loss): ~2.6 GB less per 2k tokens
     # with a 128k vocabulary; "fused": the output head and the loss together, a chunk of tokens
@@ -257,6 +269,16 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
     raise ConfigError(f"{name}: {value!r} is not allowed; expected {_describe(tp)}")
 
 
+# Keys that were renamed: a config that still uses one gets a one-line hint to the new name.
+RENAMED = {
+    "training.activation_checkpointing": "training.recompute.enabled",
+    "training.checkpoint_every": "training.recompute.every",
+    "training.checkpoint_keeps": "training.recompute.keeps (inputs, matmuls, mlp_matmuls, "
+                                 "attention_matmuls; mlp -> mlp_matmuls, attention -> "
+                                 "attention_matmuls)",
+}
+
+
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'}: {data!r} is not allowed; expected a mapping")
@@ -265,6 +287,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     kwargs = {}
     for key, value in data.items():
         path = f"{prefix}{key}"
+        if path in RENAMED:
+            raise ConfigError(f"{path}: renamed; use {RENAMED[path]}")
         if key not in names:
             raise ConfigError(f"{path}: unknown key; allowed keys: {', '.join(names)}")
         tp = hints[key]
@@ -273,6 +297,14 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         else:
             kwargs[key] = _coerce(path, value, tp)
     return cls(**kwargs)
+
+
+def apply_overrides(tree: dict, overrides: list[str] | None) -> dict:
+    """Set each ``key=value`` of `overrides` in the config tree `tree` (values read as YAML), in
+    place; returns the tree. Nothing is validated here: load_config and config_from_dict do that."""
+    for item in overrides or []:
+        _set_override(tree, item)
+    return tree
 
 
 def _set_override(tree: dict, item: str) -> None:
@@ -299,11 +331,12 @@ def _check(cfg: Config) -> None:
     need(
         m.name.strip() != "", "model.name", m.name, "expected a hub id, a local path or kit:<name>"
     )
-    for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every",
-                 "checkpoint_every"):
+    for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every"):
         need(
             getattr(t, name) >= 1, f"training.{name}", getattr(t, name), "expected an integer >= 1"
         )
+    rc = t.recompute
+    need(rc.every >= 1, "training.recompute.every", rc.every, "expected an integer >= 1")
     need(
         cfg.run.dist_timeout_min >= 1,
         "run.dist_timeout_min",
@@ -319,15 +352,15 @@ def _check(cfg: Config) -> None:
     need(t.compile or t.activation_memory_budget == 1, "training.activation_memory_budget",
          t.activation_memory_budget, "only 1.0 without training.compile=true (the budget steers "
          "the compiler's recompute)")
-    need(t.activation_checkpointing or t.checkpoint_keeps == "inputs", "training.checkpoint_keeps",
-         t.checkpoint_keeps, "only 'inputs' with training.activation_checkpointing=false")
-    need(t.checkpoint_keeps == "inputs" or t.activation_memory_budget == 1,
+    need(rc.enabled or rc.keeps == "inputs", "training.recompute.keeps",
+         rc.keeps, "only 'inputs' with training.recompute.enabled=false")
+    need(rc.keeps == "inputs" or t.activation_memory_budget == 1,
          "training.activation_memory_budget", t.activation_memory_budget,
-         f"only 1.0 with training.checkpoint_keeps={t.checkpoint_keeps!r} (its policy decides "
+         f"only 1.0 with training.recompute.keeps={rc.keeps!r} (its policy decides "
          "what is recomputed)")
-    need(not (lo.recompute and t.activation_checkpointing and t.checkpoint_keeps != "inputs"),
-         "lora.recompute", lo.recompute, "only false with training.checkpoint_keeps="
-         f"{t.checkpoint_keeps!r} (its policy already recomputes the adapters' branch)")
+    need(not (lo.recompute and rc.enabled and rc.keeps != "inputs"),
+         "lora.recompute", lo.recompute, "only false with training.recompute.keeps="
+         f"{rc.keeps!r} (its policy already recomputes the adapters' branch)")
     for name in ("warmup_steps", "eval_every"):
         need(
             getattr(t, name) >= 0, f"training.{name}", getattr(t, name), "expected an integer >= 0"
@@ -395,8 +428,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file: {str(p)!r} does not exist")
         tree = yaml.safe_load(p.read_text()) or {}
-    for item in overrides or []:
-        _set_override(tree, item)
+    apply_overrides(tree, overrides)
     cfg = _build(Config, tree, "")
     _check(cfg)
     return cfg

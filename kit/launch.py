@@ -4,6 +4,12 @@
     run.wait()                 # blocks; raises RunFailed naming the rank that crashed
     run.metrics()[-1], run.result()
     Run.attach("try1")         # from a new kernel: same handle, found through the run folder
+    run = run_to_end("tiny-cpu", ["training.steps=4"])   # a short run, output captured: blocks
+
+The two ways to start ranks: `launch` (watched: returns at once, a notebook streams its progress)
+and `run_to_end` (captured: returns when it ended, for short demonstrations, tests and the
+benchmark runner). Both write the same run folder through `prepare`, so every run, whoever
+started it, is a folder a person can re-run from a terminal with its run.sh.
 
 Kernel side: imports neither torch nor ipywidgets and never creates a process group; the ranks
 are started by ``launch/<run>/run.sh``, a plain bash torchrun script that a person can also run
@@ -31,9 +37,9 @@ from pathlib import Path
 
 import psutil
 
-from kit.config import Config, ConfigError, _set_override, config_from_dict, load_config
+from kit import ROOT, jsonl
+from kit.config import Config, ConfigError, apply_overrides, config_from_dict, load_config
 
-ROOT = Path(__file__).resolve().parents[1]  # the checkout: ranks run here, launch/ lives here
 CONFIGS = ROOT / "kit" / "configs"
 DONE = ("completed", "failed", "stopped")
 # Files a run writes; a new launch under the same name removes exactly these (never the folder:
@@ -75,10 +81,7 @@ def resolve(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
     """A validated Config from a Config, a YAML path or a bundled config's name ("tiny-cpu")."""
     overrides = list(overrides or [])
     if isinstance(cfg_or_path, Config):
-        tree = cfg_or_path.to_dict()
-        for item in overrides:
-            _set_override(tree, item)
-        cfg = config_from_dict(tree)
+        cfg = config_from_dict(apply_overrides(cfg_or_path.to_dict(), overrides))
     else:
         path = Path(cfg_or_path)
         if not path.exists() and (CONFIGS / f"{path}.yaml").is_file():
@@ -124,7 +127,7 @@ def preflight(cfg: Config, force: bool = False, nproc: int = 2, env: dict | None
 
 RUN_SH = """\
 #!/usr/bin/env bash
-# Run "{name}": kit.train (NF4 + LoRA + {engine}) under torchrun. Written by kit.launch, {date}.
+# Run "{name}": {what} under torchrun. Written by kit.launch, {date}.
 # Runs as is from any directory, here or on each node of a cluster (with the kit installed).
 # {nproc} processes on this machine; key=value arguments override config.yaml:
 #   bash {rel}/run.sh
@@ -178,24 +181,33 @@ else
 fi
 cd "$KIT_ROOT"
 # torchrun: --log-dir keeps each rank's output and error.json (a failed rank's traceback, written
-# by kit.train's @record); --tee also streams them here, each line prefixed [defaultN]:.
+# by the entry point's @record); --tee also streams them here, each line prefixed [defaultN]:.
 ( set -x; exec "$PYTHON" -m torch.distributed.run "${{RDZV[@]}}" --nproc_per_node="$NPROC_PER_NODE" \\
   --log-dir "$RUN_DIR/logs" --redirects 3 --tee 3 \\
-  -m kit.train "$RUN_DIR/config.yaml" run.output_dir="$RUN_DIR" \\
-  run.dist_timeout_min="$DIST_TIMEOUT_MIN" "$@" )
+  -m {module} {args} "$@" )
 """
+# What the recipe's run.sh passes kit.train: its config and where to write.
+TRAIN_ARGS = ("{config}", "run.output_dir={run_dir}", "run.dist_timeout_min={timeout}")
 
 
 def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None,
-            nproc: int = 2, name: str | None = None) -> Path:
-    """Write config.yaml and run.sh into the run folder (clearing a finished run's files)."""
-    cfg = resolve(cfg_or_path, overrides, name)
+            nproc: int = 2, name: str | None = None, module: str = "kit.train",
+            args: tuple[str, ...] | list[str] = TRAIN_ARGS) -> Path:
+    """Write config.yaml and run.sh into the run folder; return the folder. A resolved Config is
+    used as it is (launch and run_to_end resolve once); a path or name is resolved here.
+
+    module, args: what torchrun runs on each rank (default: the recipe). In args, "{config}",
+    "{run_dir}" and "{timeout}" stand for the folder's config.yaml, the folder and the collective
+    timeout; everything else is passed as written. Files of an earlier start (run.sh, logs) are
+    replaced; trained results (adapter, checkpoints, metrics, result) are the recipe's to keep:
+    it refuses a fresh start over them unless run.overwrite (and a resume continues them)."""
+    cfg = cfg_or_path
+    if not isinstance(cfg, Config) or overrides or name:
+        cfg = resolve(cfg_or_path, overrides, name)
     folder = run_dir(cfg)
     if folder.exists() and Run(folder).status == "running":
         raise RuntimeError(f"run {cfg.run.name!r} is running; stop it first: "
                            f"Run.attach({cfg.run.name!r}).stop()")
-    # Trained results (adapter, checkpoints, metrics, result) are the recipe's to keep or replace:
-    # it refuses a fresh start over them unless run.overwrite (and a resume continues them).
     for f in RUN_FILES:
         if f not in TRAINED:
             (folder / f).unlink(missing_ok=True)
@@ -207,10 +219,13 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
         rel = folder.relative_to(ROOT)
     except ValueError:
         rel = folder
+    words = " ".join(_shell_word(str(arg)) for arg in args)
+    what = (f"kit.train (NF4 + LoRA + {cfg.sharding.engine})" if module == "kit.train"
+            else module)
     script = RUN_SH.format(
-        name=cfg.run.name, engine=cfg.sharding.engine, date=datetime.now().strftime("%F %T"),
+        name=cfg.run.name, what=what, date=datetime.now().strftime("%F %T"),
         rel=rel, root=ROOT, python=sys.executable, nproc=int(nproc),
-        timeout=cfg.run.dist_timeout_min,
+        timeout=cfg.run.dist_timeout_min, module=module, args=words,
         device=cfg.training.device, on_cpu=int(cfg.training.device == "cpu"), **RUN_ENV,
     )
     (folder / "run.sh").write_text(script)
@@ -218,15 +233,54 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
     return folder
 
 
+# Placeholders in run.sh arguments, and the shell expressions they become there.
+_PLACEHOLDERS = {"{config}": '"$RUN_DIR/config.yaml"', "{run_dir}": '"$RUN_DIR"',
+                 "{timeout}": '"$DIST_TIMEOUT_MIN"'}
+
+
+def _shell_word(arg: str) -> str:
+    """One run.sh argument: quoted, with a placeholder (at most one) left for the shell."""
+    for key, value in _PLACEHOLDERS.items():
+        if key in arg:
+            before, after = arg.split(key, 1)
+            return "".join([shlex.quote(before) if before else "", value,
+                            shlex.quote(after) if after else ""])
+    return shlex.quote(arg)
+
+
 def launch(cfg_or_path: Config | str | Path, overrides: list[str] | None = None, nproc: int = 2,
            name: str | None = None, env: dict | None = None, force: bool = False) -> Run:
-    """Check (kit.doctor, if present), write launch/<run>/, start run.sh; returns at once.
+    """Check (kit.doctor), write launch/<run>/, start run.sh; returns at once (the watched way).
 
     env: extra environment for the ranks, e.g. {"KIT_FAIL_RANK": "1"} (see kit/faults.py)."""
     cfg = resolve(cfg_or_path, overrides, name)
     preflight(cfg, force, nproc, env)
     run = Run(prepare(cfg, nproc=nproc))
     run.start(env)
+    return run
+
+
+def run_to_end(cfg_or_path: Config | str | Path, overrides: list[str] | None = None,
+               nproc: int = 2, name: str | None = None, module: str = "kit.train",
+               args: tuple[str, ...] | list[str] = TRAIN_ARGS, env: dict | None = None,
+               timeout: float = 900, check: bool = True) -> Run:
+    """Prepare the run folder, run it, and return when it has ended (the captured way: output in
+    the folder's run.log, `Run.output()`). A failed run raises RunFailed (check=False: returns
+    it, `run.status == "failed"`); past `timeout` seconds every process of the run, ranks
+    included, is stopped and TimeoutError raised. No pre-flight: demonstrations of what goes
+    wrong run through here on purpose."""
+    cfg = resolve(cfg_or_path, overrides, name)
+    run = Run(prepare(cfg, nproc=nproc, module=module, args=args))
+    run.start(env)
+    try:
+        run.wait(timeout=timeout, poll_s=0.2)
+    except TimeoutError:
+        run.stop()
+        raise TimeoutError(f"run {run.name!r} stopped after {timeout}s (every process of it); "
+                           f"log: {run.folder / 'run.log'}") from None
+    except RunFailed:
+        if check:
+            raise
     return run
 
 
@@ -373,7 +427,14 @@ class Run:
     # ------------------------------------------------------------------ outputs
     def metrics(self) -> list[dict]:
         """Rows of metrics.jsonl (rank 0): split train|val, step, loss, lr, tokens_per_s, ..."""
-        return read_jsonl(self.folder / "metrics.jsonl")
+        return jsonl.read(self.folder / "metrics.jsonl")
+
+    def output(self) -> str:
+        """run.log as text: every rank's output, torchrun's own lines, run.sh's header."""
+        try:
+            return (self.folder / "run.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
 
     def last_step(self) -> int:
         return max((r["step"] for r in self.metrics() if r.get("split") == "train"), default=0)
@@ -429,16 +490,6 @@ class Run:
             return RunFailed(self.name, int(rank.group(1)), why, log=log)
         return RunFailed(self.name, None, f"run.sh exit code {self.exit_code}; last lines:\n"
                          + "\n".join(lines[-10:]), log=log)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Complete JSON lines of a file another process is appending to."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.splitlines(keepends=True)
-            if line.endswith("\n") and line.strip()]
 
 
 class Follow:

@@ -3,7 +3,7 @@
     est = estimate("kit:llama-8b", Setup(world_size=2, seq_len=2048, batch_size=1))
     est.table(), est.total_gib, est.fits(24)
 
-Kernel side: imports no torch. The model shape comes from a `kit:` name (kit/tiny.py SPECS), a
+Kernel side: imports no torch. The model shape comes from a `kit:` name (kit/builtin.py SPECS), a
 config dict with Hugging Face field names, a `transformers` config object, or a local folder.
 
 Each term is a formula a reader can check by hand (see `estimate`). The two constants that are
@@ -79,7 +79,7 @@ def shape_of(model) -> Shape:
     if isinstance(model, Shape):
         return model
     if isinstance(model, str) and model.startswith("kit:"):
-        from kit.tiny import SPECS
+        from kit.builtin import SPECS
 
         if model[4:] not in SPECS:
             raise ValueError(f"model: {model!r} is not a kit model; allowed: kit:{', kit:'.join(SPECS)}")
@@ -123,8 +123,8 @@ class Setup:
     lora_dropout: bool = True
     batch_size: int = 1  # sequences per GPU per micro-step
     seq_len: int = 2048
-    activation_checkpointing: bool = True
-    checkpoint_keeps: str = "inputs"  # inputs | matmuls | mlp | attention (kit.recompute)
+    recompute: bool = True  # training.recompute.enabled
+    recompute_keeps: str = "inputs"  # training.recompute.keeps (kit.recompute)
     attention: str = "sdpa"  # sdpa/flash keep O(seq) per token; eager keeps the seq x seq scores
     cpu_offload: bool = False  # FSDP: shards, grads and optimizer state live in CPU memory
     reshard_after_forward: bool = True  # FSDP2: False keeps every layer gathered until backward
@@ -146,8 +146,8 @@ class Setup:
             lora_dropout=cfg.lora.dropout > 0,
             batch_size=cfg.training.batch_size,
             seq_len=cfg.data.max_seq_len,
-            activation_checkpointing=cfg.training.activation_checkpointing,
-            checkpoint_keeps=cfg.training.checkpoint_keeps,
+            recompute=cfg.training.recompute.enabled,
+            recompute_keeps=cfg.training.recompute.keeps,
             attention=cfg.attention.implementation,
             cpu_offload=cfg.sharding.cpu_offload,
             reshard_after_forward=cfg.sharding.reshard_after_forward,
@@ -212,16 +212,17 @@ def activation_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
 
 
 def selective_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
-    """Bytes one decoder layer keeps per token under training.checkpoint_keeps (kit.recompute):
-    the matmul results the policy keeps (matmuls: q, k, v, o and gate, up; mlp: gate, up;
-    attention: q, k, v, o), each adapter's r-wide down-projection, attention's output, and three
+    """Bytes one decoder layer keeps per token under training.recompute.keeps (kit.recompute):
+    the matmul results the policy keeps (matmuls: q, k, v, o and gate, up; mlp_matmuls: gate,
+    up; attention_matmuls: q, k, v, o), each adapter's r-wide down-projection, attention's output, and three
     hidden-wide tensors (the layer's input among them: a count of what compiled NF4 layers keep,
     benchmarks/kept_per_policy.py). Within ~10% of the 8B shape's measured 6.3 / 5.1 / 3.0 GiB per
     2,048-token sequence (benchmarks/results/bench-8b-2xh200-run4.md)."""
     h, i, r = shape.hidden, shape.intermediate, setup.lora_r
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     attention, mlp = q + 2 * kv, 2 * i
-    kept = {"matmuls": attention + mlp, "mlp": mlp, "attention": attention}[setup.checkpoint_keeps]
+    kept = {"matmuls": attention + mlp, "mlp_matmuls": mlp,
+            "attention_matmuls": attention}[setup.recompute_keeps]
     adapters = len(lora_targets(shape, setup.lora_targets)) * setup.adapter_bytes * r
     return DTYPE_BYTES[setup.dtype] * (3 * h + q + kept) + adapters
 
@@ -267,7 +268,7 @@ class Estimate:
         unit, name = (GiB, "GiB") if self.total >= GiB else (2**20, "MiB")
         head = (
             f"{s.engine} x{s.world_size}, {s.quantization}, LoRA r={s.lora_r}, batch {s.batch_size}"
-            f" x seq {s.seq_len}, checkpointing {'on' if s.activation_checkpointing else 'off'}"
+            f" x seq {s.seq_len}, checkpointing {'on' if s.recompute else 'off'}"
         )
         lines = [head] + [f"  {k:<28} {v:8.2f} {name}  {note}" for k, v, note in self.table(unit)]
         lines.append(f"  {'total (allocated peak)':<28} {self.total / unit:8.2f} {name}")
@@ -335,14 +336,14 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
     # Activations and the loss.
     per_layer = activation_bytes_per_token_layer(shape, setup) * tokens
     logits = tokens * shape.vocab * (a + LOGIT_BYTES_FP32_PART)
-    if setup.activation_checkpointing and setup.checkpoint_keeps != "inputs":
+    if setup.recompute and setup.recompute_keeps != "inputs":
         kept = selective_bytes_per_token_layer(shape, setup) * tokens
         parts["activations"] = shape.layers * kept + per_layer
         notes["activations"] = (f"{shape.layers} layers x {kept / tokens / 1024:.0f} KiB/token kept "
-                                f"({setup.checkpoint_keeps}), one layer recomputed in backward")
+                                f"({setup.recompute_keeps}), one layer recomputed in backward")
         parts["logits and loss"] = max(0, logits - per_layer)
         notes["logits and loss"] = "vocab x tokens x (2 + 12) B, beyond the recomputed layer"
-    elif setup.activation_checkpointing:
+    elif setup.recompute:
         inputs = shape.layers * tokens * shape.hidden * a
         parts["activations"] = inputs + per_layer
         notes["activations"] = "each layer's input kept, one layer recomputed in backward"
@@ -368,7 +369,7 @@ def sweep(model, setup: Setup, key: str, values) -> list[Estimate]:
 REFERENCE = {
     "model": "kit:llama-8b",
     "setup": dict(engine="fsdp1", world_size=2, lora_r=16, seq_len=2048, attention="sdpa"),
-    # (activation_checkpointing, batch_size) -> measured peak GiB
+    # (recompute, batch_size) -> measured peak GiB
     "peak_gib": {
         (False, 1): 25.0, (False, 2): 45.1,
         (True, 1): 8.9, (True, 2): 12.9, (True, 4): 20.8, (True, 8): 36.6,
@@ -382,7 +383,7 @@ def compare_with_reference() -> list[dict]:
     for (ckpt, batch), measured in REFERENCE["peak_gib"].items():
         est = estimate(
             REFERENCE["model"],
-            Setup(**REFERENCE["setup"], activation_checkpointing=ckpt, batch_size=batch),
+            Setup(**REFERENCE["setup"], recompute=ckpt, batch_size=batch),
         )
         rows.append(
             dict(checkpointing=ckpt, batch=batch, measured_gib=measured,

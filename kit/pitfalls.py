@@ -120,10 +120,10 @@ def device_map_auto(env) -> dict:
     from accelerate.utils import get_balanced_memory
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kit import tiny
+    from kit import builtin
 
     cfg = _config("sharding.engine=fsdp2")
-    path = tiny.resolve(cfg.model.name)
+    path = builtin.resolve(cfg.model.name)
     gpus = torch.cuda.device_count()
     result = {
         "title": 'device_map="auto" under FSDP',
@@ -168,6 +168,7 @@ def eval_mode_checkpointing(env) -> dict:
     """Count the MLP forwards of the decoder layers in one training step: a checkpointed layer
     runs its body twice (forward, then recompute in backward)."""
     from kit import sharding
+    from kit.layers import decoder_layers
     from kit.recompute import enable_activation_checkpointing
 
     cfg = _config("sharding.engine=fsdp2")
@@ -176,7 +177,7 @@ def eval_mode_checkpointing(env) -> dict:
         model = _peft_model(cfg, env)
         enable_activation_checkpointing(model)
         model.train(mode == "train")  # from_pretrained leaves the model in eval mode
-        layers = sharding.decoder_layers(model)
+        layers = decoder_layers(model)
         calls = [0]
 
         def count(module, args, calls=calls):
@@ -252,14 +253,14 @@ REPRODUCTIONS = {
 def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
+    from kit import builtin
     from kit import dist as kdist
-    from kit import tiny
 
     out, names = Path(argv[0]), argv[1:] or list(REPRODUCTIONS)
     env = kdist.init("auto")
     try:
         with kdist.main_process_first(env):
-            tiny.resolve("kit:tiny-llama")
+            builtin.resolve("kit:tiny-llama")
         for name in names:
             torch.manual_seed(0)
             try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kit import tiny
+from kit import builtin
 from kit.config import Config
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -53,7 +53,7 @@ def load_model(cfg: Config, device: torch.device, attn: str | None = None):
     """from_pretrained the base model onto `device`, quantized per cfg; returns (model, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = tiny.resolve(cfg.model.name)
+    path = builtin.resolve(cfg.model.name)
     kwargs = dict(
         dtype=DTYPES[cfg.model.dtype],
         attn_implementation=attn or attention_implementation(cfg.attention.implementation)[0],

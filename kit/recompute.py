@@ -1,5 +1,6 @@
 """What each decoder layer keeps for backward, and what it computes again (training.* levers).
 
+    apply(model, cfg)                                 # what cfg.training.recompute asks for
     enable_activation_checkpointing(model, every=1)   # whole layers: keep only their inputs
     selective_checkpointing(model, "matmuls", r=16)   # keep the matmuls' results, redo the rest
     compile_layers(model, memory_budget=1.0)          # torch.compile each layer (after sharding)
@@ -7,17 +8,18 @@
 Backward needs what forward computed. Keeping all of it costs ~0.4 GiB per decoder layer and
 2,048-token sequence at the 8B shape (most of it element-wise results: norms, RoPE, SiLU, the
 adapters' dropout copies); recomputing a whole layer costs a second forward, a third more compute.
-Between the two, `training.checkpoint_keeps` chooses what a checkpointed layer keeps:
+Between the two, `training.recompute.keeps` chooses what a checkpointed layer keeps:
 
 - `inputs`: only the layer's input (transformers' own activation checkpointing); backward runs the
   whole layer again, its frozen matmuls included.
 - `matmuls`: the results of the frozen linear layers (q, k, v, o, gate, up, down), of attention and
   of each adapter's down-projection; backward recomputes only the cheap rest (norms, RoPE, SiLU,
   dropout from its saved RNG state, the adapters' up-projections). No base-model matmul runs twice.
-- `mlp`: as `matmuls`, except the attention block's projections (q, k, v, o), which are recomputed
-  (about a fifth of the layer's matmul work runs twice).
-- `attention`: as `matmuls`, except the MLP's gate and up projections, the widest results, which
-  are recomputed (about half of the layer's matmul work runs twice).
+- `mlp_matmuls`: the MLP's gate and up projections (the widest results), attention's and the
+  adapters'; q, k, v, o and down are recomputed (about a fifth of the layer's matmul work runs
+  twice).
+- `attention_matmuls`: as `matmuls`, except the MLP's gate and up projections, which are
+  recomputed (about half of the layer's matmul work runs twice).
 
 This is torch's selective activation checkpointing (`torch.utils.checkpoint` with
 `create_selective_checkpoint_contexts`): a policy sees each operation of the layer's forward and
@@ -32,19 +34,15 @@ import types
 
 import torch
 
-KEEPS = ("inputs", "matmuls", "mlp", "attention")
+from kit.layers import decoder_layers
+
+KEEPS = ("inputs", "matmuls", "mlp_matmuls", "attention_matmuls")
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 _ATTENTION = {getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_flash_attention_forward", "_efficient_attention_forward",
 ) if hasattr(torch.ops.aten, name)}  # fmt: skip
-
-
-def _decoder_layers(model) -> list:
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def enable_activation_checkpointing(model, every: int = 1) -> list[int]:
@@ -58,7 +56,7 @@ def enable_activation_checkpointing(model, every: int = 1) -> list[int]:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         layer.gradient_checkpointing = i % every == 0
     return [i for i, layer in enumerate(layers) if layer.gradient_checkpointing]
@@ -78,7 +76,7 @@ def _matmul_shape(op, args) -> tuple[int, int] | None:
 
 
 def save_policy(keeps: str, rank: int, mlp_width: int):
-    """The policy for `keeps` ('matmuls', 'mlp' or 'attention'): which results of a decoder layer's
+    """The policy for `keeps` ('matmuls', 'mlp_matmuls' or 'attention_matmuls'): which results of a decoder layer's
     forward backward gets from memory. Matmuls are told apart by shape: an adapter's
     down-projection has `rank` outputs, its up-projection `rank` inputs; the MLP's gate and up
     projections have `mlp_width` outputs (2 x that when fused). Everything not saved is
@@ -86,7 +84,7 @@ def save_policy(keeps: str, rank: int, mlp_width: int):
     from torch.utils.checkpoint import CheckpointPolicy
 
     if keeps not in KEEPS[1:]:
-        raise ValueError(f"training.checkpoint_keeps: {keeps!r} has no policy; expected "
+        raise ValueError(f"training.recompute.keeps: {keeps!r} has no policy; expected "
                          f"one of {KEEPS[1:]}")
 
     def policy(ctx, op, *args, **kwargs):
@@ -101,7 +99,7 @@ def save_policy(keeps: str, rank: int, mlp_width: int):
         if inner == rank:  # adapter up-projection: recomputing it costs next to nothing
             return CheckpointPolicy.PREFER_RECOMPUTE
         in_mlp = out in (mlp_width, 2 * mlp_width)
-        if (keeps == "attention" and in_mlp) or (keeps == "mlp" and not in_mlp):
+        if (keeps == "attention_matmuls" and in_mlp) or (keeps == "mlp_matmuls" and not in_mlp):
             return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE
 
@@ -129,11 +127,22 @@ def selective_checkpointing(model, keeps: str, rank: int, every: int = 1) -> lis
                           context_fn=context_fn, **kwargs)
 
     chosen = []
-    for i, layer in enumerate(_decoder_layers(model)):
+    for i, layer in enumerate(decoder_layers(model)):
         if i % every == 0:
             layer.forward = types.MethodType(forward, layer)
             chosen.append(i)
     return chosen
+
+
+def apply(model, cfg) -> list[int]:
+    """Switch on what cfg.training.recompute asks for (before sharding); returns the indices of
+    the recomputed decoder layers ([] when recompute is off)."""
+    rc = cfg.training.recompute
+    if not rc.enabled:
+        return []
+    if rc.keeps == "inputs":
+        return enable_activation_checkpointing(model, rc.every)
+    return selective_checkpointing(model, rc.keeps, cfg.lora.r, rc.every)
 
 
 def compile_layers(model, memory_budget: float = 1.0) -> int:
@@ -151,7 +160,7 @@ def compile_layers(model, memory_budget: float = 1.0) -> int:
     import torch._functorch.config as functorch_config
 
     functorch_config.activation_memory_budget = memory_budget
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     for layer in layers:
         layer.forward = torch.compile(layer.forward)
     return len(layers)

@@ -87,10 +87,10 @@ def _load(quantization=None, attn="sdpa"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from kit import tiny
+    from kit import builtin
 
     return AutoModelForCausalLM.from_pretrained(
-        tiny.resolve("kit:tiny-llama"),
+        builtin.resolve("kit:tiny-llama"),
         dtype=torch.bfloat16,
         quantization_config=quantization or _bnb(),
         attn_implementation=attn,
@@ -420,7 +420,7 @@ def _forwards_and_saved_bytes(model) -> tuple[int, int]:
     again), and the bytes autograd kept for backward."""
     import torch
 
-    from kit.sharding import decoder_layers
+    from kit.layers import decoder_layers
 
     calls = []  # transformers checkpoints a layer's forward, not its hooks: count a child's
     for layer in decoder_layers(model):
@@ -466,8 +466,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
+    from kit import builtin
     from kit import dist as kdist
-    from kit import tiny
 
     parser = argparse.ArgumentParser(prog="torchrun ... -m kit.repro")
     parser.add_argument("cases", nargs="+", choices=sorted(CASES))
@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     env = kdist.init("cpu", timeout_min=2)
     with kdist.main_process_first(env):
-        tiny.resolve("kit:tiny-llama")
+        builtin.resolve("kit:tiny-llama")
     report, failed = {}, False
     target = Path(args.out) / f"rank{env.rank}.json"
     for name in args.cases:

@@ -1,8 +1,7 @@
 """Sharding the PEFT model: FSDP2 (`fully_shard`), FSDP1 (`FullyShardedDataParallel`) or DDP.
 
-The wrapping unit is the model's own decoder-layer class, read from `_no_split_modules` (what
-transformers itself refuses to split across devices), so any causal LM works without naming
-LlamaDecoderLayer anywhere.
+The wrapping unit is the model's own decoder layer (kit.layers: the classes it names in
+`_no_split_modules`), so any causal LM works without naming LlamaDecoderLayer anywhere.
 """
 
 from __future__ import annotations
@@ -14,25 +13,8 @@ import torch
 from torch import nn
 
 from kit.config import Config
+from kit.layers import decoder_layer_classes, decoder_layers
 from kit.quantize import DTYPES
-
-
-def decoder_layer_classes(model: nn.Module) -> set[type]:
-    names: set[str] = set()
-    for m in model.modules():
-        names.update(getattr(m, "_no_split_modules", None) or [])
-    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
-    if not classes:
-        raise ValueError(
-            f"model.name: {type(model).__name__} declares no _no_split_modules found in it; "
-            "the kit cannot tell its decoder layers apart"
-        )
-    return classes
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    classes = tuple(decoder_layer_classes(model))
-    return [m for m in model.modules() if isinstance(m, classes)]
 
 
 def shard(model: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
@@ -246,7 +228,7 @@ def report_rank(cfg: Config, env, out) -> dict:
 
     model, _ = quantize.load_model(cfg, env.device)
     peft_model = lora.apply_lora(model, cfg)
-    if cfg.training.activation_checkpointing:
+    if cfg.training.recompute.enabled:
         enable_activation_checkpointing(peft_model)
     peft_model.train()
     before = held(peft_model)
@@ -281,8 +263,8 @@ def _report_main(argv: list[str]) -> int:
 
     import torch.distributed as dist
 
+    from kit import builtin
     from kit import dist as kdist
-    from kit import tiny
     from kit.config import load_config
 
     parser = argparse.ArgumentParser(prog="python -m kit.sharding")
@@ -296,7 +278,7 @@ def _report_main(argv: list[str]) -> int:
     env = kdist.init(cfgs[0].training.device, cfgs[0].run.dist_timeout_min)
     try:
         with kdist.main_process_first(env):
-            tiny.resolve(cfgs[0].model.name)
+            builtin.resolve(cfgs[0].model.name)
         for cfg in cfgs:
             torch.manual_seed(cfg.training.seed)
             row = report_rank(cfg, env, args.report)

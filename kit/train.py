@@ -22,11 +22,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from kit import checkpoint, data, faults, lora, quantize, recompute, sharding, tiny
+from kit import builtin, checkpoint, checks, data, faults, lora, model, recompute, sharding
 from kit import dist as kdist
-from kit import loss as kloss
 from kit.config import Config, ConfigError, load_config
-from kit.doctor import run as checks
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -53,45 +51,29 @@ class Recipe:
         if env.is_main:
             self._claim_output_dir()
             (self.out / "config.yaml").write_text(cfg.to_yaml())
-        attn, warning = quantize.attention_implementation(cfg.attention.implementation)
-        if warning:
-            self.say(warning)
         with kdist.main_process_first(env):  # rank 0 builds kit models / fills caches first
-            tiny.resolve(cfg.model.name)
+            builtin.resolve(cfg.model.name)
             data.warm_cache(cfg.data)
-        model, self.tokenizer = quantize.load_model(cfg, env.device, attn)
-        if cfg.data.packing:  # with a KV cache, transformers ignores packing (kit.data)
-            model.config.use_cache = False
+        built = model.build(cfg, env.device)
+        if built.attention_warning:
+            self.say(built.attention_warning)
+        self.peft_model, self.tokenizer = built.model, built.tokenizer
         self.train_rows, self.val_rows = data.build_datasets(
             cfg.data, self.tokenizer, cfg.training.seed
         )
-        torch.manual_seed(cfg.training.seed)  # the same LoRA init on every rank
-        self.peft_model = lora.apply_lora(model, cfg)
-        if cfg.lora.recompute:
-            lora.recompute_adapters(self.peft_model)
         self.adapter_layout = checkpoint.AdapterLayout(self.peft_model)  # before sharding
         self._check_same_init()
         self.params = lora.trainable_summary(self.peft_model)
+        t, rc = cfg.training, cfg.training.recompute
         self.say(
             f"{cfg.model.name}: {self.params['trainable']:,} trainable of "
             f"{self.params['total']:,} params ({self.params['percent']:.3f}%); "
             f"quantization={cfg.quantization.method} engine={cfg.sharding.engine} "
-            f"attention={attn} world={env.world_size} device={env.device.type}"
+            f"attention={built.attention} world={env.world_size} device={env.device.type}"
         )
-        t = cfg.training
-        if t.activation_checkpointing and t.checkpoint_keeps == "inputs":
-            done = recompute.enable_activation_checkpointing(self.peft_model, t.checkpoint_every)
-        elif t.activation_checkpointing:
-            done = recompute.selective_checkpointing(self.peft_model, t.checkpoint_keeps,
-                                                     cfg.lora.r, t.checkpoint_every)
-        if t.activation_checkpointing and (t.checkpoint_every > 1 or t.checkpoint_keeps != "inputs"):
-            self.say(f"activation checkpointing: {len(done)} decoder layers recompute, keeping "
-                     f"their {t.checkpoint_keeps}")
-        kloss.install(self.peft_model, cfg.training.loss)
-        # from_pretrained returns eval mode, where HF checkpointing silently does nothing.
-        self.peft_model.train()
-        for finding in checks.check_checkpointing_active(self.peft_model):
-            raise RuntimeError(str(finding))
+        if rc.enabled and (rc.every > 1 or rc.keeps != "inputs"):
+            self.say(f"recompute: {len(built.recomputed)} decoder layers, keeping their "
+                     f"{rc.keeps}")
         self.model = sharding.shard(self.peft_model, cfg, env.device)
         if t.compile:
             n = recompute.compile_layers(self.model, t.activation_memory_budget)
@@ -102,7 +84,7 @@ class Recipe:
         self.optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = self._scheduler()
         torch.manual_seed(t.seed + env.rank)  # dropout differs per rank, as data does
-        one_row = cfg.data.packing and attn.startswith("flash_attention")
+        one_row = cfg.data.packing and built.attention.startswith("flash_attention")
         self.train_batches = data.Batches(data.loader(
             self.train_rows, t.batch_size, env.rank, env.world_size, t.seed, True, one_row
         ))
@@ -237,7 +219,7 @@ class Recipe:
                 self.log({"split": "train", **row})
             if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
                 self.log({"split": "val", "step": step, "loss": self.evaluate()})
-            self._doctor(row, step, lora_start)
+            self._check(row, step, lora_start)
             faults.maybe_fail(step, env.rank)
             if c.save_every and step % c.save_every == 0:
                 folder = checkpoint.save_training_state(
@@ -252,8 +234,8 @@ class Recipe:
         bar.close()
         self.last_step = last
 
-    def _doctor(self, row: dict, step: int, lora_start: dict) -> None:
-        """In-run checks (kit.doctor): NaN/inf, a slow rank, adapters that do not move."""
+    def _check(self, row: dict, step: int, lora_start: dict) -> None:
+        """In-run checks (kit.checks): NaN/inf, a slow rank, adapters that do not move."""
         for finding in checks.check_step(row):
             raise FloatingPointError(str(finding))
         for finding in checks.check_rank_times(row["step_s_per_rank"], step):

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
-from kit import attention, quantize, tiny
+from kit import attention, builtin, quantize
 from kit.config import ConfigError, load_config
 from kit.recompute import enable_activation_checkpointing
 
@@ -23,7 +23,7 @@ def tiny_model(implementation: str):
     assert warning is None
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_pretrained(
-        tiny.resolve("kit:tiny-llama"), dtype=torch.float32, attn_implementation=impl
+        builtin.resolve("kit:tiny-llama"), dtype=torch.float32, attn_implementation=impl
     )
 
 
@@ -167,7 +167,7 @@ def test_sweep_records_failures_as_rows(monkeypatch):
 
 
 def test_checkpointing_settings_and_failed_runs_as_rows(tmp_path):
-    assert attention.setting_overrides("every-4")[-1] == "training.checkpoint_every=4"
+    assert attention.setting_overrides("every-4")[-1] == "training.recompute.every=4"
     for bad in ("every-0", "some", "every-x"):
         with pytest.raises(ConfigError, match="checkpointing setting: .* expected 'none', 'full'"):
             attention.setting_overrides(bad)

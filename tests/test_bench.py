@@ -13,7 +13,7 @@ from conftest import ROOT
 from kit import bench
 
 pytestmark = pytest.mark.slow
-TINY_MATRIX = ROOT / "kit" / "configs" / "bench-tiny.yaml"
+TINY_MATRIX = ROOT / "benchmarks" / "matrices" / "bench-tiny.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_report_names_the_oom_and_compares_recipes(tiny_bench):
 def test_flops_per_token_of_the_8b_shape():
     from transformers import LlamaConfig
 
-    from kit.tiny import SPECS
+    from kit.builtin import SPECS
 
     spec = {k: v for k, v in SPECS["llama-8b"].items() if k != "model_type"}
     flops = bench.flops_per_token(LlamaConfig(**spec), 2048)

@@ -6,9 +6,9 @@ import pytest
 
 from kit.config import ConfigError, load_config
 
-ALL_YAML = sorted((Path(__file__).parents[1] / "kit" / "configs").glob("*.yaml"))
-CONFIGS = [p for p in ALL_YAML if not p.name.startswith("bench-")]
-MATRICES = [p for p in ALL_YAML if p.name.startswith("bench-")]
+ROOT = Path(__file__).parents[1]
+CONFIGS = sorted((ROOT / "kit" / "configs").glob("*.yaml"))  # the recipes a learner runs
+MATRICES = sorted((ROOT / "benchmarks" / "matrices").glob("*.yaml"))  # kit.bench's matrices
 
 
 def test_overrides_apply_and_coerce():
@@ -23,6 +23,11 @@ def test_shipped_configs_load_and_open_with_their_command(path):
     load_config(path)
     first = path.read_text().splitlines()[:4]
     assert any("kit.train" in line for line in first), first
+
+
+def test_configs_hold_recipes_and_benchmarks_hold_matrices():
+    assert CONFIGS and MATRICES
+    assert not any("cases" in p.read_text() for p in CONFIGS)
 
 
 @pytest.mark.parametrize("path", MATRICES, ids=lambda p: p.name)
@@ -52,14 +57,14 @@ def test_benchmark_matrices_hold_valid_kit_configs(path):
          "training.activation_memory_budget: 0.0 is not allowed; expected a number in (0, 1]"),
         (["training.activation_memory_budget=0.5"],
          "training.activation_memory_budget: 0.5 is not allowed; only 1.0 without training.compile=true"),
-        (["training.activation_checkpointing=false", "training.checkpoint_keeps=matmuls"],
-         "training.checkpoint_keeps: 'matmuls' is not allowed; only 'inputs' with training.activation_checkpointing=false"),
-        (["training.compile=true", "training.checkpoint_keeps=mlp", "training.activation_memory_budget=0.5"],
-         "training.activation_memory_budget: 0.5 is not allowed; only 1.0 with training.checkpoint_keeps='mlp'"),
-        (["training.checkpoint_keeps=attention", "lora.recompute=true"],
-         "lora.recompute: True is not allowed; only false with training.checkpoint_keeps='attention'"),
-        (["training.checkpoint_keeps=all"],
-         "training.checkpoint_keeps: 'all' is not allowed; expected one of 'inputs', 'matmuls', 'mlp', 'attention'"),
+        (["training.recompute.enabled=false", "training.recompute.keeps=matmuls"],
+         "training.recompute.keeps: 'matmuls' is not allowed; only 'inputs' with training.recompute.enabled=false"),
+        (["training.compile=true", "training.recompute.keeps=mlp_matmuls", "training.activation_memory_budget=0.5"],
+         "training.activation_memory_budget: 0.5 is not allowed; only 1.0 with training.recompute.keeps='mlp_matmuls'"),
+        (["training.recompute.keeps=attention_matmuls", "lora.recompute=true"],
+         "lora.recompute: True is not allowed; only false with training.recompute.keeps='attention_matmuls'"),
+        (["training.recompute.keeps=all"],
+         "training.recompute.keeps: 'all' is not allowed; expected one of 'inputs', 'matmuls', 'mlp_matmuls', 'attention_matmuls'"),
         (["training.loss=fast"], "training.loss: 'fast' is not allowed; expected one of 'hf', 'chunked', 'fused'"),
         (["sharding.engine=fsdp1", "quantization.storage=uint8"], "FSDP1 cannot flatten integer tensors"),
         (["sharding.engine=fsdp1", "lora.dtype=float32"], "lora.dtype: 'float32' is not allowed; FSDP1 flattens one dtype"),
@@ -67,6 +72,15 @@ def test_benchmark_matrices_hold_valid_kit_configs(path):
         (["sharding.engine=fsdp1", "sharding.strategy=SHARD_GRAD_OP"], "SHARD_GRAD_OP fails with 4-bit"),
         (["model.dtype=float32", "attention.implementation=flash_attention_2"], "flash attention needs model.dtype"),
         (["training"], "override 'training': expected key=value"),
+        # Renamed keys: one line to the new name (activation recomputation is not a checkpoint).
+        (["training.activation_checkpointing=false"],
+         "training.activation_checkpointing: renamed; use training.recompute.enabled"),
+        (["training.checkpoint_every=2"],
+         "training.checkpoint_every: renamed; use training.recompute.every"),
+        (["training.checkpoint_keeps=mlp"],
+         "training.checkpoint_keeps: renamed; use training.recompute.keeps (inputs, matmuls, "
+         "mlp_matmuls, attention_matmuls; mlp -> mlp_matmuls"),
+        (["training.recompute.every=0"], "training.recompute.every: 0 is not allowed; expected an integer >= 1"),
     ],
 )
 def test_bad_values_get_one_line_naming_the_field(overrides, message):

@@ -4,13 +4,13 @@ import json
 
 import pytest
 
-from kit import data, tiny
+from kit import builtin, data
 from kit.config import ConfigError, DataConfig
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return tiny.train_tokenizer()
+    return builtin.train_tokenizer()
 
 
 def write(tmp_path, kind):
@@ -82,7 +82,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tiny_llama():
-    return tiny.resolve("kit:tiny-llama")
+    return builtin.resolve("kit:tiny-llama")
 
 
 def samples(tokenizer, texts, max_len):

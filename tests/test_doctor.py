@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from kit import doctor
 from kit.doctor.__main__ import main as cli
-from kit.doctor.findings import LEVELS
+from kit.findings import LEVELS
 
 CPU = {"gpus": [], "vars": {}, "host_ram_gib": 24.0, "nproc_per_node": 2}
 H100 = {
@@ -73,7 +73,7 @@ CHECKS = [
     ("dist_timeout_short", ["model.name=kit:llama-8b", "run.dist_timeout_min=1"], CPU,
      ["model.name=kit:llama-8b"], CPU),
     ("memory_over_gpu", [*LLAMA_8B_LONG, "training.batch_size=16",
-                         "training.activation_checkpointing=false"], H100,
+                         "training.recompute.enabled=false"], H100,
      [*LLAMA_8B_LONG, "training.batch_size=1"], H100),
     ("target_modules_unmatched", ["lora.target_modules=[query_key_value]"], CPU,
      ["lora.target_modules=[q_proj,v_proj]"], CPU),
@@ -344,7 +344,7 @@ def tiny_peft_model():
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kit.tiny import SPECS
+    from kit.builtin import SPECS
 
     spec = dict(SPECS["tiny-llama"])
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from kit import tiny
+from kit import builtin
 from kit.loss import chunked_causal_lm_loss, install
 from kit.recompute import enable_activation_checkpointing
 
@@ -35,7 +35,7 @@ def test_chunked_loss_equals_transformers_loss(dtype, num_items):
 
 def _tiny_model():
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_pretrained(tiny.resolve("kit:tiny-llama"), dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(builtin.resolve("kit:tiny-llama"), dtype=torch.float32)
 
 
 def test_chunked_loss_in_the_model_gives_the_same_loss():
@@ -168,7 +168,7 @@ def test_compiled_layers_under_fsdp2_compile_once_for_all_layers(tmp_path, monke
     from kit.config import load_config
     from kit.train import Recipe
 
-    src = tiny.resolve("kit:tiny-llama")  # its tokenizer, with four layers instead of two
+    src = builtin.resolve("kit:tiny-llama")  # its tokenizer, with four layers instead of two
     shutil.copytree(src, tmp_path / "model")
     config = AutoConfig.from_pretrained(src)
     config.num_hidden_layers = 4
@@ -179,7 +179,7 @@ def test_compiled_layers_under_fsdp2_compile_once_for_all_layers(tmp_path, monke
     cfg = load_config(None, [
         f"model.name={tmp_path / 'model'}", "training.device=cpu", "sharding.engine=fsdp2",
         "quantization.method=nf4", "training.compile=true",
-        "training.activation_checkpointing=false", "training.batch_size=2",
+        "training.recompute.enabled=false", "training.batch_size=2",
         "data.max_seq_len=32", f"run.output_dir={tmp_path / 'run'}",
     ])
     torch._dynamo.reset()
@@ -251,7 +251,7 @@ def test_fused_loss_refuses_heads_it_cannot_fuse():
         install(capped, "fused")
 
 
-# --------------------------------------------------------------------------- training.checkpoint_keeps
+# --------------------------------------------------------------------------- training.recompute.keeps
 
 
 def test_policies_tell_the_matmuls_apart_4bit_included():

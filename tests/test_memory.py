@@ -15,7 +15,7 @@ LLAMA3_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
 
 
 def test_shape_from_kit_name_dict_and_folder_agree(tmp_path):
-    from kit.tiny import SPECS
+    from kit.builtin import SPECS
 
     by_name = memory.shape_of("kit:llama-8b")
     assert by_name == memory.shape_of(SPECS["llama-8b"])
@@ -59,11 +59,11 @@ def test_4bit_weights_cost_half_a_byte_plus_scales():
 
 
 def test_checkpointing_cuts_activations_and_activations_scale_with_tokens():
-    on = estimate("kit:llama-8b", Setup(activation_checkpointing=True))
-    off = estimate("kit:llama-8b", Setup(activation_checkpointing=False))
+    on = estimate("kit:llama-8b", Setup(recompute=True))
+    off = estimate("kit:llama-8b", Setup(recompute=False))
     assert on.parts["activations"] < off.parts["activations"] / 10
     assert on.total < off.total / 2
-    base = Setup(activation_checkpointing=False, batch_size=1, seq_len=1024)
+    base = Setup(recompute=False, batch_size=1, seq_len=1024)
     for key, small, big in (("batch_size", 1, 2), ("seq_len", 1024, 2048)):
         one = estimate("kit:llama-8b", base, **{key: small})
         two = estimate("kit:llama-8b", base, **{key: big})
@@ -161,15 +161,15 @@ def test_total_is_sum_of_parts_in_gib():
 
 
 def test_selective_checkpointing_estimate_sits_between_full_and_none():
-    """training.checkpoint_keeps in the estimate: the 8B shape's measured GiB per 2,048-token
+    """training.recompute.keeps in the estimate: the 8B shape's measured GiB per 2,048-token
     sequence on 2x H200 (benchmarks/results/bench-8b-2xh200-run4.md) within 15%."""
     shape8 = memory.shape_of("kit:llama-8b")
-    measured = {"matmuls": 6.3, "mlp": 5.1, "attention": 3.0}
+    measured = {"matmuls": 6.3, "mlp_matmuls": 5.1, "attention_matmuls": 3.0}
     for keeps, gib in measured.items():
-        setup = memory.Setup(checkpoint_keeps=keeps)
+        setup = memory.Setup(recompute_keeps=keeps)
         per_seq = memory.selective_bytes_per_token_layer(shape8, setup) * 2048 * shape8.layers
         assert abs(per_seq / 2**30 - gib) < 0.15 * gib, (keeps, per_seq / 2**30)
     totals = [memory.estimate("kit:llama-8b", memory.Setup(batch_size=4, **kw)).total_gib
-              for kw in ({"activation_checkpointing": False}, {"checkpoint_keeps": "matmuls"},
-                         {"checkpoint_keeps": "attention"}, {})]
+              for kw in ({"recompute": False}, {"recompute_keeps": "matmuls"},
+                         {"recompute_keeps": "attention_matmuls"}, {})]
     assert totals == sorted(totals, reverse=True), totals

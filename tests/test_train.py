@@ -63,7 +63,7 @@ def test_second_architecture_qwen2(tmp_path, engine):
 def test_chat_messages_with_gradient_accumulation(tmp_path):
     out = tmp_path / "run"
     torchrun(out, "data.path=kit:sample-chat", "training.grad_accum=2", "training.batch_size=4",
-             "training.activation_checkpointing=false")
+             "training.recompute.enabled=false")
     check_trained_and_saved(out)
 
 

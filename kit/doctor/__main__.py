@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 from kit.doctor.explain import explain
-from kit.doctor.findings import Finding, errors, ordered
 from kit.doctor.preflight import preflight
 from kit.doctor.run import diagnose_run
 from kit.doctor.script import scan_script
+from kit.findings import Finding, errors, ordered
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from kit.doctor.context import ROOT
 from kit.doctor.explain import explain
-from kit.doctor.findings import Finding, codes, ordered
 from kit.doctor.preflight import preflight
 from kit.doctor.script import scan_script
+from kit.findings import Finding, codes, ordered
 from kit.torchrun import torchrun
 
 

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import yaml
 
 from kit.config import Config, ConfigError, _set_override
-from kit.doctor.findings import Finding
+from kit.findings import Finding
 
 KIT = Path(__file__).resolve().parents[1]
 ROOT = KIT.parent  # the checkout: runs start here, relative data paths resolve here
@@ -122,7 +122,7 @@ def from_accelerate(acc: dict) -> dict:
         },
     }
     if "fsdp_activation_checkpointing" in fsdp:
-        tree["training"] = {"activation_checkpointing": bool(fsdp["fsdp_activation_checkpointing"])}
+        tree["training"] = {"recompute": {"enabled": bool(fsdp["fsdp_activation_checkpointing"])}}
     return tree
 
 
@@ -163,14 +163,14 @@ LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"}
 def model_config(name: str, trust_remote_code: bool = False) -> dict:
     """The transformers config of model.name as a dict: a kit model's spec, a local folder's
     config.json, or a hub id already in the local cache (nothing is downloaded)."""
-    from kit import tiny
+    from kit import builtin
 
-    if tiny.is_builtin(name):
-        key = name[len(tiny.PREFIX) :]
-        if key not in tiny.SPECS:
-            allowed = ", ".join(tiny.PREFIX + k for k in tiny.SPECS)
+    if builtin.is_builtin(name):
+        key = name[len(builtin.PREFIX) :]
+        if key not in builtin.SPECS:
+            allowed = ", ".join(builtin.PREFIX + k for k in builtin.SPECS)
             raise ValueError(f"{name!r} is not a kit model; allowed: {allowed}")
-        return dict(tiny.SPECS[key])
+        return dict(builtin.SPECS[key])
     local = Path(name).expanduser() / "config.json"
     if local.is_file():
         return json.loads(local.read_text())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from kit.doctor.findings import LEVELS, Finding
+from kit.findings import LEVELS, Finding
 
 EXPLAIN: list[tuple] = [
     # (regex over the raw text, code, cause, fix[, level: 'error' unless given])
@@ -66,7 +66,7 @@ EXPLAIN: list[tuple] = [
         "cuda_oom",
         "a GPU ran out of memory (model shard + activations + logits exceed it, or fragmentation)",
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; lower batch_size or max_seq_len; "
-        "activation_checkpointing=true; more GPUs",
+        "training.recompute.enabled=true; more GPUs",
     ),
     (
         r"Watchdog caught collective operation timeout|Timed out waiting \d+ms|"

@@ -26,7 +26,7 @@ from kit.doctor.context import (
     namespace,
     read_config,
 )
-from kit.doctor.findings import Finding, ordered
+from kit.findings import Finding, ordered
 
 # Conservative bytes/s for moving a whole model once: a network filesystem, one TCP stream, or
 # rank 0 writing a checkpoint while the others wait in a collective.
@@ -337,7 +337,7 @@ def _gpu_memory(c: Context) -> list[Finding]:
             "memory_over_gpu",
             f"estimated peak {total:.1f} GiB per GPU ({needed:.1f} with headroom) vs {gpu:.1f} GiB "
             f"on {c.env['gpus'][0]['name']}: 'CUDA out of memory'",
-            "lower training.batch_size or data.max_seq_len, turn on activation_checkpointing, or "
+            "lower training.batch_size or data.max_seq_len, turn on training.recompute.enabled, or "
             "add GPUs (FSDP shards the weights)",
         )
     ]

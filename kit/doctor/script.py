@@ -13,7 +13,7 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
-from kit.doctor.findings import Finding, ordered
+from kit.findings import Finding, ordered
 
 
 @dataclass(frozen=True)

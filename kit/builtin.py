@@ -1,4 +1,4 @@
-"""Models the kit builds itself, so that nothing is downloaded at run time.
+"""The registry of built-in models: `kit:<name>` shapes the kit builds itself, so that nothing is downloaded at run time.
 
 ``kit:<name>`` in ``model.name`` resolves to a folder written here with ``save_pretrained`` (config,
 random weights, a tokenizer trained offline on the kit's bundled text). The recipe then loads that

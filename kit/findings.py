@@ -1,4 +1,5 @@
-"""What every doctor check returns: a Finding, one line of problem and one line of fix."""
+"""What every check returns (the doctor before and after a run, the recipe during it): a Finding,
+one line of problem and one line of fix. Imports nothing of the kit: both sides use it."""
 
 from __future__ import annotations
 

@@ -1,0 +1,54 @@
+"""The model a rank trains, built one way: load (quantized) -> LoRA -> recompute -> loss -> train().
+
+    built = build(cfg, env.device)        # then kit.sharding wraps built.model
+    built.model, built.tokenizer, built.attention, built.recomputed
+
+The recipe (kit.train), notebook 04's per-rank report (kit.sharding), the memory measurements
+(kit.memory), the pitfall reproductions' fixed side and the benchmarks/ scripts all call this, so
+the order of operations lives in one place. Each step is its own module: kit.quantize (load),
+kit.lora, kit.recompute, kit.loss. Sharding comes after, and is the caller's: what it wraps
+depends on the engine (kit.sharding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kit import lora, quantize, recompute
+from kit import loss as kloss
+from kit.checks import check_checkpointing_active
+from kit.config import Config
+
+
+@dataclass
+class Built:
+    model: torch.nn.Module  # the PEFT model, in train mode, not yet sharded
+    tokenizer: object
+    attention: str  # the implementation transformers was given (kit.attention.resolve)
+    attention_warning: str | None  # e.g. flash_attention_2 fell back to sdpa
+    recomputed: list[int]  # indices of the decoder layers recomputed in backward
+
+
+def build(cfg: Config, device: torch.device, *, train: bool = True) -> Built:
+    """Load the base model onto `device` (quantized per cfg), add LoRA seeded with
+    training.seed (the same adapter on every rank), switch on recomputation and the loss, and put
+    it in train mode (from_pretrained returns eval mode, where transformers' recompute silently
+    does nothing). train=False stops after LoRA: the model as loaded, for looking inside."""
+    attn, warning = quantize.attention_implementation(cfg.attention.implementation)
+    model, tokenizer = quantize.load_model(cfg, device, attn)
+    if cfg.data.packing:  # with a KV cache, transformers ignores packing (kit.data)
+        model.config.use_cache = False
+    torch.manual_seed(cfg.training.seed)  # the same LoRA init on every rank
+    peft_model = lora.apply_lora(model, cfg)
+    if not train:
+        return Built(peft_model, tokenizer, attn, warning, [])
+    if cfg.lora.recompute:
+        lora.recompute_adapters(peft_model)
+    recomputed = recompute.apply(peft_model, cfg)
+    kloss.install(peft_model, cfg.training.loss)
+    peft_model.train()
+    for finding in check_checkpointing_active(peft_model):
+        raise RuntimeError(str(finding))
+    return Built(peft_model, tokenizer, attn, warning, recomputed)
