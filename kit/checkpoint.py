@@ -205,15 +205,15 @@ def _trainable_only(wrapped, state: dict) -> dict:
     return {k: v for k, v in state.items() if k in names}
 
 
-def save_training_state(*, wrapped, optimizer, scheduler, batches, step, env, fmt, output_dir,
-                        layout: AdapterLayout, keep_last: int = 0, tokenizer=None) -> Path:
+def save_training_state(*, wrapped, engine, optimizer, scheduler, batches, step, env, fmt,
+                        output_dir, layout: AdapterLayout, keep_last: int = 0,
+                        tokenizer=None) -> Path:
     """Write checkpoint `step` (a collective: every rank calls it). Returns the folder."""
     import time
 
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
     )
@@ -228,12 +228,7 @@ def save_training_state(*, wrapped, optimizer, scheduler, batches, step, env, fm
         tmp.mkdir(parents=True)
     dist.barrier()
     full = fmt == "full"
-    # cpu_offload makes FSDP1 gather to rank 0 only, and get_model_state_dict then fails on the
-    # other ranks while dropping frozen keys (KeyError, torch 2.11, 2x H200): FSDP1 gathers the
-    # (small, trainable-only) state on every device instead, and rank 0 moves it to the CPU.
-    fsdp1 = type(wrapped).__name__ == "FullyShardedDataParallel"
-    options = StateDictOptions(full_state_dict=full, ignore_frozen_params=True,
-                               cpu_offload=full and env.device.type == "cuda" and not fsdp1)
+    options = engine.state_dict_options(full=full, device=env.device)  # kit.engines
     model_state = _trainable_only(wrapped, get_model_state_dict(wrapped, options=options))
     optim_state = get_optimizer_state_dict(wrapped, optimizer, options=options)
     if full:

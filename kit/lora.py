@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kit import engines
 from kit.config import Config, ConfigError
-from kit.quantize import DTYPES
-
-
-def adapter_dtype(cfg: Config) -> torch.dtype:
-    """float32 by default; FSDP1 flattens one dtype per unit, so there it is model.dtype."""
-    if cfg.lora.dtype != "auto":
-        return DTYPES[cfg.lora.dtype]
-    return DTYPES[cfg.model.dtype] if cfg.sharding.engine == "fsdp1" else torch.float32
 
 
 def linear_module_names(model) -> list[str]:
@@ -24,7 +17,8 @@ def linear_module_names(model) -> list[str]:
 
 
 def apply_lora(model, cfg: Config):
-    """Wrap `model` with PEFT LoRA per cfg.lora; adapters cast to adapter_dtype(cfg)."""
+    """Wrap `model` with PEFT LoRA per cfg.lora; adapters cast to the dtype the sharding engine
+    needs (kit.engines: float32, or model.dtype under FSDP1, which flattens one dtype per unit)."""
     from peft import LoraConfig, get_peft_model
 
     lc = cfg.lora
@@ -47,7 +41,7 @@ def apply_lora(model, cfg: Config):
             f"lora.target_modules: {targets!r} matches no module of the model; "
             f"allowed: 'all-linear' or names among {names}"
         ) from None
-    dtype = adapter_dtype(cfg)
+    dtype = engines.get(cfg.sharding.engine).adapter_dtype(cfg)
     for p in peft_model.parameters():
         if p.requires_grad:
             p.data = p.data.to(dtype)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from kit import builtin, checkpoint, checks, data, faults, lora, model, recompute, sharding
+from kit import builtin, checkpoint, checks, data, engines, faults, lora, model, recompute
 from kit import dist as kdist
 from kit.config import Config, ConfigError, load_config
 
@@ -74,7 +74,8 @@ class Recipe:
         if rc.enabled and (rc.every > 1 or rc.keeps != "inputs"):
             self.say(f"recompute: {len(built.recomputed)} decoder layers, keeping their "
                      f"{rc.keeps}")
-        self.model = sharding.shard(self.peft_model, cfg, env.device)
+        self.engine = engines.get(cfg.sharding.engine)
+        self.model = self.engine.wrap(self.peft_model, cfg, env.device)
         if t.compile:
             n = recompute.compile_layers(self.model, t.activation_memory_budget)
             self.say(f"torch.compile: {n} decoder layers" + (
@@ -162,16 +163,14 @@ class Recipe:
         loss_sum, tokens = 0.0, 0
         for micro in range(accum):
             batch = self._to_device(next(self.train_batches))
-            with sharding.no_grad_sync(self.model, cfg.sharding.engine, micro < accum - 1):
+            with self.engine.no_sync(self.model, active=micro < accum - 1):
                 loss = self.model(**batch, use_cache=False).loss / accum
                 loss.backward()
             loss_sum += loss.detach()
             tokens += data.count_tokens(batch)
         # No value is read back until the optimizer step is queued: a read waits for the GPU, and
         # the GPU would then sit idle while Python queues clipping and the optimizer's kernels.
-        grad_norm = sharding.clip_grad_norm(
-            self.model, cfg.sharding.engine, cfg.training.max_grad_norm
-        )
+        grad_norm = self.engine.clip_grad_norm(self.model, cfg.training.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -223,8 +222,9 @@ class Recipe:
             faults.maybe_fail(step, env.rank)
             if c.save_every and step % c.save_every == 0:
                 folder = checkpoint.save_training_state(
-                    wrapped=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                    batches=self.train_batches, step=step, env=env, fmt=c.format,
+                    wrapped=self.model, engine=self.engine, optimizer=self.optimizer,
+                    scheduler=self.scheduler, batches=self.train_batches, step=step, env=env,
+                    fmt=c.format,
                     output_dir=self.out, layout=self.adapter_layout, keep_last=c.keep_last,
                     tokenizer=self.tokenizer,
                 )

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,21 +20,29 @@ def kit_home(tmp_path_factory):
     return Path(home)
 
 
+class Finished:
+    """What a test reads of a finished run: its exit code and its log (every rank's output and
+    torchrun's, in one file: stdout and stderr are the same text)."""
+
+    def __init__(self, run):
+        self.run, self.returncode = run, run.exit_code
+        self.stdout = self.stderr = run.output()
+
+
 def torchrun(out: Path, *overrides: str, nproc: int = 2, config: Path = TINY, timeout: int = 600,
-             check: bool = True) -> subprocess.CompletedProcess:
-    """Run `torchrun -m kit.train CONFIG run.output_dir=OUT overrides...`; fail with its log."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-        "--standalone", "-m", "kit.train", str(config), f"run.output_dir={out}", *overrides,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return proc
+             check: bool = True) -> Finished:
+    """Train with the recipe into `out` through the kit's captured-run helper (kit.launch:
+    out/config.yaml + out/run.sh under torchrun, as every run); fail with its log."""
+    from kit.launch import run_to_end
+
+    run = run_to_end(config, [f"run.output_dir={out}", *overrides], nproc=nproc,
+                     timeout=timeout, check=False)
+    if check and run.exit_code != 0:
+        raise AssertionError(f"run failed ({run.exit_code}):\n{run.output()[-8000:]}")
+    return Finished(run)
 
 
 def read_run(out: Path) -> tuple[dict, list[dict]]:
-    result = json.loads((out / "result.json").read_text())
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return result, metrics
+    from kit import jsonl
+
+    return json.loads((out / "result.json").read_text()), jsonl.read(out / "metrics.jsonl")

@@ -1,0 +1,380 @@
+"""The shape of the house, held by tests: no import cycles, two sides that never mix, short modules.
+
+The house (../shared/STYLE.md, "The shape we aim for") has two sides and a folder between them:
+
+- the kernel side (KERNEL_SIDE) is what a notebook kernel imports: config, estimate, launch,
+  widgets, doctor, bench reports, tour. Importing it loads no torch/transformers/peft/bitsandbytes
+  (nor ipywidgets, except kit.widgets and kit.__main__), and it never creates a process group;
+- the rank side (RANK_SIDE) is what torchrun's ranks run: the recipe, model, quantize, LoRA,
+  sharding, data, loss, checkpoints. It never imports ipywidgets, kit.launch, kit.widgets or
+  kit.doctor, neither at module level nor inside a function;
+- the run folder ``launch/<run>/`` is where they meet: the resolved config goes in, JSON-lines
+  metrics, logs and checkpoints come out. Nothing else crosses.
+
+Reading a failure:
+- test_no_import_cycles prints each cycle's modules, then every import edge inside it with one
+  ``file:line`` that makes it. Imports inside functions count: they run when the function does.
+  Break the cycle by moving what both need into a module that imports neither.
+- test_kernel_side[mod] / test_rank_side[mod] print ``file:line`` for what the source says and
+  ``importing it loads X`` for what a fresh interpreter saw (X came in through some import chain;
+  ``python -X importtime -c "import mod"`` shows which). A listed module that is not in kit/ yet is
+  skipped with "does not exist yet".
+- test_module_size lists modules over 400 lines. A module may be longer if its module docstring
+  has a line starting ``Longer than 400 lines because`` followed by the reason.
+
+The checkers are plain functions taking (root, package name); test_planted_* run them on a fake
+package ``fakekit`` with one violation each, so a checker that goes blind fails too.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = "kit"
+
+# The house's layout. "x.*" means the package x and every module under it.
+KERNEL_SIDE = [
+    "kit.config", "kit.estimate", "kit.shapes", "kit.launch", "kit.widgets", "kit.doctor.*",
+    "kit.bench_report", "kit.tour", "kit.__main__", "kit.child", "kit.jsonl",
+    "kit.pitfalls",  # the package __init__ only: the registry of records
+]
+RANK_SIDE = [
+    "kit.train", "kit.model", "kit.builtin", "kit.quantize", "kit.lora", "kit.recompute",
+    "kit.sharding", "kit.checkpoint", "kit.data", "kit.loss", "kit.dist", "kit.faults",
+    "kit.checks", "kit.article", "kit.bench_worker",
+]
+KERNEL_HEAVY = ("torch", "transformers", "peft", "bitsandbytes", "ipywidgets")
+MAY_IMPORT_IPYWIDGETS = ("widgets", "__main__")  # relative to the package
+RANK_NEVER = ("ipywidgets", "{pkg}.launch", "{pkg}.widgets", "{pkg}.doctor")  # and below them
+PROCESS_GROUP_CALLS = ("init_process_group", "init_device_mesh")
+MAX_LINES, REASON = 400, "Longer than 400 lines because"
+
+
+# ---- reading the source (ast only: nothing of the package is imported here) ----
+
+def modules_of(root: Path, pkg: str) -> dict[str, Path]:
+    """Module name -> file, for every .py of package `pkg` under `root` (a package is its __init__)."""
+    found = {}
+    for path in sorted((root / pkg).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def imports_of(module: str, path: Path, known: dict[str, Path]) -> list[tuple[str, int]]:
+    """(imported module, line) for every import in the file, inside functions too, by line.
+
+    ``from p import x`` names p, and also p.x when that is a module; relative imports are resolved.
+    """
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            out.append((base, node.lineno))
+            out += [(f"{base}.{a.name}", node.lineno) for a in node.names if f"{base}.{a.name}" in known]
+    return sorted(out, key=lambda item: item[1])
+
+
+def _is(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def import_graph(root: Path, pkg: str) -> dict[tuple[str, str], str]:
+    """(importer, imported) -> "file:line" of the first import making that edge, within `pkg`.
+
+    Importing a.b.c also runs a and a.b first, so those are edges too; except a module's own
+    packages, which are already being imported when the module itself runs.
+    """
+    known = modules_of(root, pkg)
+    edges: dict[tuple[str, str], str] = {}
+    for module, path in known.items():
+        for name, line in imports_of(module, path, known):
+            if not _is(name, [pkg]):
+                continue
+            parts = name.split(".")
+            for target in (".".join(parts[:i]) for i in range(1, len(parts) + 1)):
+                if target in known and target != module and not module.startswith(target + "."):
+                    edges.setdefault((module, target), f"{path.relative_to(root)}:{line}")
+    return edges
+
+
+def cycles(edges) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    graph: dict[str, list[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, []).append(b)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def cycle_report(root: Path, pkg: str) -> list[str]:
+    edges = import_graph(root, pkg)
+    lines = []
+    for component in cycles(edges):
+        lines.append(f"cycle of {len(component)} modules: {', '.join(component)}")
+        lines += [f"    {a} -> {b}   ({where})" for (a, b), where in sorted(edges.items())
+                  if a in component and b in component]
+    return lines
+
+
+def process_group_calls(root: Path, pkg: str, module: str) -> list[str]:
+    """Calls of init_process_group/init_device_mesh anywhere in the module (text in strings is fine)."""
+    path = modules_of(root, pkg)[module]
+    return [f"{path.relative_to(root)}:{node.lineno} calls {name}()"
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call)
+            and (name := getattr(node.func, "attr", getattr(node.func, "id", None))) in PROCESS_GROUP_CALLS]
+
+
+# ---- what importing a module loads: one fresh interpreter per module ----
+
+# Runs in one subprocess per side: loads `preload` (shared heavy packages that are not watched),
+# then forks one child per module, so each module is imported by an interpreter that has loaded
+# nothing else of the package: no module can hide another's import. Children run concurrently.
+FRESH_IMPORTS = r"""
+import importlib, json, os, sys
+root, modules, watch, preload = json.loads(sys.argv[1])
+sys.path.insert(0, root)
+for name in preload:
+    importlib.import_module(name)
+seen = lambda: sorted(w for w in watch if any(m == w or m.startswith(w + ".") for m in sys.modules))
+assert not seen(), f"preloading {preload} loaded {seen()}: it would hide what modules import"
+pending, running, results = list(modules), {}, {}
+while pending or running:
+    while pending and len(running) < max(2, len(os.sched_getaffinity(0))):
+        module, (r, w) = pending.pop(0), os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            os.dup2(1, 2)
+            try:
+                importlib.import_module(module)
+                out = {"loaded": seen()}
+            except BaseException as e:
+                out = {"loaded": seen(), "error": f"{type(e).__name__}: {e}"[:1500]}
+            os.write(w, json.dumps(out).encode())
+            os._exit(0)
+        os.close(w)
+        running[pid] = (module, r)
+    pid, _ = os.wait()
+    module, r = running.pop(pid)
+    data = b"".join(iter(lambda: os.read(r, 65536), b""))
+    os.close(r)
+    results[module] = json.loads(data) if data else {"loaded": [], "error": "the import killed it"}
+print(json.dumps(results))
+"""
+
+
+def fresh_imports(root: Path, modules, watch, preload=()) -> dict[str, dict]:
+    """module -> {"loaded": [watched names in sys.modules after importing it], "error"?: str}."""
+    arg = json.dumps([str(root), list(modules), list(watch), list(preload)])
+    env = {**os.environ, "PYTHONPATH": str(root), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-c", FRESH_IMPORTS, arg], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def kernel_side_findings(root: Path, pkg: str, module: str, imported: dict) -> list[str]:
+    allowed = {"ipywidgets"} if module in {f"{pkg}.{m}" for m in MAY_IMPORT_IPYWIDGETS} else set()
+    found = [f"importing it loads {name}" for name in imported["loaded"] if name not in allowed]
+    found += [f"importing it fails: {imported['error']}"] if "error" in imported else []
+    return found + process_group_calls(root, pkg, module)
+
+
+def rank_never(pkg: str) -> list[str]:
+    return [name.format(pkg=pkg) for name in RANK_NEVER]
+
+
+def rank_side_findings(root: Path, pkg: str, module: str, imported: dict) -> list[str]:
+    never = rank_never(pkg)
+    known = modules_of(root, pkg)
+    path = known[module]
+    by_line = {}
+    for name, line in imports_of(module, path, known):
+        if _is(name, never):
+            by_line.setdefault(line, name)
+    found = [f"{path.relative_to(root)}:{line} imports {name}" for line, name in sorted(by_line.items())]
+    found += [f"importing it loads {name}" for name in imported["loaded"]]
+    return found + ([f"importing it fails: {imported['error']}"] if "error" in imported else [])
+
+
+def long_modules(root: Path, pkg: str) -> list[str]:
+    out = []
+    for path in modules_of(root, pkg).values():
+        text = path.read_text()
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if len(text.splitlines()) > MAX_LINES and not any(
+                line.strip().startswith(REASON) for line in doc.splitlines()):
+            out.append(f"{path.relative_to(root)}: {len(text.splitlines())} lines")
+    return out
+
+
+# ---- the real house ----
+
+def expand(names: list[str]) -> list[str]:
+    known = modules_of(ROOT, PKG)
+    out = []
+    for name in names:
+        base = name.removesuffix(".*")
+        out += [base] + ([m for m in known if m.startswith(base + ".")] if name.endswith(".*") else [])
+    return out
+
+
+def existing(module: str) -> None:
+    if module not in modules_of(ROOT, PKG):
+        pytest.skip(f"{module} does not exist yet")
+
+
+@pytest.fixture(scope="module")
+def kernel_imports():
+    return fresh_imports(ROOT, [m for m in expand(KERNEL_SIDE) if m in modules_of(ROOT, PKG)],
+                         KERNEL_HEAVY)
+
+
+@pytest.fixture(scope="module")
+def rank_imports():
+    return fresh_imports(ROOT, [m for m in RANK_SIDE if m in modules_of(ROOT, PKG)],
+                         rank_never(PKG),
+                         preload=("torch",))  # shared, not watched: loaded once, not 15 times
+
+
+def test_no_import_cycles():
+    report = cycle_report(ROOT, PKG)
+    assert not report, "import cycles (imports inside functions count):\n" + "\n".join(report)
+
+
+@pytest.mark.parametrize("module, allowed", [("kit", set()), ("kit.config", {"kit"})],
+                         ids=["kit", "kit.config"])
+def test_imports_nothing_of_the_kit(module, allowed):
+    """kit/__init__ imports nothing; kit.config, imported by both sides, only kit (for ROOT)."""
+    known = modules_of(ROOT, PKG)
+    found = [f"{known[module].relative_to(ROOT)}:{line} imports {name}"
+             for name, line in imports_of(module, known[module], known)
+             if _is(name, [PKG]) and name not in allowed]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("module", expand(KERNEL_SIDE))
+def test_kernel_side(module, kernel_imports):
+    existing(module)
+    found = kernel_side_findings(ROOT, PKG, module, kernel_imports[module])
+    assert not found, f"{module} is kernel side, yet:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("module", RANK_SIDE)
+def test_rank_side(module, rank_imports):
+    existing(module)
+    found = rank_side_findings(ROOT, PKG, module, rank_imports[module])
+    assert not found, f"{module} is rank side, yet:\n" + "\n".join(found)
+
+
+def test_module_size():
+    """Every kit/**/*.py has at most 400 lines, or a docstring line `Longer than 400 lines because ...`."""
+    found = long_modules(ROOT, PKG)
+    assert not found, "over 400 lines without a stated reason:\n" + "\n".join(found)
+
+
+# ---- planted violations: the checkers must see them ----
+
+FAKE = {
+    "__init__.py": "",
+    "launch.py": "RUNS = 1\n",
+    "widgets.py": "from fakekit.launch import RUNS\n",
+    "a.py": "from fakekit import b\n",
+    "b.py": "import json\n\n\ndef later():\n    from fakekit.a import later\n",
+    "sub/__init__.py": "from fakekit.sub.c import VALUE\n",
+    "sub/c.py": "from fakekit.sub import d\n\nVALUE = d\n",
+    "sub/d.py": "",
+    "rank.py": "def go():\n    from fakekit import launch\n    return launch\n",
+    "rank_loads.py": "import fakekit.widgets\n",
+    "user.py": "import fakekit.sub.d\n",
+    "rel/__init__.py": "from . import x\n",
+    "rel/x.py": "from .. import launch\n",
+    "kernel.py": "import torch\n",
+    "kernel_pg.py": "def start():\n    import torch.distributed as dist\n    dist.init_process_group('gloo')\n",
+    "long.py": '"""Long."""\n' + "x = 1\n" * MAX_LINES,
+    "long_ok.py": f'"""Long.\n\n{REASON} it is a table.\n"""\n' + "x = 1\n" * MAX_LINES,
+}
+
+
+@pytest.fixture
+def fake(tmp_path):
+    for name, text in FAKE.items():
+        (tmp_path / "fakekit" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fakekit" / name).write_text(text)
+    return tmp_path
+
+
+def test_planted_function_level_cycle_is_found(fake):
+    assert cycles(import_graph(fake, "fakekit")) == [["fakekit.a", "fakekit.b"]]
+    report = cycle_report(fake, "fakekit")
+    assert "    fakekit.b -> fakekit.a   (fakekit/b.py:5)" in report, report
+
+
+def test_planted_package_importing_its_submodules_is_no_cycle(fake):
+    edges = import_graph(fake, "fakekit")
+    assert ("fakekit.sub", "fakekit.sub.c") in edges and ("fakekit.sub.c", "fakekit.sub") not in edges
+    assert {("fakekit.user", "fakekit.sub"), ("fakekit.user", "fakekit.sub.d")} <= edges.keys()
+    assert {("fakekit.rel", "fakekit.rel.x"), ("fakekit.rel.x", "fakekit.launch")} <= edges.keys()
+
+
+def test_planted_rank_side_violations_are_found(fake):
+    imported = fresh_imports(fake, ["fakekit.rank", "fakekit.rank_loads"], rank_never("fakekit"))
+    assert rank_side_findings(fake, "fakekit", "fakekit.rank", imported["fakekit.rank"]) == [
+        "fakekit/rank.py:2 imports fakekit.launch"]
+    assert rank_side_findings(fake, "fakekit", "fakekit.rank_loads", imported["fakekit.rank_loads"]) == [
+        "fakekit/rank_loads.py:1 imports fakekit.widgets",
+        "importing it loads fakekit.launch", "importing it loads fakekit.widgets"]
+
+
+def test_planted_kernel_side_violations_are_found(fake):
+    imported = fresh_imports(fake, ["fakekit.kernel", "fakekit.kernel_pg", "fakekit.launch"], KERNEL_HEAVY)
+    assert kernel_side_findings(fake, "fakekit", "fakekit.kernel", imported["fakekit.kernel"]) == [
+        "importing it loads torch"]
+    assert kernel_side_findings(fake, "fakekit", "fakekit.kernel_pg", imported["fakekit.kernel_pg"]) == [
+        "fakekit/kernel_pg.py:3 calls init_process_group()"]
+    assert kernel_side_findings(fake, "fakekit", "fakekit.launch", imported["fakekit.launch"]) == []
+
+
+def test_planted_long_module_is_found(fake):
+    assert long_modules(fake, "fakekit") == [f"fakekit/long.py: {MAX_LINES + 1} lines"]
