@@ -15,7 +15,9 @@ def decoder_layer_classes(model: nn.Module) -> set[type]:
     names: set[str] = set()
     for m in model.modules():
         names.update(getattr(m, "_no_split_modules", None) or [])
-    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    # By the class's own name or a base's: FSDP2 swaps each sharded layer's class for a subclass
+    # (FSDPLlamaDecoderLayer), which must still count as the layer it is.
+    classes = {cls for m in model.modules() for cls in type(m).__mro__ if cls.__name__ in names}
     if not classes:
         raise ValueError(
             f"model.name: {type(model).__name__} declares no _no_split_modules found in it; "

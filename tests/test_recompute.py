@@ -1,56 +1,21 @@
-"""Speed levers that must not change what is learned: the chunked loss, selective checkpointing,
-recomputed adapters and the compiled layers' activation memory budget."""
+"""training.recompute and training.compile (kit.recompute): what each decoder layer keeps for
+backward and recomputes, the policies telling the matmuls apart, and compiled layers under FSDP2.
+Each lever must not change what is learned: the same loss and gradients as the layer run once."""
 
 import shutil
 
 import pytest
 import torch
+from levers import saved_bytes, tiny_model
 from transformers import AutoModelForCausalLM
-from transformers.loss.loss_utils import ForCausalLMLoss
 
 from kit import builtin
-from kit.loss import chunked_causal_lm_loss, install
 from kit.recompute import enable_activation_checkpointing
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_items", [None, 37])
-def test_chunked_loss_equals_transformers_loss(dtype, num_items):
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 50, 97, generator=g).to(dtype)
-    labels = torch.randint(0, 97, (3, 50), generator=g)
-    labels[0, :7] = -100
-    labels[2, 40:] = -100
-    a = logits.clone().requires_grad_()
-    b = logits.clone().requires_grad_()
-    n = None if num_items is None else torch.tensor(num_items)
-    ref = ForCausalLMLoss(a, labels, 97, num_items_in_batch=n)
-    got = chunked_causal_lm_loss(b, labels, 97, num_items_in_batch=n, chunk_tokens=16)
-    ref.backward()
-    got.backward()
-    assert got.dtype == torch.float32
-    assert torch.allclose(got, ref, rtol=1e-6, atol=1e-6)
-    assert torch.allclose(b.grad.float(), a.grad.float(), rtol=1e-3, atol=1e-6)
-
-
-def _tiny_model():
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_pretrained(builtin.resolve("kit:tiny-llama"), dtype=torch.float32)
-
-
-def test_chunked_loss_in_the_model_gives_the_same_loss():
-    model = _tiny_model()
-    ids = torch.randint(3, 1024, (2, 24), generator=torch.Generator().manual_seed(1))
-    ref = model(input_ids=ids, labels=ids).loss
-    install(model, "chunked")
-    assert model.loss_function is chunked_causal_lm_loss
-    got = model(input_ids=ids, labels=ids).loss
-    assert torch.allclose(got, ref, rtol=1e-6)
 
 
 @pytest.mark.parametrize("every,recomputed", [(1, [0, 1]), (2, [0])])
 def test_selective_checkpointing_recomputes_only_chosen_layers(every, recomputed):
-    model = _tiny_model()
+    model = tiny_model()
     chosen = enable_activation_checkpointing(model, every)
     model.train()
     assert chosen == recomputed
@@ -68,53 +33,7 @@ def test_selective_checkpointing_recomputes_only_chosen_layers(every, recomputed
     assert calls == [2 if i in recomputed else 1 for i in range(len(calls))]
 
 
-def _saved_bytes(fn, exclude=frozenset()) -> tuple:
-    """(fn's result, bytes autograd keeps for backward while fn runs): distinct storages, less
-    those whose data pointers are in `exclude`."""
-    seen = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in exclude:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(seen.values())
-
-
-def test_recomputed_adapters_give_the_same_result_and_keep_less():
-    from kit import lora
-    from kit.config import load_config
-
-    cfg = load_config(None, ["lora.dropout=0.3", "quantization.method=none"])
-
-    def build():
-        torch.manual_seed(0)
-        model = lora.apply_lora(_tiny_model(), cfg)
-        for n, p in model.named_parameters():  # non-zero B, so the branch matters
-            if "lora_B" in n:
-                torch.nn.init.normal_(p, std=0.02)
-        return model.train()
-
-    ids = torch.randint(3, 1024, (2, 32), generator=torch.Generator().manual_seed(3))
-    plain, recomputed = build(), build()
-    assert lora.recompute_adapters(recomputed) == 14  # 7 linear layers x 2 decoder layers
-    results = []
-    for model in (plain, recomputed):
-        torch.manual_seed(7)  # the same dropout masks in both
-        out, kept = _saved_bytes(lambda m=model: m(input_ids=ids, labels=ids).loss)
-        out.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-        results.append((out.item(), grads, kept))
-    (loss_a, grads_a, kept_a), (loss_b, grads_b, kept_b) = results
-    assert loss_a == pytest.approx(loss_b, abs=1e-6)
-    assert grads_a.keys() == grads_b.keys()
-    for name in grads_a:
-        assert torch.allclose(grads_a[name], grads_b[name], atol=1e-6), name
-    assert kept_b < 0.85 * kept_a, (kept_a, kept_b)
-
-
+@pytest.mark.slow  # compiles
 def test_activation_memory_budget_keeps_less_and_learns_the_same():
     """training.activation_memory_budget: the compiled layers recompute more in backward, keep
     fewer activations, and give the same loss and gradients as the uncompiled model."""
@@ -127,7 +46,7 @@ def test_activation_memory_budget_keeps_less_and_learns_the_same():
 
     def run(budget):
         torch.manual_seed(0)
-        model = lora.apply_lora(_tiny_model(), cfg)
+        model = lora.apply_lora(tiny_model(), cfg)
         for n, p in model.named_parameters():  # non-zero B, so the adapters matter
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.02)
@@ -137,7 +56,7 @@ def test_activation_memory_budget_keeps_less_and_learns_the_same():
             compile_layers(model, budget)
         # Activations only: a compiled graph also keeps the weights it recomputes with.
         weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        loss, kept = _saved_bytes(lambda: model(input_ids=ids, labels=ids).loss, weights)
+        loss, kept = saved_bytes(lambda: model(input_ids=ids, labels=ids).loss, weights)
         loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
         return loss.item(), grads, kept
@@ -156,6 +75,7 @@ def test_activation_memory_budget_keeps_less_and_learns_the_same():
     assert low[2] < 0.6 * full[2], (eager[2], full[2], low[2])
 
 
+@pytest.mark.slow  # compiles
 def test_compiled_layers_under_fsdp2_compile_once_for_all_layers(tmp_path, monkeypatch):
     """The kit's training step with training.compile=true under FSDP2 and NF4: no graph break
     inside a decoder layer, and no recompile per layer. Two regressions this guards: FSDP2's
@@ -198,62 +118,6 @@ def test_compiled_layers_under_fsdp2_compile_once_for_all_layers(tmp_path, monke
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 2
 
 
-# --------------------------------------------------------------------------- training.loss=fused
-
-
-def _frozen_tiny_model():
-    model = _tiny_model()
-    for p in model.parameters():  # only the layers train, as under LoRA: the head is frozen
-        p.requires_grad_(False)
-    for p in model.model.layers.parameters():
-        p.requires_grad_(True)
-    return model.train()
-
-
-def test_fused_loss_equals_transformers_loss_and_gradients(monkeypatch):
-    import kit.loss
-
-    monkeypatch.setattr(kit.loss, "FUSED_CHUNK_LOGITS", 7 * 1024)  # several chunks of 7 tokens
-    ids = torch.randint(3, 1024, (2, 24), generator=torch.Generator().manual_seed(1))
-    labels = ids.clone()
-    labels[0, :5] = -100
-    ref, fused = _frozen_tiny_model(), _frozen_tiny_model()
-    install(fused, "fused")
-    for n in (None, torch.tensor(30)):
-        extra = {} if n is None else {"num_items_in_batch": n}
-        want = ref(input_ids=ids, labels=labels, **extra)
-        got = fused(input_ids=ids, labels=labels, **extra)
-        assert got.logits.numel() == 0  # training: no logits for the whole batch exist
-        assert torch.allclose(got.loss, want.loss, rtol=1e-6), (got.loss, want.loss)
-        want.loss.backward()
-        got.loss.backward()
-        for (name, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters(), strict=True):
-            if a.grad is not None:
-                assert torch.allclose(b.grad, a.grad, rtol=1e-4, atol=1e-7), name
-                a.grad = b.grad = None
-    fused.eval()
-    with torch.no_grad():  # evaluation: the plain head, real logits, the same loss
-        out = fused(input_ids=ids, labels=labels)
-        assert out.logits.shape == (2, 24, 1024)
-        assert out.loss.item() == pytest.approx(ref(input_ids=ids, labels=labels).loss.item(), rel=1e-6)
-
-
-def test_fused_loss_refuses_heads_it_cannot_fuse():
-    from kit.config import ConfigError
-
-    trainable = _tiny_model()  # from_pretrained leaves the head trainable
-    with pytest.raises(ConfigError, match="training.loss: 'fused' is not allowed for this model; "
-                                          "it needs a frozen output head"):
-        install(trainable, "fused")
-    capped = _frozen_tiny_model()
-    capped.config.final_logit_softcapping = 30.0
-    with pytest.raises(ConfigError, match="its logits pass through final_logit_softcapping"):
-        install(capped, "fused")
-
-
-# --------------------------------------------------------------------------- training.recompute.keeps
-
-
 def test_policies_tell_the_matmuls_apart_4bit_included():
     """The policy sees bitsandbytes' 4-bit matmul as one op of its own, not aten.mm (the GPU run
     that missed it recomputed every matmul): both kinds are recognised, by shape."""
@@ -278,11 +142,11 @@ def test_policies_tell_the_matmuls_apart_4bit_included():
     for op in (mm, gemm4):
         assert decide("matmuls", op, 128, 128) == save  # q / o projection
         assert decide("matmuls", op, 128, 448) == save  # gate / up
-        assert decide("attention", op, 128, 448) == redo
-        assert decide("attention", op, 128, 128) == save
-        assert decide("mlp", op, 128, 448) == save
-        assert decide("mlp", op, 128, 32) == redo  # k / v projection
-    assert decide("attention", mm, 128, 8) == save  # adapter down-projection: kept
+        assert decide("attention_matmuls", op, 128, 448) == redo
+        assert decide("attention_matmuls", op, 128, 128) == save
+        assert decide("mlp_matmuls", op, 128, 448) == save
+        assert decide("mlp_matmuls", op, 128, 32) == redo  # k / v projection
+    assert decide("attention_matmuls", mm, 128, 8) == save  # adapter down-projection: kept
     assert decide("matmuls", mm, 8, 128) == redo  # adapter up-projection: recomputed
     policy = save_policy("matmuls", rank=8, mlp_width=448)
     assert policy(None, torch.ops.aten.add.Tensor, x(shape=(1,)), x(shape=(1,))) == redo
@@ -291,14 +155,13 @@ def test_policies_tell_the_matmuls_apart_4bit_included():
 def _nf4_layer_model():
     """kit:tiny-llama-8b-ratios (2 layers, the 8B shape's ratios) in NF4 + LoRA, as the recipe
     builds it, on CPU in float32, with non-zero adapters."""
-    from kit import lora, quantize
+    from kit import model as kmodel
     from kit.config import load_config
 
     cfg = load_config(None, ["model.name=kit:tiny-llama-8b-ratios", "model.dtype=float32",
-                             "lora.dropout=0.1", "quantization.method=nf4"])
-    torch.manual_seed(0)
-    model, _ = quantize.load_model(cfg, torch.device("cpu"))
-    model = lora.apply_lora(model, cfg)
+                             "lora.dropout=0.1", "quantization.method=nf4",
+                             "training.seed=0"])
+    model = kmodel.build(cfg, torch.device("cpu"), train=False).model  # loaded + LoRA
     for n, p in model.named_parameters():  # non-zero B, so the adapters matter
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.02)
@@ -315,12 +178,12 @@ def _with_keeps(model, keeps, r):
     return model.train()
 
 
-def test_checkpoint_keeps_gives_the_same_gradients():
+def test_recompute_keeps_gives_the_same_gradients():
     """Eager, NF4, dropout 0.1: each policy recomputes with the forward's RNG state, so loss and
     gradients equal those of the layer run once."""
     ids = torch.randint(3, 1000, (2, 48), generator=torch.Generator().manual_seed(3))
     results = {}
-    for keeps in ("none", "matmuls", "mlp", "attention"):
+    for keeps in ("none", "matmuls", "mlp_matmuls", "attention_matmuls"):
         model, r = _nf4_layer_model()
         _with_keeps(model, keeps, r)
         torch.manual_seed(7)
@@ -335,27 +198,28 @@ def test_checkpoint_keeps_gives_the_same_gradients():
             assert torch.allclose(g, grads0[name], atol=1e-6), (keeps, name)
 
 
-def test_checkpoint_keeps_policies_on_nf4():
+@pytest.mark.slow  # compiles a layer per policy
+def test_recompute_keeps_policies_on_nf4():
     """Compiled, NF4: what each policy keeps for backward, in the order the docs promise
-    (nothing recomputed > matmuls > mlp > attention), by the amounts the GPU run measured."""
+    (nothing recomputed > matmuls > mlp_matmuls > attention_matmuls), by the amounts the GPU run measured."""
     from kit.recompute import compile_layers
 
     ids = torch.randint(3, 1000, (1, 128), generator=torch.Generator().manual_seed(4))
     kept = {}
     try:
-        for keeps in ("none", "matmuls", "mlp", "attention"):
+        for keeps in ("none", "matmuls", "mlp_matmuls", "attention_matmuls"):
             model, r = _nf4_layer_model()
             _with_keeps(model, keeps, r)
             torch._dynamo.reset()
             compile_layers(model)
             weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-            loss, kept[keeps] = _saved_bytes(
+            loss, kept[keeps] = saved_bytes(
                 lambda m=model: m(input_ids=ids, labels=ids, use_cache=False).loss, weights)
             loss.backward()
     finally:
         torch._dynamo.reset()
-    assert kept["none"] > kept["matmuls"] > kept["mlp"] > kept["attention"], kept
+    assert kept["none"] > kept["matmuls"] > kept["mlp_matmuls"] > kept["attention_matmuls"], kept
     # Per token and layer, in hidden-size units: 23.7, 12.7, 10.2, 5.7 (+ the same logits and
     # embeddings in each; benchmarks/kept_per_policy.py); recomputing every matmul keeps ~2.
     assert 0.45 < kept["matmuls"] / kept["none"] < 0.65, kept
-    assert 0.2 < kept["attention"] / kept["none"] < 0.4, kept
+    assert 0.2 < kept["attention_matmuls"] / kept["none"] < 0.4, kept

@@ -1,0 +1,51 @@
+"""One object per engine (kit.engines): what differs between FSDP2, FSDP1 and DDP is asked of it.
+Each engine wraps, trains and saves for real under torchrun in tests/test_train.py; here, the
+answers the recipe, kit.lora and kit.checkpoint get without a process group."""
+
+import pytest
+import torch
+
+from kit import engines
+from kit.config import load_config
+
+
+@pytest.mark.parametrize("engine,lora_dtype,expected", [
+    ("fsdp2", "auto", torch.float32), ("ddp", "auto", torch.float32),
+    ("fsdp1", "auto", torch.bfloat16),  # FSDP1 flattens one dtype per unit: the model's
+    ("fsdp2", "bfloat16", torch.bfloat16), ("fsdp1", "bfloat16", torch.bfloat16),
+])  # fmt: skip
+def test_adapter_dtype_per_engine(engine, lora_dtype, expected):
+    cfg = load_config(None, [f"sharding.engine={engine}", f"lora.dtype={lora_dtype}"])
+    assert engines.get(engine).adapter_dtype(cfg) == expected
+
+
+def test_lora_takes_the_engines_adapter_dtype():
+    from kit import model
+
+    cfg = load_config(None, ["sharding.engine=fsdp1", "quantization.method=none"])
+    built = model.build(cfg, torch.device("cpu"), train=False)
+    dtypes = {p.dtype for p in built.model.parameters() if p.requires_grad}
+    assert dtypes == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_full_saves_offload_to_cpu_except_under_fsdp1(device):
+    """FSDP1 with cpu_offload gathers to rank 0 only, and get_model_state_dict then fails on the
+    other ranks (KeyError, 2x H200): its full saves gather on every device instead."""
+    dev = torch.device(device)
+    assert engines.get("fsdp2").state_dict_options(full=True, device=dev).cpu_offload == (
+        device == "cuda")
+    assert engines.get("ddp").state_dict_options(full=True, device=dev).cpu_offload == (
+        device == "cuda")
+    assert engines.get("fsdp1").state_dict_options(full=True, device=dev).cpu_offload is False
+    for name in engines.ENGINES:
+        options = engines.get(name).state_dict_options(full=False, device=dev)
+        assert options.full_state_dict is False and options.ignore_frozen_params is True
+
+
+def test_every_config_engine_has_an_object():
+    from typing import get_args, get_type_hints
+
+    from kit.config import ShardingConfig
+
+    assert set(get_args(get_type_hints(ShardingConfig)["engine"])) == set(engines.ENGINES)
