@@ -60,9 +60,10 @@ def load_model(cfg: Config, device: torch.device, attn: str | None = None):
         trust_remote_code=cfg.model.trust_remote_code,
         quantization_config=bnb_config(cfg),
     )
-    if device.type == "cuda":
-        # Each rank loads (and quantizes) onto its own GPU; never device_map="auto" under FSDP.
-        kwargs["device_map"] = {"": device.index}
+    # Each rank loads (and quantizes) onto its own device; never device_map="auto" under FSDP.
+    # Named on CPU too: without a device_map, transformers puts a 4-bit model on the current GPU
+    # whenever there is one, even for a CPU run (or a notebook kernel looking at a layer).
+    kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     keep_packing(model)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
@@ -165,7 +166,8 @@ def linear4bit_layout(module) -> dict:
 
 def load_on_cpu(name: str = "kit:tiny-llama", method: str = "nf4", storage: str = "auto",
                 dtype: str = "bfloat16"):  # fmt: skip
-    """A model loaded the recipe's way (from_pretrained + BitsAndBytesConfig), on CPU, to look at."""
+    """A model loaded the recipe's way (from_pretrained + BitsAndBytesConfig), to look at: on the
+    CPU even where there is a GPU (a notebook kernel never touches CUDA)."""
     from kit.config import load_config
 
     cfg = load_config(None, [f"model.name={name}", f"model.dtype={dtype}",

@@ -1,5 +1,6 @@
 """Loading the base model in 4 bits (kit.quantize, notebook 02)."""
 
+import pytest
 import torch
 from conftest import TINY
 
@@ -24,3 +25,14 @@ def test_eval_forward_leaves_the_4bit_weights_as_loaded():
     assert {n: (m.weight.dtype, tuple(m.weight.shape)) for n, m in layers.items()} == before
     assert not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False)
                    for m in layers.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_load_on_cpu_stays_on_the_cpu_where_there_is_a_gpu():
+    """Without an explicit device_map transformers puts a 4-bit model on the current GPU: a
+    notebook looking at a layer would touch CUDA in its kernel."""
+    from kit.quantize import load_on_cpu
+
+    model = load_on_cpu("kit:tiny-llama")
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
