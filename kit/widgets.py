@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 
-from kit.launch import DONE, Follow, Run
+from kit.runs import DONE, Follow, Run
 
 TEE_PREFIX_AT_END = re.compile(r"(\[default\d+\]:)+\s*$")
 TEE_PREFIX_ONLY = re.compile(r"\[default\d+\]:\s*")

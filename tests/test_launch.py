@@ -230,3 +230,24 @@ def test_notebook_07_runs_under_papermill(tmp_path, monkeypatch):
             if folder.exists():
                 Run(folder).stop(grace_s=2)
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_run_to_end_timeout_stops_every_process_of_the_run(tmp_path):
+    """The captured-run helper's timeout stops bash, torchrun and both ranks (subprocess.run's
+    timeout kills only its own child: torchrun's ranks, each in a session of its own, live on)."""
+    from kit.launch import run_to_end
+
+    folder = tmp_path / "slow"
+    with pytest.raises(TimeoutError, match="stopped after 40s"):
+        run_to_end("tiny-cpu", ["training.steps=100000", f"run.output_dir={folder}"], nproc=2,
+                   env=ENV, timeout=40)
+    left = []
+    for p in psutil.process_iter():
+        try:
+            if str(folder) in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p.pid)
+        except psutil.Error:
+            pass
+    assert left == []
+    assert Run(folder).status == "stopped" and "-m kit.train" in Run(folder).output()
