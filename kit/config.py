@@ -19,6 +19,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
+from kit import pitfalls
+
 DType = Literal["bfloat16", "float16", "float32"]
 
 
@@ -327,7 +329,7 @@ def _check(cfg: Config) -> None:
         if not ok:
             raise ConfigError(f"{name}: {value!r} is not allowed; {allowed}")
 
-    t, d, lo, s, q, m = cfg.training, cfg.data, cfg.lora, cfg.sharding, cfg.quantization, cfg.model
+    t, d, lo, m = cfg.training, cfg.data, cfg.lora, cfg.model
     need(
         m.name.strip() != "", "model.name", m.name, "expected a hub id, a local path or kit:<name>"
     )
@@ -379,45 +381,8 @@ def _check(cfg: Config) -> None:
         lo.target_modules,
         'expected "all-linear" or a non-empty list of module names',
     )
-    if s.engine == "fsdp1":
-        storage = q.storage if q.storage != "auto" else m.dtype
-        need(
-            q.method == "none" or storage != "uint8",
-            "quantization.storage",
-            q.storage,
-            "FSDP1 cannot flatten integer tensors; use auto (= model.dtype) or engine fsdp2/ddp",
-        )
-        need(
-            q.method == "none" or storage == m.dtype,
-            "quantization.storage",
-            q.storage,
-            f"FSDP1 flattens one dtype per unit; use auto or {m.dtype!r} (= model.dtype)",
-        )
-        need(
-            lo.dtype in ("auto", m.dtype),
-            "lora.dtype",
-            lo.dtype,
-            f"FSDP1 flattens one dtype per unit; use auto or {m.dtype!r} (= model.dtype)",
-        )
-        need(
-            s.use_orig_params,
-            "sharding.use_orig_params",
-            s.use_orig_params,
-            "LoRA under FSDP1 needs true (frozen and trainable params share a unit)",
-        )
-        need(
-            not (q.method != "none" and s.strategy == "SHARD_GRAD_OP"),
-            "sharding.strategy",
-            s.strategy,
-            "SHARD_GRAD_OP fails with 4-bit weights under FSDP1; use FULL_SHARD or engine fsdp2",
-        )
-    if cfg.attention.implementation == "flash_attention_2":
-        need(
-            m.dtype != "float32",
-            "attention.implementation",
-            "flash_attention_2",
-            "flash attention needs model.dtype bfloat16 or float16; use sdpa for float32",
-        )
+    for _, violation in pitfalls.config_violations(cfg):  # FSDP1 and attention combinations
+        raise ConfigError(str(violation))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -1,6 +1,7 @@
 """The doctor: each pre-flight check fires on a config that has its pitfall and stays quiet on one
 that does not; explain() maps every known raw error; scan_script flags the article patterns;
-diagnose_run reads crafted and real run folders; the CLI's exit codes; notebook 11 end to end."""
+diagnose_run reads crafted and real run folders; the CLI's exit codes; notebook 11 end to end.
+The records these readers share are tested against their reproductions in test_pitfalls.py."""
 
 from __future__ import annotations
 
@@ -490,8 +491,9 @@ def test_cli_exit_codes_and_one_line_per_finding(tmp_path, capsys):
     assert "0 error(s)" in capsys.readouterr().out
     assert cli([str(TINY), "sharding.engine=fsdp1", "sharding.use_orig_params=false"]) == 1
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("ERROR   fsdp1_use_orig_params: LoRA under FSDP1") and (
-        " | fix: sharding.use_orig_params=true" in lines[0])  # fmt: skip
+    assert lines[0].startswith("ERROR   fsdp1_use_orig_params: sharding.use_orig_params=False: "
+                               "LoRA under FSDP1") and (
+        " | fix: use_orig_params=True (kit: sharding.use_orig_params=true;" in lines[0])  # fmt: skip
     bad, good = tmp_path / "bad.py", tmp_path / "good.py"
     bad.write_text(SCRIPTS[0][1])
     good.write_text(script())
@@ -569,9 +571,9 @@ def test_notebook_11_runs_under_papermill(tmp_path):
             got = o.get("text", o.get("data", {}).get("text/plain", ""))
             text += got if isinstance(got, str) else "".join(got)
     summary = json.loads(text[text.rindex("SUMMARY ") + 8 :].splitlines()[0])
-    from kit.repro import CASES
+    from kit import pitfalls
 
-    assert set(summary) == set(CASES)
+    assert list(summary) == [p.code for p in pitfalls.reproduced()]  # every reproduction
     for case, s in summary.items():
         assert s["before"], case  # the doctor saw it coming
         assert s["raw_failed"] and s["expect"] in s["raw_codes"], (case, s)  # and explained it

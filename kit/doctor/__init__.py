@@ -14,11 +14,16 @@ its ranks are kit/checks.py). One file per moment, read top to bottom:
     script.py     scan_script(path_or_text): article patterns in a user's script
     run.py        diagnose_run(run_dir): a finished or failed run folder
     explain.py    explain(text): raw error strings -> cause and fix
-    cases.py      reproduce(cases): the pitfalls of kit/repro.py under torchrun (notebook 11)
+    cases.py      reproduce(codes): the pitfalls' reproductions under torchrun (notebooks 05, 11)
 
-Kernel side: nothing here creates a process group or initialises CUDA. Every pitfall was
-reproduced on this stack (FINDINGS.md, kit/repro.py); messages quote the exact error text a
-person would otherwise meet an hour into a GPU job.
+What each pitfall is, how each moment recognises it and its fix are one record per pitfall in
+kit/pitfalls; these modules only read them. Every pitfall was reproduced on this stack
+(FINDINGS.md, kit/pitfalls/reproduce.py); messages quote the exact error text a person would
+otherwise meet an hour into a GPU job.
+
+Kernel side: nothing here creates a process group or initialises CUDA. cases.py is imported on
+its own (`from kit.doctor.cases import reproduce`), not from here: it starts runs through
+kit.launch, which runs this doctor's pre-flight, and the import graph stays without cycles.
 """
 
 # The in-run checks live rank side (kit.checks); the doctor offers them too.
@@ -30,7 +35,6 @@ from kit.checks import (
     check_step,
     trainable_snapshot,
 )
-from kit.doctor.cases import Repro, case_findings, repro_summary, repro_table, reproduce
 from kit.doctor.context import detect_env, model_facts, read_config
 from kit.doctor.explain import EXPLAIN, explain
 from kit.doctor.preflight import config_errors, preflight
@@ -39,9 +43,8 @@ from kit.doctor.script import PATTERNS, scan_script
 from kit.findings import Finding, codes, errors, report
 
 __all__ = [
-    "EXPLAIN", "PATTERNS", "Finding", "Repro", "case_findings", "check_adapter",
-    "check_checkpointing_active", "check_lora_changed", "check_rank_times", "check_step",
-    "codes", "config_errors", "detect_env", "diagnose_run", "errors", "explain",
-    "model_facts", "preflight", "read_config", "repro_summary", "repro_table", "report",
-    "reproduce", "scan_script", "trainable_snapshot",
+    "EXPLAIN", "PATTERNS", "Finding", "check_adapter", "check_checkpointing_active",
+    "check_lora_changed", "check_rank_times", "check_step", "codes", "config_errors",
+    "detect_env", "diagnose_run", "errors", "explain", "model_facts", "preflight", "read_config",
+    "report", "scan_script", "trainable_snapshot",
 ]  # fmt: skip

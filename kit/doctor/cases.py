@@ -1,8 +1,12 @@
-"""Kernel side of notebook 11: run the pitfalls of kit/repro.py under torchrun (CPU, gloo) and
-read back what each raised and what the doctor says about it, before and after.
+"""Kernel side of the reproductions (notebooks 05 and 11): run the pitfalls of kit.pitfalls under
+torchrun, each rank's outcome read back with what the doctor makes of it.
 
-    runs = reproduce(["prepare-kbit", "uint8-storage"])   # one torchrun launch
-    print(repro_table(runs))
+    runs = reproduce(["prepare_kbit_fsdp1", "fsdp1_int_storage"])   # one torchrun launch
+    print(repro_table(runs["wrong"]))                                # and runs["fixed"]
+    print(describe(runs, "prepare_kbit_fsdp1"))
+
+The ranks run kit/pitfalls/reproduce.py from a run folder written and started by
+kit.launch.run_to_end (config.yaml, run.sh, run.log), like every other run of the kit.
 """
 
 from __future__ import annotations
@@ -13,114 +17,135 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from kit.doctor.context import ROOT
+from kit import ROOT, pitfalls
 from kit.doctor.explain import explain
 from kit.doctor.preflight import preflight
 from kit.doctor.script import scan_script
 from kit.findings import Finding, codes, ordered
-from kit.torchrun import torchrun
+
+TINY = ROOT / "kit" / "configs" / "tiny-cpu.yaml"
+CPU = {"gpus": [], "nproc_per_node": 2, "vars": {}}  # the machine the doctor assumes for a case
+SIDES = ("wrong", "fixed")
 
 
 @dataclass
 class Repro:
-    """One pitfall run by kit.repro under torchrun: the raw outcome and what the doctor says."""
+    """One side of one pitfall as the ranks ran it: the raw outcome and what the doctor says."""
 
-    case: str
-    fixed: bool
-    ok: bool  # the case finished without an exception (a crash leaves ok=False)
+    code: str
+    side: str  # "wrong": the mistake as a person writes it; "fixed": the kit's way
+    ok: bool  # finished without an exception (a crash leaves ok=False)
     error: str  # "ExcType: message" as the ranks raised it, or torchrun's exit summary
+    observed: str  # the error, or what the step measured when nothing was raised
     text: str  # the traceback or torchrun output to show
-    findings: list  # explain(text), or diagnose-style findings the case itself reported
+    findings: list  # explain(text), and the in-run checks' findings the step reported
+
+    @property
+    def failed(self) -> bool:
+        """Raised, or caught by an in-run check."""
+        return not self.ok or any(f.level == "error" for f in self.findings)
 
 
-def reproduce(
-    cases: list[str], fixed: bool = False, nproc: int = 2, out: str | Path = "", timeout: int = 900
-) -> dict[str, Repro]:
-    """Run kit.repro CASES under `torchrun --nproc_per_node=nproc` (CPU, gloo) and return what
-    each case raised. One launch for all; a case that kills a process runs last in it (a second
-    such case gets a launch of its own)."""
-    from kit import repro
+def launches(codes=(), sides=SIDES) -> list[list[str]]:
+    """The steps (CODE:side) of each torchrun launch: every step in one launch, except that a
+    wrong side that kills a process (`crashes`) runs last, and a second one in a launch of its
+    own."""
+    records = pitfalls.reproduced(codes)
+    crashing = [f"{p.code}:wrong" for p in records if p.crashes and "wrong" in sides]
+    shared = [f"{p.code}:{s}" for p in records for s in sides if f"{p.code}:{s}" not in crashing]
+    groups = [shared + crashing[:1]] + [[step] for step in crashing[1:]]
+    return [g for g in groups if g]
 
-    out = Path(out or ROOT / "launch" / "doctor-repro").resolve()  # the ranks run in ROOT
-    crashers = [c for c in cases if repro.CASES[c].crashes and not fixed]
-    shared = [c for c in cases if c not in crashers] + crashers[:1]  # a crash ends its launch
-    groups = ([shared] if shared else []) + [[c] for c in crashers[1:]]
-    results: dict[str, Repro] = {}
-    for i, group in enumerate(groups):
-        folder = out / ("fixed" if fixed else "raw") / (f"{i}-{group[0]}" if i else "")
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(parents=True)
-        args = ["--out", folder, *(["--fixed"] if fixed else []), *group]
-        proc = torchrun("kit.repro", *args, nproc=nproc, timeout=timeout, check=False)
-        console = proc.stdout + proc.stderr
-        (folder / "console.log").write_text(console)
-        reports = [json.loads(f.read_text()) for f in sorted(folder.glob("rank*.json"))]
-        for case in group:
-            got = [r[case] for r in reports if case in r]
-            failed = [g for g in got if not g["ok"]]
-            # The cause is the error the doctor knows; other ranks often only died of its
-            # absence ("Connection closed by peer", code peer_died).
-            known = [g for g in failed if set(codes(explain(g["traceback"]))) - {"peer_died"}]
-            if len(got) < nproc and not known:  # a rank died before it could report
-                root = re.search(
-                    r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*([^\n]*)", console, re.S
-                )
-                error = (
-                    f"rank {root.group(1)} died: exitcode {' '.join(root.group(2).split())}"
-                    if root
-                    else f"torchrun exit code {proc.returncode}"
-                )
-                # This case's own lines and torchrun's failure summary: not the earlier cases' errors.
-                mine = [line for line in console.splitlines() if f"] {case}: " in line]
-                start = console.find("Failures:")
-                text = "\n".join(mine) + "\n" + (console[start:] if start >= 0 else console[-3000:])
-                results[case] = Repro(case, fixed, False, error, text, explain(text))
-                continue
-            first = (known or failed or got)[0]
-            findings = [Finding(**f) for g in got for f in g["findings"]]
-            findings += explain(first["traceback"])
-            results[case] = Repro(
-                case, fixed, not failed, first["error"], first["traceback"], ordered(findings)
-            )
-    return {c: results[c] for c in cases}
+
+def reproduce(codes=(), sides=SIDES, nproc: int = 2, out: str | Path = "",
+              overrides=("training.device=cpu",), timeout: int = 900) -> dict[str, dict]:
+    """Run the reproductions of `codes` (all: every reproduced pitfall) under torchrun
+    (`nproc` ranks; the tiny model on CPU unless `overrides` say otherwise) and return
+    {side: {code: Repro}}. Each launch is a run folder under `out` (default launch/pitfalls)."""
+    from kit.launch import run_to_end
+
+    out = Path(out or ROOT / "launch" / "pitfalls").resolve()
+    runs: dict[str, dict] = {side: {} for side in sides}
+    for i, steps in enumerate(launches(codes, sides)):
+        folder = out / f"launch-{i}"
+        shutil.rmtree(folder, ignore_errors=True)  # no report of an earlier launch is read
+        run = run_to_end(TINY, [*overrides, f"run.output_dir={folder}", "run.dist_timeout_min=2"],
+                         nproc=nproc, name=f"pitfalls-{i}", module="kit.pitfalls.reproduce",
+                         args=["{config}", "{run_dir}", *steps], timeout=timeout, check=False)
+        console = run.output()
+        for step in steps:
+            code, side = step.split(":")
+            runs[side][code] = _read(folder, code, side, nproc, console)
+    order = [p.code for p in pitfalls.reproduced(codes)]
+    return {side: {c: got[c] for c in order if c in got} for side, got in runs.items()}
+
+
+def _read(folder: Path, code: str, side: str, nproc: int, console: str) -> Repro:
+    """One step's outcome from every rank's report; torchrun's summary when a rank died first."""
+    got = [json.loads(f.read_text()) for f in sorted((folder / code).glob(f"{side}.rank*.json"))]
+    failed = [g for g in got if not g["ok"]]
+    # The cause is the error the doctor knows; other ranks often only died of its absence
+    # ("Connection closed by peer", code peer_died).
+    known = [g for g in failed if set(codes(explain(g["traceback"]))) - {"peer_died"}]
+    if len(got) < nproc and not known:  # a rank died before it could report
+        root = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*([^\n]*)", console, re.S)
+        error = (f"rank {root.group(1)} died: exitcode {' '.join(root.group(2).split())}"
+                 if root else "a rank died without a report")  # fmt: skip
+        # This step's own lines and torchrun's failure summary: not the earlier steps' errors.
+        mine = [line for line in console.splitlines() if f"] {code}:{side}: " in line]
+        start = console.find("Failures:")
+        text = "\n".join(mine) + "\n" + (console[start:] if start >= 0 else console[-3000:])
+        return Repro(code, side, False, error, error, text, explain(text))
+    first = (known or failed or got)[0]
+    findings = [Finding(**f) for g in got for f in g["findings"]]
+    findings += explain(first["traceback"])
+    return Repro(code, side, not failed, first["error"], first["observed"],
+                 first["traceback"], ordered(findings))  # fmt: skip
+
+
+def describe(runs: dict[str, dict], code: str) -> str:
+    """A pitfall as notebook 05 tells it: the mistake, what it did, why, the fix, what the fix
+    did (or 'not run')."""
+    p = pitfalls.get(code)
+
+    def seen(side: str) -> str:
+        got = runs.get(side, {}).get(code)
+        return got.observed if got else "not run"
+
+    rows = [("wrong", pitfalls.summary(p.wrong)), ("observed", seen("wrong")),
+            ("why", p.why or p.message), ("fix", p.fix), ("with the fix", seen("fixed"))]
+    return "\n".join([p.title] + [f"  {label + ':':<13} {text}" for label, text in rows])
 
 
 def repro_table(runs: dict[str, Repro]) -> str:
-    """One line per case: outcome and the doctor's codes."""
-    lines = [f"{'case':<24} {'outcome':<8} {'doctor':<34} raw error"]
+    """One line per pitfall of one side: outcome and the doctor's codes."""
+    lines = [f"{'pitfall':<30} {'outcome':<8} {'doctor':<34} raw error"]
     for r in runs.values():
         said = ", ".join(dict.fromkeys(codes(r.findings))) or "-"
-        lines.append(f"{r.case:<24} {'ok' if r.ok else 'FAILED':<8} {said:<34} {r.error[:90]}")
+        outcome = "FAILED" if r.failed else "ok"
+        lines.append(f"{r.code:<30} {outcome:<8} {said:<34} {r.error[:80]}")
     return "\n".join(lines)
 
 
-def case_findings(case: str) -> list[Finding]:
-    """What the doctor says about a repro case before running it: preflight of the equivalent
-    kit config when there is one, else a scan of the case's source."""
-    from kit import repro
-
-    spec = repro.CASES[case]
-    if spec.overrides:
-        return preflight(
-            ROOT / "kit" / "configs" / "tiny-cpu.yaml", env=spec.env, overrides=list(spec.overrides)
-        )
-    return scan_script(repro.source(case))
+def case_findings(code: str) -> list[Finding]:
+    """What the doctor says about a reproduced pitfall before running it: preflight of the kit
+    config with the same mistake when there is one, else a scan of the wrong side's source."""
+    p = pitfalls.get(code)
+    if p.overrides:
+        return preflight(TINY, env=CPU, overrides=list(p.overrides))
+    return scan_script(pitfalls.source(p.wrong))
 
 
 def repro_summary(before: dict, raw: dict, fixed: dict) -> dict:
-    """Per case: the doctor's codes before the run, whether the raw run failed (or was caught
+    """Per pitfall: the doctor's codes before the run, whether the raw run failed (or was caught
     by an in-run check), the codes it gave the raw run, whether the fixed run was clean."""
-    from kit import repro
-
-    out = {}
-    for case, r in raw.items():
-        out[case] = {
-            "expect": repro.CASES[case].expect,
-            "before": sorted(set(codes(before.get(case, [])))),
-            "raw_failed": not r.ok or any(f.level == "error" for f in r.findings),
+    return {
+        code: {
+            "expect": pitfalls.get(code).expect,
+            "before": sorted(set(codes(before.get(code, [])))),
+            "raw_failed": r.failed,
             "raw_codes": sorted({f.code for f in r.findings if f.level == "error"}),
-            "fixed_clean": case in fixed
-            and fixed[case].ok
-            and not any(f.level == "error" for f in fixed[case].findings),
+            "fixed_clean": code in fixed and not fixed[code].failed,
         }
-    return out
+        for code, r in raw.items()
+    }

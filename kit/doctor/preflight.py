@@ -5,8 +5,9 @@ found before it costs a GPU-hour. Each check reads the merged config tree throug
     preflight("kit/configs/tiny-cpu.yaml", overrides=["sharding.engine=fsdp1"])
     preflight(cfg, env={"gpus": [{"name": "H100", "memory_gib": 79.6}] * 2, "vars": {}})
 
-The FSDP1 combinations are the ones load_config also refuses; here they come with the error text
-a run would have shown and work on a raw tree load_config cannot even build.
+The pitfall checks are records of kit.pitfalls, shared with load_config, the script scan and
+explain; here they run on a raw tree load_config cannot even build. The memory, data and
+environment checks are this module's own.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kit.doctor.context import (
     read_config,
 )
 from kit.findings import Finding, ordered
+from kit.pitfalls import PITFALLS, get
 
 # Conservative bytes/s for moving a whole model once: a network filesystem, one TCP stream, or
 # rank 0 writing a checkpoint while the others wait in a collective.
@@ -42,89 +44,17 @@ def _check(fn):
 
 
 @_check
-def _fsdp1_combinations(c: Context) -> list[Finding]:
-    if not c.fsdp1:
-        return []
-    out, dtype = [], c.get("model.dtype")
-    storage = c.get("quantization.storage")
-    storage = dtype if storage == "auto" else storage
-    lora = c.get("lora.dtype")
-    if not c.get("sharding.use_orig_params"):
-        out.append(
-            Finding(
-                "error",
-                "fsdp1_use_orig_params",
-                "LoRA under FSDP1 with use_orig_params=false: frozen weights and trainable "
-                "adapters cannot share one FlatParameter ('Must flatten tensors with uniform "
-                "`requires_grad`'); "
-                "the adapters do not train",
-                "sharding.use_orig_params=true (accelerate: fsdp_use_orig_params: true), or "
-                "engine fsdp2",
-                "sharding.use_orig_params",
-            )
-        )
-    if c.quantized and storage == "uint8":
-        out.append(
-            Finding(
-                "error",
-                "fsdp1_int_storage",
-                "FSDP1 with 4-bit weights packed in uint8 (bitsandbytes' default storage): "
-                "'Cannot flatten integer dtype tensors'",
-                f"quantization.storage=auto (bnb_4bit_quant_storage={dtype}), or engine fsdp2",
-                "quantization.storage",
-            )
-        )
-    mixed = [
-        (name, d)
-        for name, d in (
-            ("quantization.storage", storage if c.quantized else dtype),
-            ("lora.dtype", dtype if lora == "auto" else lora),
-        )
-        if d not in (dtype, "uint8")
-    ]
-    for name, d in mixed:
-        out.append(
-            Finding(
-                "error",
-                "fsdp1_mixed_dtype",
-                f"FSDP1 flattens one dtype per unit but {name}={d} sits next to {dtype} weights: "
-                f"'Must flatten tensors with uniform dtype'",
-                f"{name}=auto (= model.dtype under FSDP1), or engine fsdp2 (mixed dtypes per "
-                "param)",
-                name,
-            )
-        )
-    if c.quantized and c.get("sharding.strategy") == "SHARD_GRAD_OP":
-        out.append(
-            Finding(
-                "error",
-                "shard_grad_op_4bit",
-                "FSDP1 SHARD_GRAD_OP with 4-bit weights fails in backward: 'FSDP does not support "
-                "changing the parameters between forward and backward'",
-                "sharding.strategy=FULL_SHARD, or engine fsdp2 with reshard_after_forward=false "
-                "(the same memory/traffic trade-off)",
-                "sharding.strategy",
-            )
-        )
+def _pitfalls(c: Context) -> list[Finding]:
+    """The pitfalls a config decides (the `config` predicates load_config runs too) and those
+    the machine decides with it (`machine`)."""
+    view = namespace(c.tree)
+    machine = {**c.env, "ranks": c.ranks, "device": c.device}
+    out = []
+    for p in PITFALLS:
+        found = p.config(view) if p.config else p.machine(view, machine) if p.machine else None
+        if found is not None:
+            out.append(p.finding(f"{found.field}={found.value!r}", field=found.field))
     return out
-
-
-@_check
-def _device_map(c: Context) -> list[Finding]:
-    value = lookup(c.raw, "model.device_map", c.raw.get("device_map"))
-    if value in (None, "", {}) or c.ranks < 2:
-        return []
-    return [
-        Finding(
-            "error",
-            "device_map_with_fsdp",
-            f"device_map={value!r} with {c.ranks} ranks: every rank spreads its own copy over all "
-            "visible GPUs, while FSDP/DDP need one whole model per rank on its own device",
-            "remove device_map (the kit loads each rank onto its own GPU: "
-            "device_map={'': local_rank})",
-            "model.device_map",
-        )
-    ]
 
 
 @_check
@@ -162,37 +92,6 @@ def _host_ram(c: Context) -> list[Finding]:
         return []
     fix = "fewer processes per node, a smaller model, or GPUs (each rank loads onto its GPU)"
     return [Finding(level, "host_ram_full_load", msg, fix)]
-
-
-@_check
-def _attention(c: Context) -> list[Finding]:
-    if c.get("attention.implementation") != "flash_attention_2":
-        return []
-    out = []
-    if c.get("model.dtype") == "float32":
-        out.append(
-            Finding(
-                "error",
-                "flash_attn_fp32",
-                "flash_attention_2 with model.dtype=float32: FlashAttention runs only in fp16/bf16",
-                "model.dtype=bfloat16, or attention.implementation=sdpa for float32",
-                "attention.implementation",
-            )
-        )
-    if not c.env["packages"].get("flash_attn") or c.device == "cpu":
-        why = "no GPU" if c.device == "cpu" else "the flash-attn package is not installed"
-        out.append(
-            Finding(
-                "warning",
-                "flash_attn_missing",
-                f"flash_attention_2 requested but {why}: transformers raises 'FlashAttention2 has "
-                "been toggled on, but it cannot be used'; the kit falls back to sdpa",
-                "attention.implementation=sdpa (its flash backend is the same algorithm; cuDNN "
-                "SDPA is faster on Hopper)",
-                "attention.implementation",
-            )
-        )
-    return out
 
 
 @_check
@@ -354,7 +253,7 @@ def _target_modules(c: Context) -> list[Finding]:
     supported = {"Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D"}
     names = [targets] if isinstance(targets, str) else [str(t) for t in targets]
     allowed = ", ".join(c.facts.linear_names())
-    out, unmatched = [], []
+    out, unmatched, field = [], [], "lora.target_modules"
     for name in names:
         config = LoraConfig(target_modules=[name] if not isinstance(targets, str) else name)
         hits = [k for k in c.facts.modules if check_target_module_exists(config, k)]
@@ -362,37 +261,13 @@ def _target_modules(c: Context) -> list[Finding]:
         if not hits:
             unmatched.append(name)
         elif not kinds & supported:
-            out.append(
-                Finding(
-                    "error",
-                    "target_modules_unsupported",
-                    f"lora.target_modules: {name!r} names {', '.join(sorted(kinds))} modules, "
-                    "which LoRA cannot wrap ('is not supported')",
-                    f"name linear layers: {allowed}",
-                    "lora.target_modules",
-                )
-            )
-    if unmatched and len(unmatched) == len(names):
-        out.append(
-            Finding(
-                "error",
-                "target_modules_unmatched",
-                f"lora.target_modules {unmatched} match no module of {c.get('model.name')}: PEFT "
-                "raises 'Target modules ... not found in the base model'",
-                f"use 'all-linear' or names among: {allowed}",
-                "lora.target_modules",
-            )
-        )
-    elif unmatched:
-        out.append(
-            Finding(
-                "warning",
-                "target_modules_partial",
-                f"lora.target_modules {unmatched} match nothing (PEFT skips them silently)",
-                f"drop them or use names among: {allowed}",
-                "lora.target_modules",
-            )
-        )
+            where = f"lora.target_modules: {name!r} names {', '.join(sorted(kinds))} modules"
+            out.append(get("target_modules_unsupported").finding(where, field=field))
+    if unmatched:
+        code = "target_modules_" + ("unmatched" if len(unmatched) == len(names) else "partial")
+        where = (f"lora.target_modules {unmatched} on {c.get('model.name')} (its linear layers: "
+                 f"{allowed})")
+        out.append(get(code).finding(where, field=field))
     return out
 
 
@@ -494,14 +369,8 @@ def preflight(cfg, env: dict | None = None, overrides: list[str] | None = None) 
             findings += check(ctx)
         except Exception as e:  # noqa: BLE001 - a wrong-typed raw value must not stop the rest
             if not ctx.accelerate:
-                findings.append(
-                    Finding(
-                        "info",
-                        "check_skipped",
-                        f"{check.__name__[1:]}: {e}",
-                        "fix the config values it reads",
-                    )
-                )
+                what = f"{check.__name__[1:]}: {e}"
+                findings.append(Finding("info", "check_skipped", what, "fix the values it reads"))
     if not ctx.accelerate:
         explained = {f.field for f in findings}
         findings += [
