@@ -1,7 +1,9 @@
 """One config tree for every run: YAML file + ``key=value`` overrides, validated once at load.
 
-Imported by both sides (notebook kernel and torchrun ranks), so it imports nothing of the kit and
-no torch: dtypes and engines are plain strings here and become objects on the rank side.
+Imported by both sides (notebook kernel and torchrun ranks), so it imports no torch and of the kit
+only the pitfall registry (kit.pitfalls: the rules a config can break, one record each, which
+imports nothing but kit.findings): dtypes and engines are plain strings here and become objects
+on the rank side.
 
     cfg = load_config("kit/configs/tiny-cpu.yaml", ["sharding.engine=fsdp1", "training.lr=2e-4"])
 
@@ -329,26 +331,19 @@ def _check(cfg: Config) -> None:
         if not ok:
             raise ConfigError(f"{name}: {value!r} is not allowed; {allowed}")
 
-    t, d, lo, m = cfg.training, cfg.data, cfg.lora, cfg.model
-    need(
-        m.name.strip() != "", "model.name", m.name, "expected a hub id, a local path or kit:<name>"
-    )
-    for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every"):
-        need(
-            getattr(t, name) >= 1, f"training.{name}", getattr(t, name), "expected an integer >= 1"
-        )
-    rc = t.recompute
-    need(rc.every >= 1, "training.recompute.every", rc.every, "expected an integer >= 1")
-    need(
-        cfg.run.dist_timeout_min >= 1,
-        "run.dist_timeout_min",
-        cfg.run.dist_timeout_min,
-        "expected an integer >= 1 (minutes)",
-    )
-    for name, value in (("training.stop_at_step", t.stop_at_step),
-                        ("checkpointing.save_every", cfg.checkpointing.save_every),
-                        ("checkpointing.keep_last", cfg.checkpointing.keep_last)):
-        need(value >= 0, name, value, "expected an integer >= 0")
+    t, d, lo, m, rc = cfg.training, cfg.data, cfg.lora, cfg.model, cfg.training.recompute
+    need(m.name.strip() != "", "model.name", m.name, "expected a hub id, a local path or kit:<name>")
+    ranges = [  # (field, its value, smallest allowed)
+        *((f"training.{n}", getattr(t, n), 1)
+          for n in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every")),
+        ("training.recompute.every", rc.every, 1), ("run.dist_timeout_min", cfg.run.dist_timeout_min, 1),
+        ("training.stop_at_step", t.stop_at_step, 0),
+        ("checkpointing.save_every", cfg.checkpointing.save_every, 0),
+        ("checkpointing.keep_last", cfg.checkpointing.keep_last, 0),
+    ]  # fmt: skip
+    for name, value, low in ranges:
+        unit = " (minutes)" if name == "run.dist_timeout_min" else ""
+        need(value >= low, name, value, f"expected an integer >= {low}{unit}")
     need(0 < t.activation_memory_budget <= 1, "training.activation_memory_budget",
          t.activation_memory_budget, "expected a number in (0, 1]")
     need(t.compile or t.activation_memory_budget == 1, "training.activation_memory_budget",
@@ -364,9 +359,7 @@ def _check(cfg: Config) -> None:
          "lora.recompute", lo.recompute, "only false with training.recompute.keeps="
          f"{rc.keeps!r} (its policy already recomputes the adapters' branch)")
     for name in ("warmup_steps", "eval_every"):
-        need(
-            getattr(t, name) >= 0, f"training.{name}", getattr(t, name), "expected an integer >= 0"
-        )
+        need(getattr(t, name) >= 0, f"training.{name}", getattr(t, name), "expected an integer >= 0")
     need(t.lr > 0, "training.lr", t.lr, "expected a number > 0")
     need(t.weight_decay >= 0, "training.weight_decay", t.weight_decay, "expected a number >= 0")
     need(t.max_grad_norm >= 0, "training.max_grad_norm", t.max_grad_norm, "expected >= 0 (0: off)")
@@ -375,12 +368,8 @@ def _check(cfg: Config) -> None:
     need(lo.r >= 1, "lora.r", lo.r, "expected an integer >= 1")
     need(lo.alpha >= 1, "lora.alpha", lo.alpha, "expected an integer >= 1")
     need(0 <= lo.dropout < 1, "lora.dropout", lo.dropout, "expected 0 <= x < 1")
-    need(
-        lo.target_modules != [] and lo.target_modules != "",
-        "lora.target_modules",
-        lo.target_modules,
-        'expected "all-linear" or a non-empty list of module names',
-    )
+    need(lo.target_modules not in ([], ""), "lora.target_modules", lo.target_modules,
+         'expected "all-linear" or a non-empty list of module names')
     for _, violation in pitfalls.config_violations(cfg):  # FSDP1 and attention combinations
         raise ConfigError(str(violation))
 

@@ -101,8 +101,8 @@ def parameter_groups(peft_model) -> list[dict]:
 
 def trainable_table(model, ranks=(4, 8, 16, 64), target_sets=None) -> list[dict]:
     """Trainable LoRA parameters by rank and targets, counted from the model's shape alone (a
-    `kit:` name, a config dict or folder: see kit.memory.shape_of)."""
-    from kit.memory import lora_params, shape_of
+    `kit:` name, a config dict or folder: see kit.shapes.shape_of)."""
+    from kit.shapes import lora_params, shape_of
 
     shape = shape_of(model)
     rows = []
