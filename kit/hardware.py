@@ -3,24 +3,22 @@
     info = report()            # a dict; the probing runs in a child process
     for line in advice(info): print(line)
 
-Kernel side: `report()` runs `python -m kit.hardware --json` in a child process, so the notebook
-kernel never imports torch, never initialises CUDA and can still start torchrun (or fork) safely
-afterwards. `collect()` is the probe itself (what the child runs).
+Kernel side: `report()` runs `collect()`, the probe itself, in a child process (kit.child), so
+the notebook kernel never imports torch, never initialises CUDA and can still start torchrun (or
+fork) safely afterwards. Which attention implementations run here is kit.attention.usable's answer
+(the one probe of that), for the device and dtype a run would use.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import json
 import os
 import platform
 import re
 import shutil
 import subprocess
-import sys
 
-ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2")
 PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "flash-attn")
 # Connection kinds in `nvidia-smi topo -m`, fastest first.
 LINKS = {
@@ -118,35 +116,13 @@ def _topology() -> dict:
     return {"nvidia_smi": True, "topo": topo, "gpu0_gpu1": link_between(topo)}
 
 
-def _attention(cuda: bool) -> dict:
-    """implementation -> (usable, why): what transformers' attn_implementation can take here."""
-    import torch
-    import torch.nn.functional as F
-    from transformers.utils import is_flash_attn_2_available, is_torch_flex_attn_available
+def _attention(gpus: dict) -> dict:
+    """kit.attention.usable for what `training.device: auto` and the advised dtype pick here."""
+    from kit import attention
 
-    out = {"eager": (True, "plain PyTorch matmul + softmax; keeps the seq x seq scores")}
-    sdpa = hasattr(F, "scaled_dot_product_attention")
-    why = "torch.nn.functional.scaled_dot_product_attention"
-    if sdpa and cuda:
-        kernels = [name for name, ok in (
-            ("flash", torch.backends.cuda.is_flash_attention_available()),
-            ("cuDNN", torch.backends.cudnn.is_available()),
-            ("memory-efficient", True),
-        ) if ok]  # fmt: skip
-        why += f" with {', '.join(kernels)} kernels"
-    elif sdpa:
-        why += " (CPU kernels; on GPUs it picks flash / cuDNN kernels)"
-    out["sdpa"] = (sdpa, why)
-    out["flex_attention"] = (
-        is_torch_flex_attn_available(),
-        "torch.nn.attention.flex_attention (compiled kernels, programmable masks)",
-    )
-    fa = importlib.util.find_spec("flash_attn") is not None
-    out["flash_attention_2"] = (
-        bool(fa and is_flash_attn_2_available()),
-        "the flash-attn package" + ("" if fa else " is not installed (sdpa has a flash kernel)"),
-    )
-    return out
+    where = "cuda" if gpus["available"] else "cpu"
+    dtype = "bfloat16" if all(g["bf16"] for g in gpus["gpus"]) else "float16"
+    return {"device": where, "dtype": dtype, "usable": attention.usable(where, dtype)}
 
 
 def _bitsandbytes(cuda: bool) -> dict:
@@ -183,19 +159,17 @@ def collect() -> dict:
         "cpu": _cpu(),
         "cuda": gpus,
         "topology": _topology(),
-        "attention": _attention(gpus["available"]),
+        "attention": _attention(gpus),
         "bitsandbytes": _bitsandbytes(gpus["available"]),
     }
 
 
 def report(timeout: int = 300) -> dict:
-    """collect() in a child process (the caller never touches CUDA); JSON round trip."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # importable from there
-    proc = subprocess.run([sys.executable, "-m", "kit.hardware", "--json"], capture_output=True,
-                          text=True, timeout=timeout, cwd=root)  # fmt: skip
-    if proc.returncode != 0:
-        raise RuntimeError(f"hardware probe failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """collect() in a child process (the caller never touches CUDA); JSON round trip, so the
+    (ok, why) pairs arrive as lists."""
+    from kit import child
+
+    return child.call("kit.hardware:collect", timeout=timeout)
 
 
 def device(info: dict) -> str:
@@ -204,7 +178,8 @@ def device(info: dict) -> str:
 
 
 def usable_attention(info: dict) -> list[str]:
-    return [name for name in ATTENTION if info["attention"][name][0]]
+    """The implementations that ran here (kit.attention.usable), in the config's order."""
+    return [name for name, ok in info["attention"]["usable"].items() if ok is True]
 
 
 def plan(info: dict, nproc: int) -> str:
@@ -231,7 +206,9 @@ def summary(info: dict) -> list[tuple[str, str]]:
                                  f"bf16 {'yes' if g['bf16'] else 'no'}"))  # fmt: skip
     if len(cuda["gpus"]) > 1:
         rows.append(("GPU0 <-> GPU1", describe_link(info["topology"]["gpu0_gpu1"])))
-    rows.append(("attention", ", ".join(usable_attention(info))))
+    attn = info["attention"]
+    rows.append((f"attention ({attn['device']}, {attn['dtype']})",
+                 ", ".join(usable_attention(info))))  # fmt: skip
     bnb = info["bitsandbytes"]
     ok = [d for d, (good, _) in bnb.get("devices", {}).items() if good]
     rows.append(("bitsandbytes 4-bit", ", ".join(ok) if ok else "not usable"))
@@ -273,8 +250,7 @@ def advice(info: dict) -> list[str]:
             )
         elif len(gpus) > 1 and link:
             lines.append(f"GPUs are linked by NVLink ({link}): FSDP's all-gathers are cheap.")
-    attn = info["attention"]
-    if not attn["flash_attention_2"][0]:
+    if info["attention"]["usable"]["flash_attention_2"] is not True:
         lines.append(
             "flash_attention_2 is not usable here; attention.implementation=sdpa runs the same "
             "algorithm through PyTorch's own kernels (the kit falls back to it with a warning)."
@@ -289,12 +265,9 @@ def advice(info: dict) -> list[str]:
     return lines
 
 
-if __name__ == "__main__":
-    if "--json" in sys.argv:
-        print(json.dumps(collect()))
-    else:
-        info = collect()
-        for item, value in summary(info):
-            print(f"{item:<24} {value}")
-        print()
-        print("\n".join(advice(info)))
+if __name__ == "__main__":  # python -m kit.hardware: the same report, in a terminal
+    info = collect()
+    for item, value in summary(info):
+        print(f"{item:<24} {value}")
+    print()
+    print("\n".join(advice(info)))

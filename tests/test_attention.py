@@ -1,6 +1,7 @@
-"""Attention implementations by name (kit.attention): pinned SDPA kernels registered with
-transformers give sdpa's logits and hold through backward and checkpoint recompute; what cannot
-run says so in one line; the microbenchmark records failures as rows."""
+"""Notebook 06's modules. kit.attention: pinned SDPA kernels registered with transformers give
+sdpa's logits and hold through backward and checkpoint recompute; what cannot run says so in one
+line; usable() answers what runs here. kit.attention_bench: the microbenchmark records failures as
+rows. kit.recompute_sweep: one real recipe run per setting, named by its config overrides."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
-from kit import attention, builtin, quantize
+from kit import attention, attention_bench, builtin, quantize, recompute_sweep
 from kit.config import ConfigError, load_config
 from kit.recompute import enable_activation_checkpointing
 
@@ -43,7 +44,9 @@ def sdpa_logits():
 
 def test_which_pinned_kernels_run_on_cpu():
     here = attention.usable("cpu", "float32")
-    assert [n for n in attention.BACKENDS if here[n] is True] == list(CPU_KERNELS)
+    assert list(here) == list(attention.NAMES)  # every name the config allows, in its order
+    runs = [n for n, ok in here.items() if ok is True and n != "flex_attention"]
+    assert runs == ["eager", "sdpa", *CPU_KERNELS]  # flex_attention: as this torch decides
     for name in ("sdpa_efficient", "sdpa_cudnn"):
         assert "no CPU kernel" in here[name], here[name]
 
@@ -148,7 +151,7 @@ def test_sweep_records_failures_as_rows(monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
 
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flex_attention", out_of_memory)
-    rows = attention.sweep([32, 64], attention.NAMES, heads=4, kv_heads=2, head_dim=16,
+    rows = attention_bench.sweep([32, 64], attention.NAMES, heads=4, kv_heads=2, head_dim=16,
                            device="cpu", dtype="float32", repeats=1)  # fmt: skip
     assert [(r["implementation"], r["seq_len"]) for r in rows] == [
         (n, s) for s in (32, 64) for n in attention.NAMES]
@@ -163,16 +166,34 @@ def test_sweep_records_failures_as_rows(monkeypatch):
     if importlib.util.find_spec("flash_attn") is None:
         assert "flash-attn package is not installed" in by_name["flash_attention_2"]["error"]
     with pytest.raises(ConfigError, match="implementations: 'fast' is not allowed"):
-        attention.sweep([32], ["fast"])
+        attention_bench.sweep([32], ["fast"])
 
 
-def test_checkpointing_settings_and_failed_runs_as_rows(tmp_path):
-    assert attention.setting_overrides("every-4")[-1] == "training.recompute.every=4"
-    for bad in ("every-0", "some", "every-x"):
-        with pytest.raises(ConfigError, match="checkpointing setting: .* expected 'none', 'full'"):
-            attention.setting_overrides(bad)
-    rows = attention.checkpointing_sweep(["none", "full"], model="kit:no-such-model", nproc=0,
-                                         out_dir=tmp_path)  # fmt: skip
-    assert [r["setting"] for r in rows] == ["none", "full"]
+def test_recompute_sweep_runs_the_recipe_once_per_setting(tmp_path):
+    """Two real runs (torchrun, one CPU rank each): recomputing changes what is kept, not what is
+    computed, so the losses match; each row says what the run read and where it is."""
+    settings = ["training.recompute.enabled=false",
+                "training.recompute.enabled=true training.recompute.keeps=matmuls"]  # fmt: skip
+    rows = recompute_sweep.sweep(settings, steps=2, seq_len=64, batch_size=2, out_dir=tmp_path,
+                                 overrides=["model.dtype=float32"])  # fmt: skip
+    assert [r["setting"] for r in rows] == settings
+    assert [(r["enabled"], r["keeps"], r["error"]) for r in rows] == [
+        (False, "inputs", None), (True, "matmuls", None)]
     for r in rows:
-        assert r["peak_mem_gib"] is None and "kit:no-such-model" in r["error"], r
+        assert r["peak_mem_gib"] > 0.1 and r["step_s"] > 0 and r["tokens_per_s"] > 0, r
+        run_config = (tmp_path / recompute_sweep.folder_name(r["setting"]) / "config.yaml")
+        assert r["folder"] == str(run_config.parent) and "recompute:" in run_config.read_text()
+    assert rows[0]["final_loss"] == pytest.approx(rows[1]["final_loss"], rel=1e-5)
+
+
+def test_recompute_sweep_checks_every_setting_first_and_rows_failed_runs(tmp_path):
+    with pytest.raises(ConfigError, match="training.recompute.keeps: 'mlp' is not allowed"):
+        recompute_sweep.sweep(["training.recompute.enabled=false", "training.recompute.keeps=mlp"],
+                              out_dir=tmp_path)  # fmt: skip
+    assert not any(tmp_path.iterdir())  # nothing ran
+    with pytest.raises(ValueError, match="empty setting"):
+        recompute_sweep.sweep([" "], out_dir=tmp_path)
+    rows = recompute_sweep.sweep(["training.recompute.every=2"], model="kit:no-such-model",
+                                 out_dir=tmp_path)  # fmt: skip
+    assert rows[0]["peak_mem_gib"] is None and "kit:no-such-model" in rows[0]["error"], rows
+    assert rows[0]["error"].startswith("rank 0: ") and "\n" not in rows[0]["error"]

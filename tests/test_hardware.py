@@ -37,8 +37,9 @@ def gpu_info(link: str | None, gpus: int = 2, bf16: bool = True) -> dict:
             {"name": "NVIDIA H100", "memory_gib": 79.2, "capability": "9.0" if bf16 else "7.0",
              "bf16": bf16, "multiprocessors": 132}] * gpus},
         "topology": {"nvidia_smi": True, "topo": "", "gpu0_gpu1": link},
-        "attention": {"eager": (True, ""), "sdpa": (True, ""), "flex_attention": (True, ""),
-                      "flash_attention_2": (False, "not installed")},
+        "attention": {"device": "cuda", "dtype": "bfloat16" if bf16 else "float16", "usable": {
+            "eager": True, "sdpa": True, "sdpa_flash": True, "flex_attention": True,
+            "flash_attention_2": "the flash-attn package is not installed"}},
         "bitsandbytes": {"installed": True, "devices": {"cpu": (True, ""), "cuda": (True, "")}},
         "packages": {},
     }  # fmt: skip
@@ -60,6 +61,19 @@ def test_probe_on_this_machine(info):
     assert usable[:2] == ["eager", "sdpa"]
     flash = importlib.util.find_spec("flash_attn") is not None
     assert ("flash_attention_2" in usable) == (flash and torch.cuda.is_available())
+
+
+def test_attention_is_kit_attention_usable_for_the_device_a_run_gets(info):
+    """One probe of what runs here: the report holds kit.attention.usable's answer (every name
+    the config allows, each pinned SDPA kernel tried), for the device and dtype it names."""
+    from kit import attention
+
+    attn = info["attention"]
+    assert attn["device"] == hardware.device(info) and attn["dtype"] in ("bfloat16", "float16")
+    assert attn["usable"] == attention.usable(attn["device"], attn["dtype"])
+    assert list(attn["usable"]) == list(attention.NAMES)
+    row = dict(hardware.summary(info))[f"attention ({attn['device']}, {attn['dtype']})"]
+    assert row.split(", ") == hardware.usable_attention(info)
 
 
 def test_bitsandbytes_round_trip_really_ran(info):
