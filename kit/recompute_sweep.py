@@ -51,6 +51,9 @@ def sweep(settings, model: str = "kit:tiny-llama", nproc: int = 1, steps: int = 
     common = [f"model.name={model}", f"training.steps={steps}", f"data.max_seq_len={seq_len}",
               f"training.batch_size={batch_size}", f"training.device={device}", *SHORT_RUN,
               *overrides]  # fmt: skip
+    if nproc < 1:
+        raise ValueError(f"nproc: {nproc} is not allowed; expected the processes per run, >= 1 "
+                         "(every setting is a torchrun run, on CPU too)")  # fmt: skip
     if not all(s.strip() for s in settings):
         raise ValueError(f"settings: {list(settings)} holds an empty setting; name its overrides, "
                          "e.g. 'training.recompute.enabled=true'")  # fmt: skip

@@ -193,6 +193,8 @@ def test_recompute_sweep_checks_every_setting_first_and_rows_failed_runs(tmp_pat
     assert not any(tmp_path.iterdir())  # nothing ran
     with pytest.raises(ValueError, match="empty setting"):
         recompute_sweep.sweep([" "], out_dir=tmp_path)
+    with pytest.raises(ValueError, match="nproc: 0 is not allowed"):
+        recompute_sweep.sweep(["training.recompute.every=2"], nproc=0, out_dir=tmp_path)
     rows = recompute_sweep.sweep(["training.recompute.every=2"], model="kit:no-such-model",
                                  out_dir=tmp_path)  # fmt: skip
     assert rows[0]["peak_mem_gib"] is None and "kit:no-such-model" in rows[0]["error"], rows
