@@ -21,8 +21,8 @@ for n in $WHICH; do case $n in
   05) nb 05-order-of-operations -p nproc "$NPROC" ;;
   06) nb 06-attention-and-checkpointing -p device cuda -p dtype bfloat16 -y "seq_lens: [1024, 2048, 4096, 8192]" \
         -y "implementations: [eager, sdpa, sdpa_flash, sdpa_efficient, sdpa_cudnn, sdpa_math, flex_attention, flash_attention_2]" \
-        -p batch 1 -p heads 32 -p kv_heads 8 -p head_dim 64 -p model kit:llama-1b -p nproc 0 \
-        -y "checkpoint_settings: [none, full, every-2, every-4]" -p steps 6 -p seq_len 2048 -p batch_size 4 ;;
+        -p heads 32 -p kv_heads 8 -p head_dim 64 -p model kit:llama-1b -p nproc 1 \
+        -y 'recompute_settings: ["training.recompute.enabled=false", "training.recompute.enabled=true", "training.recompute.every=2", "training.recompute.every=4"]' -p steps 6 -p seq_len 2048 -p batch_size 4 ;;
   07) nb 07-launch-multi-gpu -p config llama-1b-gpu -p model kit:llama-1b -p device cuda -p nproc "$NPROC" -p steps 20 ;;
   08) nb 08-checkpoints-resume-merge -p nproc "$NPROC" -p device cuda -p config kit/configs/llama-1b-gpu.yaml -p model kit:llama-1b -p dtype bfloat16 -p quantization nf4 ;;
 esac; done
