@@ -1,10 +1,11 @@
 """What a compiled decoder layer keeps for backward, per activation memory budget (issue 6).
 
 One decoder layer of Llama-3-8B's shape (random weights), NF4 + LoRA r16 on all linear layers
-(dropout 0.05), as the kit builds it; eager, then compiled at budgets 1.0 / 0.5 / 0.3 / 0.15,
-optionally under FSDP2 (world of one). Per row: dynamo graphs and graph breaks, activation bytes
-kept for backward (saved-tensor hooks; parameters excluded), peak memory and forward+backward
-time. Usage: python benchmarks/explore_budget.py [--device cuda] [--seq 2048] [--batch 4]
+(dropout 0.05), as the kit builds it (kit.model.build); eager, then compiled at budgets 1.0 / 0.5 /
+0.3 / 0.15, optionally under FSDP2 (world of one). Per row: dynamo graphs and graph breaks,
+activation bytes kept for backward (saved-tensor hooks; parameters excluded), peak memory and
+forward+backward time.
+Usage: python benchmarks/explore_budget.py [--device cuda] [--seq 2048] [--batch 4]
 """
 import argparse
 import json
@@ -15,27 +16,30 @@ import torch
 
 
 def build(path: str, device: str):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+    """The one-layer model, built as the recipe builds it (kit.model.build: NF4 with double quant
+    and bf16 storage, LoRA r16 on all linear layers in bf16, sdpa, nothing recomputed: the
+    compiler's budget decides), from a local folder written here once."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kit import builtin
+    from kit import model as kmodel
+    from kit.config import load_config
 
     if not os.path.exists(path):
         cfg = LlamaConfig(vocab_size=1024, hidden_size=4096, intermediate_size=14336,
                           num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8,
                           max_position_embeddings=8192)
         LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
-    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                           bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16,
-                           bnb_4bit_quant_storage=torch.bfloat16)
-    kw = {"device_map": {"": 0}} if device == "cuda" else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, quantization_config=q,
-                                                 attn_implementation="sdpa", **kw)
-    torch.manual_seed(0)
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05,
-                                             target_modules="all-linear"))
-    for p in model.parameters():
-        if p.requires_grad:
-            p.data = p.data.to(torch.bfloat16)
-    return model.train()
+        builtin.train_tokenizer().save_pretrained(path)  # the recipe loads one with the model
+    cfg = load_config(None, [
+        f"model.name={path}", "model.dtype=bfloat16", f"training.device={device}",
+        "quantization.method=nf4", "quantization.double_quant=true", "quantization.storage=bfloat16",
+        "lora.r=16", "lora.alpha=32", "lora.dropout=0.05", "lora.target_modules=all-linear",
+        "lora.dtype=bfloat16", "attention.implementation=sdpa", "training.recompute.enabled=false",
+        "training.seed=0",
+    ])
+    dev = torch.device(device, 0) if device == "cuda" else torch.device("cpu")
+    return kmodel.build(cfg, dev).model
 
 
 def measure(model, layer, x, pos, device, steps):

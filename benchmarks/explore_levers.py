@@ -2,12 +2,13 @@
 
     python3 benchmarks/explore_levers.py OUT_DIR
 
-An exploration run (not the benchmark: no sharding, one process): it loads the Llama-3-8B-shaped
-kit model once in NF4 with LoRA r16 on all linear layers (dropout 0.05, adapters in bf16 as FSDP's
-mixed precision computes them), then times variants in the same process at sequence length 2048 on
-synthetic tokens: attention backend, loss, checkpointing (full / every 2nd layer / none), batch,
-LoRA dropout, torch.compile of the decoder layers; and profiles one configuration's kernels. The
-results decided which levers kit.bench measures on 2 GPUs (benchmarks/results/bench-8b-2xh200.md).
+An exploration run (not the benchmark: no sharding, one process): it builds the Llama-3-8B-shaped
+kit model once as the recipe does (kit.model.build: NF4, LoRA r16 on all linear layers, dropout
+0.05, adapters in bf16 as FSDP's mixed precision computes them, every layer recomputed), then times
+variants in the same process at sequence length 2048 on synthetic tokens: attention backend, loss,
+checkpointing (full / every 2nd layer / none), batch, LoRA dropout, torch.compile of the decoder
+layers; and profiles one configuration's kernels. The results decided which levers kit.bench
+measures on 2 GPUs (benchmarks/results/bench-8b-2xh200.md).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kit import lora, quantize
+from kit import builtin
 from kit import loss as kloss
+from kit import model as kmodel
 from kit.config import load_config
 from kit.recompute import enable_activation_checkpointing
 
@@ -89,23 +91,19 @@ def main():
     cfg = load_config("kit/configs/llama-1b-gpu.yaml", [
         "model.name=kit:llama-8b", "training.device=cuda", f"data.max_seq_len={SEQ}",
         "lora.r=16", "lora.alpha=32", "lora.dropout=0.05", "lora.target_modules=all-linear",
+        "lora.dtype=bfloat16", "attention.implementation=sdpa", "training.recompute.enabled=true",
+        "training.recompute.keeps=inputs", "training.loss=hf",
     ])
     t = time.perf_counter()
-    from kit import builtin
     builtin.resolve(cfg.model.name)
     print(f"build: {time.perf_counter() - t:.1f}s", flush=True)
     t = time.perf_counter()
-    model, _ = quantize.load_model(cfg, torch.device("cuda", 0), "sdpa")
-    print(f"load+quantize: {time.perf_counter() - t:.1f}s", flush=True)
-    model = lora.apply_lora(model, cfg)
-    for p in model.parameters():
-        if p.requires_grad:
-            p.data = p.data.to(torch.bfloat16)
+    model = kmodel.build(cfg, torch.device("cuda", 0)).model
+    print(f"load+quantize+LoRA: {time.perf_counter() - t:.1f}s", flush=True)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     print(torch.cuda.get_device_name(0), torch.__version__, flush=True)
 
-    set_checkpointing(model, 1)
-    run_variant(model, opt, "reference: sdpa, hf loss, full ckpt", 4)
+    run_variant(model, opt, "reference: sdpa, hf loss, full ckpt", 4)  # as built: every layer
     run_variant(model, opt, "reference: sdpa, hf loss, full ckpt", 8)
     run_variant(model, opt, "sdpa cudnn, full ckpt", 4, backend=SDPBackend.CUDNN_ATTENTION)
     run_variant(model, opt, "sdpa flash, full ckpt", 4, backend=SDPBackend.FLASH_ATTENTION)

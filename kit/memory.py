@@ -1,396 +1,24 @@
-"""Per-GPU memory budget of a QLoRA run, from the model's shape alone (no weights, no GPU).
+"""What a QLoRA model really holds, measured with torch: the bytes autograd saves for backward,
+and a rank's runtime before any model. The estimate these are checked against is kit.estimate.
 
-    est = estimate("kit:llama-8b", Setup(world_size=2, seq_len=2048, batch_size=1))
-    est.table(), est.total_gib, est.fits(24)
+    m = measured_vs_estimated("kit:tiny-llama", batch_size=8)   # builds on CPU, in this process
+    m = child.call("kit.memory:measured_vs_estimated", batch_size=8)   # from a notebook kernel
+    saved = measure_saved_activations(built.model, batch_size=1, seq_len=256)
 
-Kernel side: imports no torch. The model shape comes from a `kit:` name (kit/builtin.py SPECS), a
-config dict with Hugging Face field names, a `transformers` config object, or a local folder.
-
-Each term is a formula a reader can check by hand (see `estimate`). The two constants that are
-not pure bookkeeping -- bytes autograd keeps per token in one decoder layer, and the peak of the
-logits/loss -- follow from what PyTorch saves for backward and were checked against a measured
-Llama-3-8B run on 2x H200 (`REFERENCE`, from FINDINGS.md): within ~5% across batch sizes, with
-and without activation checkpointing.
+Rank/child side: each function runs torch in the process that calls it (a rank, a script, a test,
+a kit.child process started from notebook 01's kernel); `runtime_baseline_gib` starts a fresh
+interpreter of its own. torch is imported inside the functions, so importing this module is cheap.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from kit import ROOT
 
-GiB = 2**30
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-BLOCKSIZE = 64  # bitsandbytes 4-bit: one scale (absmax) per 64 weights
-NESTED_BLOCKSIZE = 256  # double quantization: the scales quantized to 8 bits in blocks of 256
-ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What the budget needs to know about a decoder-only transformer."""
-
-    vocab: int
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    tied_embeddings: bool = False
-
-    def linears(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each linear layer in one decoder layer (Llama family)."""
-        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        return {
-            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
-        }  # fmt: skip
-
-    @property
-    def layer_linear_params(self) -> int:
-        return sum(a * b for a, b in self.linears().values())
-
-    @property
-    def embedding_params(self) -> int:
-        """Input embedding plus output head (one matrix when tied)."""
-        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-
-    @property
-    def norm_params(self) -> int:
-        return (2 * self.layers + 1) * self.hidden
-
-    @property
-    def params(self) -> int:
-        return self.layers * self.layer_linear_params + self.embedding_params + self.norm_params
-
-
-def _count(n: float) -> str:
-    """1234567 -> '1.23M' (for notes a person reads)."""
-    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
-    return f"{n:.0f}"
-
-
-def shape_of(model) -> Shape:
-    """A Shape from a Shape, a `kit:` name, a config dict, a transformers config or a folder."""
-    if isinstance(model, Shape):
-        return model
-    if isinstance(model, str) and model.startswith("kit:"):
-        from kit.builtin import SPECS
-
-        if model[4:] not in SPECS:
-            raise ValueError(f"model: {model!r} is not a kit model; allowed: kit:{', kit:'.join(SPECS)}")
-        model = SPECS[model[4:]]
-    elif isinstance(model, (str, Path)):
-        path = Path(model).expanduser() / "config.json"
-        if path.is_file():
-            model = json.loads(path.read_text())
-        else:  # a hub id: transformers reads config.json (from its cache when offline)
-            from transformers import AutoConfig
-
-            model = AutoConfig.from_pretrained(str(model))
-    if not isinstance(model, dict):
-        model = model.to_dict()
-    model = model.get("text_config", model)  # multimodal configs nest the language model
-    heads = model["num_attention_heads"]
-    return Shape(
-        vocab=model["vocab_size"],
-        hidden=model["hidden_size"],
-        intermediate=model["intermediate_size"],
-        layers=model["num_hidden_layers"],
-        heads=heads,
-        kv_heads=model.get("num_key_value_heads") or heads,
-        head_dim=model.get("head_dim") or model["hidden_size"] // heads,
-        tied_embeddings=bool(model.get("tie_word_embeddings", False)),
-    )
-
-
-@dataclass(frozen=True)
-class Setup:
-    """The training choices that move memory. Defaults: the reference run (FINDINGS.md)."""
-
-    world_size: int = 2
-    engine: str = "fsdp2"  # fsdp2 | fsdp1 | ddp
-    quantization: str = "nf4"  # nf4 | fp4 | none
-    double_quant: bool = True
-    dtype: str = "bfloat16"  # compute dtype and dtype of everything not 4-bit
-    lora_r: int = 16
-    lora_targets: str | tuple[str, ...] = "all-linear"
-    lora_dtype: str = "auto"  # auto: float32, except fsdp1 (model dtype)
-    lora_dropout: bool = True
-    batch_size: int = 1  # sequences per GPU per micro-step
-    seq_len: int = 2048
-    recompute: bool = True  # training.recompute.enabled
-    recompute_keeps: str = "inputs"  # training.recompute.keeps (kit.recompute)
-    attention: str = "sdpa"  # sdpa/flash keep O(seq) per token; eager keeps the seq x seq scores
-    cpu_offload: bool = False  # FSDP: shards, grads and optimizer state live in CPU memory
-    reshard_after_forward: bool = True  # FSDP2: False keeps every layer gathered until backward
-    prefetch_layers: int = 1  # FSDP gathers the next layer while computing this one
-
-    @classmethod
-    def from_config(cls, cfg, world_size: int = 2) -> Setup:
-        """The Setup a kit Config (kit/config.py) describes."""
-        targets = cfg.lora.target_modules
-        return cls(
-            world_size=world_size,
-            engine=cfg.sharding.engine,
-            quantization=cfg.quantization.method,
-            double_quant=cfg.quantization.double_quant,
-            dtype=cfg.model.dtype,
-            lora_r=cfg.lora.r,
-            lora_targets=targets if isinstance(targets, str) else tuple(targets),
-            lora_dtype=cfg.lora.dtype,
-            lora_dropout=cfg.lora.dropout > 0,
-            batch_size=cfg.training.batch_size,
-            seq_len=cfg.data.max_seq_len,
-            recompute=cfg.training.recompute.enabled,
-            recompute_keeps=cfg.training.recompute.keeps,
-            attention=cfg.attention.implementation,
-            cpu_offload=cfg.sharding.cpu_offload,
-            reshard_after_forward=cfg.sharding.reshard_after_forward,
-        )
-
-    @property
-    def adapter_bytes(self) -> int:
-        if self.lora_dtype != "auto":
-            return DTYPE_BYTES[self.lora_dtype]
-        return DTYPE_BYTES[self.dtype] if self.engine == "fsdp1" else 4
-
-
-def lora_targets(shape: Shape, targets) -> dict[str, tuple[int, int]]:
-    """The linear layers of one decoder layer that get an adapter."""
-    linears = shape.linears()
-    if targets == "all-linear":
-        return linears
-    names = [targets] if isinstance(targets, str) else list(targets)
-    unknown = [n for n in names if n not in linears]
-    if unknown:
-        raise ValueError(f"lora_targets: {unknown} not among {', '.join(linears)}")
-    return {n: linears[n] for n in names}
-
-
-def lora_params(shape: Shape, r: int, targets="all-linear") -> int:
-    """Trainable LoRA parameters: A (r x in) and B (out x r) per targeted linear, every layer."""
-    return shape.layers * sum(r * (a + b) for a, b in lora_targets(shape, targets).values())
-
-
-def quantized_bytes_per_param(quantization: str, double_quant: bool) -> float:
-    """Packed 4 bits plus the per-block scales (one fp32 per 64 weights, or with double
-    quantization one byte per 64 plus one fp32 per 64*256). Constant-size code tables ignored."""
-    if quantization == "none":
-        raise ValueError("quantization 'none' keeps weights in the model dtype")
-    scales = 1 / BLOCKSIZE + 4 / (BLOCKSIZE * NESTED_BLOCKSIZE) if double_quant else 4 / BLOCKSIZE
-    return 0.5 + scales
-
-
-def activation_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
-    """Bytes autograd keeps per token in one decoder layer for backward (no checkpointing).
-
-    Frozen 4-bit linears keep nothing per token (bitsandbytes recomputes the weight, and the
-    weight needs no gradient). What remains, a = compute dtype bytes, l = adapter dtype bytes:
-      - 2 RMSNorms: the fp32 copy of their input (4h each)
-      - RoPE + attention: q, k, v and the attention output (a * (2q + 2kv)), the output's
-        reshaped copy fed to o_proj (a * q); eager attention also keeps the seq x seq scores
-        (fp32 softmax + probabilities in a) per head
-      - SwiGLU: gate and up outputs and silu(gate) (a * 3i)
-      - LoRA, per targeted linear: its input after dropout in the adapter dtype (l * in), the
-        dropout mask (1 byte * in), the r-wide output of A (l * r)
-    """
-    h, i, r = shape.hidden, shape.intermediate, setup.lora_r
-    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    a, lb = DTYPE_BYTES[setup.dtype], setup.adapter_bytes
-    total = 2 * 4 * h + a * (2 * q + 2 * kv) + a * q + a * 3 * i
-    if setup.attention == "eager":
-        total += shape.heads * setup.seq_len * (4 + a)
-    mask = 1 if setup.lora_dropout else 0
-    for fan_in, _ in lora_targets(shape, setup.lora_targets).values():
-        total += (lb + mask) * fan_in + lb * r
-    return total
-
-
-def selective_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
-    """Bytes one decoder layer keeps per token under training.recompute.keeps (kit.recompute):
-    the matmul results the policy keeps (matmuls: q, k, v, o and gate, up; mlp_matmuls: gate,
-    up; attention_matmuls: q, k, v, o), each adapter's r-wide down-projection, attention's output, and three
-    hidden-wide tensors (the layer's input among them: a count of what compiled NF4 layers keep,
-    benchmarks/kept_per_policy.py). Within ~10% of the 8B shape's measured 6.3 / 5.1 / 3.0 GiB per
-    2,048-token sequence (benchmarks/results/bench-8b-2xh200-run4.md)."""
-    h, i, r = shape.hidden, shape.intermediate, setup.lora_r
-    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    attention, mlp = q + 2 * kv, 2 * i
-    kept = {"matmuls": attention + mlp, "mlp_matmuls": mlp,
-            "attention_matmuls": attention}[setup.recompute_keeps]
-    adapters = len(lora_targets(shape, setup.lora_targets)) * setup.adapter_bytes * r
-    return DTYPE_BYTES[setup.dtype] * (3 * h + q + kept) + adapters
-
-
-# Bytes per logit at the loss's peak: the logits in the compute dtype (a), their fp32 copy (4),
-# the fp32 log-probabilities cross-entropy keeps (4), the fp32 gradient it returns (4).
-LOGIT_BYTES_FP32_PART = 12
-
-
-@dataclass
-class Estimate:
-    """Bytes per GPU by component; `total` is what torch.cuda.max_memory_allocated would show."""
-
-    shape: Shape
-    setup: Setup
-    parts: dict[str, float] = field(default_factory=dict)
-    notes: dict[str, str] = field(default_factory=dict)
-    cpu_bytes: float = 0.0  # per rank, in host memory (cpu_offload)
-
-    @property
-    def total(self) -> float:
-        return sum(self.parts.values())
-
-    @property
-    def total_gib(self) -> float:
-        return self.total / GiB
-
-    def needed_gib(self, reserve_gib: float = 1.0, fragmentation: float = 0.05) -> float:
-        """Total plus headroom: the CUDA context and NCCL buffers (~1 GiB, outside
-        max_memory_allocated) and allocator fragmentation (a few %)."""
-        return self.total_gib * (1 + fragmentation) + reserve_gib
-
-    def fits(self, gpu_gib: float, **headroom) -> bool:
-        return self.needed_gib(**headroom) <= gpu_gib
-
-    def table(self, unit: int = GiB) -> list[tuple[str, float, str]]:
-        """(component, size in `unit` bytes, how it was computed) rows, largest first."""
-        rows = sorted(self.parts.items(), key=lambda kv: -kv[1])
-        return [(k, v / unit, self.notes.get(k, "")) for k, v in rows]
-
-    def __str__(self) -> str:
-        s = self.setup
-        unit, name = (GiB, "GiB") if self.total >= GiB else (2**20, "MiB")
-        head = (
-            f"{s.engine} x{s.world_size}, {s.quantization}, LoRA r={s.lora_r}, batch {s.batch_size}"
-            f" x seq {s.seq_len}, checkpointing {'on' if s.recompute else 'off'}"
-        )
-        lines = [head] + [f"  {k:<28} {v:8.2f} {name}  {note}" for k, v, note in self.table(unit)]
-        lines.append(f"  {'total (allocated peak)':<28} {self.total / unit:8.2f} {name}")
-        if unit == GiB:
-            lines.append(f"  {'with headroom':<28} {self.needed_gib():8.2f} GiB")
-        return "\n".join(lines)
-
-
-def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
-    """Per-GPU peak memory of one training step. `changes` override fields of `setup`."""
-    shape, setup = shape_of(model), replace(setup or Setup(), **changes)
-    if setup.engine not in ("fsdp2", "fsdp1", "ddp"):
-        raise ValueError(f"engine: {setup.engine!r}; allowed: fsdp2, fsdp1, ddp")
-    a = DTYPE_BYTES[setup.dtype]
-    sharded = setup.engine != "ddp"
-    world = setup.world_size if sharded else 1
-    tokens = setup.batch_size * setup.seq_len
-    est = Estimate(shape, setup)
-    parts, notes = est.parts, est.notes
-
-    # Base weights: 4-bit linears in the decoder layers; embeddings, output head, norms stay in
-    # the model dtype (bitsandbytes does not quantize the head).
-    linear = shape.layers * shape.layer_linear_params
-    if setup.quantization == "none":
-        per_param, layer_bytes = a, shape.layer_linear_params * a
-        notes_w = f"{_count(linear)} linear params x {a} B"
-    else:
-        per_param = quantized_bytes_per_param(setup.quantization, setup.double_quant)
-        layer_bytes = shape.layer_linear_params * per_param
-        notes_w = f"{_count(linear)} linear params x {per_param:.3f} B (4 bit + scales)"
-    base = linear * per_param + (shape.embedding_params + shape.norm_params) * a
-    adapter = lora_params(shape, setup.lora_r, setup.lora_targets)
-    lb = setup.adapter_bytes
-    shard_note = f" / {world} ranks" if sharded else " (every rank holds all)"
-    static = {
-        "base weights": (base / world, notes_w + shard_note),
-        "LoRA weights": (adapter * lb / world, f"{_count(adapter)} params x {lb} B{shard_note}"),
-        "LoRA gradients": (adapter * lb / world, f"same size as the LoRA weights{shard_note}"),
-        "optimizer (AdamW m, v)": (
-            2 * adapter * lb / world,
-            f"2 x LoRA weights in their dtype{shard_note}; LoRA in fp32 is its own master copy",
-        ),
-    }
-    for name, (value, note) in static.items():
-        if setup.cpu_offload and sharded:
-            est.cpu_bytes += value
-            name, note = name + " [CPU]", "offloaded to host memory: 0 on the GPU"
-            value = 0.0
-        parts[name], notes[name] = value, note
-
-    # Communication: FSDP all-gathers a layer before use (plus the prefetched next one) and
-    # keeps the root unit (embeddings, head, final norm) gathered from forward into backward.
-    if sharded:
-        root = (shape.embedding_params + shape.hidden) * a
-        lora_layer = adapter / shape.layers * a
-        gathered_layers = shape.layers if not setup.reshard_after_forward else 1 + setup.prefetch_layers
-        parts["FSDP gathered params"] = root + gathered_layers * (layer_bytes + lora_layer)
-        notes["FSDP gathered params"] = (
-            f"root unit (embeddings + head) + {gathered_layers} unsharded decoder layer(s)"
-        )
-    else:
-        parts["DDP gradient buckets"] = adapter * lb
-        notes["DDP gradient buckets"] = "a flat copy of all LoRA gradients for the all-reduce"
-
-    # Activations and the loss.
-    per_layer = activation_bytes_per_token_layer(shape, setup) * tokens
-    logits = tokens * shape.vocab * (a + LOGIT_BYTES_FP32_PART)
-    if setup.recompute and setup.recompute_keeps != "inputs":
-        kept = selective_bytes_per_token_layer(shape, setup) * tokens
-        parts["activations"] = shape.layers * kept + per_layer
-        notes["activations"] = (f"{shape.layers} layers x {kept / tokens / 1024:.0f} KiB/token kept "
-                                f"({setup.recompute_keeps}), one layer recomputed in backward")
-        parts["logits and loss"] = max(0, logits - per_layer)
-        notes["logits and loss"] = "vocab x tokens x (2 + 12) B, beyond the recomputed layer"
-    elif setup.recompute:
-        inputs = shape.layers * tokens * shape.hidden * a
-        parts["activations"] = inputs + per_layer
-        notes["activations"] = "each layer's input kept, one layer recomputed in backward"
-        # The loss's peak comes before any layer is recomputed: they do not add up.
-        parts["logits and loss"] = max(0, logits - per_layer)
-        notes["logits and loss"] = "vocab x tokens x (2 + 12) B, beyond the recomputed layer"
-    else:
-        parts["activations"] = shape.layers * per_layer
-        notes["activations"] = f"{shape.layers} layers x {per_layer / tokens / 1024:.0f} KiB/token"
-        parts["logits and loss"] = logits
-        notes["logits and loss"] = "vocab x tokens x (2 + 12) B: logits, fp32 copy, log-probs, grad"
-    return est
-
-
-def sweep(model, setup: Setup, key: str, values) -> list[Estimate]:
-    """One estimate per value of Setup field `key` (for tables and plots)."""
-    return [estimate(model, setup, **{key: v}) for v in values]
-
-
-# Measured peaks (torch.cuda.max_memory_allocated, GiB) of the reference a user would write
-# (FINDINGS.md, 2x H200, 2026-11-22): Llama-3-8B shape, NF4 + double quant, bf16 storage,
-# LoRA r16 all-linear in bf16, FSDP1 FULL_SHARD, sdpa, seq 2048, AdamW.
-REFERENCE = {
-    "model": "kit:llama-8b",
-    "setup": dict(engine="fsdp1", world_size=2, lora_r=16, seq_len=2048, attention="sdpa"),
-    # (recompute, batch_size) -> measured peak GiB
-    "peak_gib": {
-        (False, 1): 25.0, (False, 2): 45.1,
-        (True, 1): 8.9, (True, 2): 12.9, (True, 4): 20.8, (True, 8): 36.6,
-    },  # fmt: skip
-}
-
-
-def compare_with_reference() -> list[dict]:
-    """Estimate vs measured for every REFERENCE row."""
-    rows = []
-    for (ckpt, batch), measured in REFERENCE["peak_gib"].items():
-        est = estimate(
-            REFERENCE["model"],
-            Setup(**REFERENCE["setup"], recompute=ckpt, batch_size=batch),
-        )
-        rows.append(
-            dict(checkpointing=ckpt, batch=batch, measured_gib=measured,
-                 estimated_gib=round(est.total_gib, 1),
-                 error_pct=round(100 * (est.total_gib - measured) / measured, 1))
-        )  # fmt: skip
-    return rows
+# estimate and lora_params are temporary re-exports (issue 13): kit/lora.py, kit/doctor/context.py,
+# kit/doctor/preflight.py and notebooks 00 and 03 still reach them, Setup and shape_of through
+# kit.memory. Remove once they import kit.shapes and kit.estimate.
+from kit.estimate import Setup, activation_bytes_per_token_layer, estimate  # noqa: F401
+from kit.shapes import lora_params, shape_of  # noqa: F401
 
 
 def measure_saved_activations(model, batch_size: int, seq_len: int, vocab: int | None = None) -> int:
@@ -416,33 +44,26 @@ def measure_saved_activations(model, batch_size: int, seq_len: int, vocab: int |
     return sum(seen.values())
 
 
-# --------------------------------------------------------------------------- measuring (01)
-
-
 def measured_vs_estimated(model: str = "kit:tiny-llama", batch_size: int = 8,
                           seq_lens: tuple[int, int] = (32, 64)) -> dict:  # fmt: skip
     """Bytes autograd saves per token per decoder layer, measured on a kit model built on CPU in
-    this process (NF4 + LoRA as the recipe builds it, no process group), vs the estimate.
+    this process (kit.model.build: NF4 + LoRA as the recipe builds it, no process group), vs the
+    estimate.
 
-    Measured as (saved without checkpointing - saved with it) per token per layer at two sequence
+    Measured as (saved without recompute - saved with it) per token per layer at two sequence
     lengths; the difference removes parameters and everything outside the decoder layers."""
     import torch
 
-    from kit import lora, quantize
+    from kit import model as kmodel
     from kit.config import load_config
-    from kit.recompute import enable_activation_checkpointing
 
-    cfg = load_config(Path(__file__).parent / "configs" / "tiny-cpu.yaml",
-                      [f"model.name={model}", "training.device=cpu"])  # fmt: skip
-    saved = {}
-    for ckpt in (False, True):
-        torch.manual_seed(0)
-        base, _ = quantize.load_model(cfg, torch.device("cpu"))
-        peft_model = lora.apply_lora(base, cfg)
-        if ckpt:
-            enable_activation_checkpointing(peft_model)
-        peft_model.train()
-        saved[ckpt] = [measure_saved_activations(peft_model, batch_size, s) for s in seq_lens]
+    saved, cfg = {}, None
+    for recompute in (False, True):
+        cfg = load_config(ROOT / "kit" / "configs" / "tiny-cpu.yaml",
+                          [f"model.name={model}", "training.device=cpu",
+                           f"training.recompute.enabled={str(recompute).lower()}"])  # fmt: skip
+        built = kmodel.build(cfg, torch.device("cpu"))
+        saved[recompute] = [measure_saved_activations(built.model, batch_size, s) for s in seq_lens]
     shape = shape_of(model)
     tokens = batch_size * (seq_lens[1] - seq_lens[0])
     per_layer = ((saved[False][1] - saved[False][0]) - (saved[True][1] - saved[True][0]))
@@ -471,55 +92,5 @@ def runtime_baseline_gib() -> float:
         "    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
     )  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+                         cwd=ROOT)  # fmt: skip
     return int(out.stdout.split()[-1]) / 2**20  # KiB -> GiB
-
-
-def scenarios(models: dict, setups: dict, gpus: dict[str, float]) -> list[dict]:
-    """Rows model x setup: the estimate, its headroom total, and whether it fits each GPU
-    (`gpus`: label -> GiB the device reports, e.g. {"H200": 139})."""
-    rows = []
-    for model_label, model in models.items():
-        for setup_label, setup in setups.items():
-            est = estimate(model, setup)
-            row = {"model": model_label, "setup": setup_label,
-                   "GiB per GPU": round(est.total_gib, 1), "with headroom": round(est.needed_gib(), 1),
-                   "host GiB per rank": round(est.cpu_bytes / GiB, 1)}  # fmt: skip
-            row.update({f"fits {label}": est.fits(gib) for label, gib in gpus.items()})
-            rows.append(row)
-    return rows
-
-
-def plot_parts(estimates: dict, gpus: dict[str, float] | None = None, ax=None):
-    """Stacked horizontal bars, one per labelled Estimate; dashed lines at GPU sizes (GiB)."""
-    import matplotlib.pyplot as plt
-
-    ax = ax or plt.subplots(figsize=(9, 0.5 + 0.45 * len(estimates)))[1]
-    names = list(dict.fromkeys(k for e in estimates.values() for k in e.parts))
-    labels = list(estimates)
-    left = [0.0] * len(labels)
-    for name in names:
-        values = [estimates[label].parts.get(name, 0) / GiB for label in labels]
-        ax.barh(labels, values, left=left, label=name)
-        left = [a + b for a, b in zip(left, values, strict=True)]
-    for label, gib in (gpus or {}).items():
-        ax.axvline(gib, color="k", ls="--", lw=1)
-        ax.text(gib, -0.6, f" {label}", va="bottom", fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("GiB per GPU (allocated peak, before headroom)")
-    ax.legend(fontsize=7, loc="lower right")
-    return ax
-
-
-def plot_sweep(model, setup: Setup, key: str, values, ax=None, label: str = ""):
-    """Total GiB per GPU as Setup field `key` varies (one line per call)."""
-    import matplotlib.pyplot as plt
-
-    ax = ax or plt.subplots(figsize=(6, 3.5))[1]
-    ax.plot(values, [e.total_gib for e in sweep(model, setup, key, values)], marker="o",
-            label=label or None)  # fmt: skip
-    ax.set_xlabel(key)
-    ax.set_ylabel("GiB per GPU")
-    if label:
-        ax.legend()
-    return ax

@@ -1,0 +1,59 @@
+"""kit.shapes: a model's shape from its name, dict or folder, and what counting gives from it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import ROOT
+
+from kit import jsonl, shapes
+from kit.builtin import SPECS
+
+LLAMA3_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                  num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8)  # fmt: skip
+
+
+def test_shape_from_kit_name_dict_and_folder_agree(tmp_path):
+    by_name = shapes.shape_of("kit:llama-8b")
+    assert by_name == shapes.shape_of(SPECS["llama-8b"])
+    (tmp_path / "config.json").write_text(json.dumps(SPECS["llama-8b"]))
+    assert shapes.shape_of(tmp_path) == by_name
+    # Llama-3-8B has 8.03B parameters; 70B 70.55B (public figures).
+    assert by_name.params == pytest.approx(8.03e9, rel=1e-3)
+    assert shapes.shape_of(LLAMA3_70B).params == pytest.approx(70.55e9, rel=1e-3)
+    assert by_name.head_dim == 128 and by_name.kv_heads == 8
+
+
+def test_unknown_kit_model_names_the_allowed_ones():
+    with pytest.raises(ValueError, match="kit:tiny-llama"):
+        shapes.shape_of("kit:nope")
+
+
+def test_lora_params_follow_rank_and_targets():
+    shape = shapes.shape_of("kit:llama-8b")
+    assert shapes.lora_params(shape, 16) == 2 * shapes.lora_params(shape, 8)
+    qv = shapes.lora_params(shape, 8, ["q_proj", "v_proj"])
+    assert qv == 32 * 8 * ((4096 + 4096) + (4096 + 1024))
+    with pytest.raises(ValueError, match="nope_proj"):
+        shapes.lora_params(shape, 8, ["nope_proj"])
+
+
+def test_lora_formula_matches_peft_on_the_real_tiny_model():
+    from kit import lora, quantize
+    from kit.config import load_config
+
+    cfg = load_config(None, ["lora.r=4", "lora.target_modules=[q_proj, v_proj, down_proj]"])
+    peft_model = lora.apply_lora(quantize.load_on_cpu("kit:tiny-llama"), cfg)
+    expected = shapes.lora_params(shapes.shape_of("kit:tiny-llama"), 4,
+                                  ["q_proj", "v_proj", "down_proj"])  # fmt: skip
+    assert lora.trainable_summary(peft_model)["trainable"] == expected
+
+
+def test_flops_per_token_of_the_8b_shape_is_what_the_benchmark_recorded():
+    flops = shapes.flops_per_token(shapes.shape_of("kit:llama-8b"), 2048)
+    # 4 x 7.50e9 linear params (with the output head) + attention: ~31.6 GFLOP per token.
+    assert 31.0e9 < flops < 32.2e9
+    # Every row of the recorded 2x H200 run carries the number its MFU was computed with.
+    recorded = jsonl.read(ROOT / "benchmarks" / "results" / "bench-8b-2xh200-run4.jsonl")
+    assert {r["flops_per_token"] for r in recorded if "flops_per_token" in r} == {flops}
