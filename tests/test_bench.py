@@ -1,18 +1,21 @@
-"""kit.bench for real: one invocation, two recipes in their own torchrun (2 CPU processes, gloo)."""
+"""kit.bench for real: one invocation, two recipes each in its own torchrun (2 CPU processes, gloo),
+started through kit.launch's run folders."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
+import yaml
 from conftest import ROOT
 
-from kit import bench
+from kit import bench, jsonl
+from kit.bench_report import best_by_case
+from kit.config import ConfigError
+from kit.launch import Run
 
-pytestmark = pytest.mark.slow
 TINY_MATRIX = ROOT / "benchmarks" / "matrices" / "bench-tiny.yaml"
 
 
@@ -24,10 +27,10 @@ def tiny_bench(tmp_path_factory):
     proc = subprocess.run([sys.executable, "-m", "kit.bench", str(TINY_MATRIX), "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    return out, rows
+    return out, jsonl.read(out / "results.jsonl")
 
 
+@pytest.mark.slow
 def test_each_case_measures_batches_until_one_does_not_fit(tiny_bench):
     _, rows = tiny_bench
     for case in ("article", "kit"):
@@ -41,6 +44,7 @@ def test_each_case_measures_batches_until_one_does_not_fit(tiny_bench):
         assert any(r["kind"] == "done" for r in rows if r["case"] == case)
 
 
+@pytest.mark.slow
 def test_both_recipes_learn_the_same_from_the_same_data(tiny_bench):
     _, rows = tiny_bench
     curves = {r["case"]: r["losses"] for r in rows if r["kind"] == "curve"}
@@ -54,25 +58,42 @@ def test_both_recipes_learn_the_same_from_the_same_data(tiny_bench):
     assert max(abs(x - y) for x, y in zip(a, k, strict=True)) < 0.01, (a, k)
 
 
+@pytest.mark.slow
 def test_report_names_the_oom_and_compares_recipes(tiny_bench):
     out, rows = tiny_bench
     table = (out / "table.md").read_text()
     assert "### The article's table" in table and "OOM at batch 4" in table
     assert "### Kit vs the article recipe" in table and "x |" in table
     assert (out / "bench.png").stat().st_size > 10_000
-    best = bench.best_by_case(rows)
+    best = best_by_case(rows)
     assert set(best) == {"article", "kit"} and all(r["batch"] in (1, 2) for r in best.values())
 
 
-def test_flops_per_token_of_the_8b_shape():
-    from transformers import LlamaConfig
+@pytest.mark.slow
+def test_each_case_is_a_run_folder_with_its_config_and_log(tiny_bench):
+    out, _ = tiny_bench
+    for case in ("article", "kit"):
+        run = Run(out / "runs" / case)
+        assert run.status == "completed" and run.exit_code == 0
+        assert run.config.data.max_seq_len == 64 and run.config.training.device == "cpu"
+        assert "kit.bench_worker" in (run.folder / "run.sh").read_text()
+        assert (out / "logs" / f"{case}.log").read_text() == run.output()
+    # The kit's recipe trains with the case's overrides; the runner's settings underneath.
+    kit = Run(out / "runs" / "kit").config
+    assert (kit.training.loss, kit.lora.r, kit.training.scheduler) == ("chunked", 16, "constant")
 
-    from kit.builtin import SPECS
 
-    spec = {k: v for k, v in SPECS["llama-8b"].items() if k != "model_type"}
-    flops = bench.flops_per_token(LlamaConfig(**spec), 2048)
-    # 4 x 7.50e9 linear params (with the output head) + attention: ~31.6 GFLOP per token.
-    assert 31.0e9 < flops < 32.2e9
+@pytest.mark.slow
+def test_a_case_past_its_timeout_is_stopped_and_recorded(tmp_path):
+    """A hang costs one case: its whole process tree is stopped, a failed row names it."""
+    matrix = yaml.safe_load(TINY_MATRIX.read_text())
+    matrix["cases"] = [{**matrix["cases"][1], "timeout_s": 3, "equivalence": False}]
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(matrix))
+    rows = bench.run(path, tmp_path / "out")
+    assert [(r["kind"], r["rc"]) for r in rows if r["kind"] == "failed"] == [("failed", -9)]
+    assert Run(tmp_path / "out" / "runs" / "kit").processes() == []
+    assert "failed (see logs/kit.log)" in (tmp_path / "out" / "table.md").read_text()
 
 
 def test_bad_recipe_is_one_line(tmp_path):
@@ -82,16 +103,11 @@ def test_bad_recipe_is_one_line(tmp_path):
         bench.load_matrix(path)
 
 
-def test_profile_sorts_kernels_into_families_and_skips_annotations():
-    """profile_step's bookkeeping (its profiling runs only on GPUs): kernel names to families,
-    and the ranges modules mark on the GPU timeline are not counted as kernels."""
-    assert bench.kernel_family("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
-    assert bench.kernel_family("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
-    assert bench.kernel_family("void kDequantizeBlockwise<__nv_bfloat16, 512>") == "4-bit dequantize"
-    assert bench.kernel_family("triton_poi_fused_add_mul_native_dropout_silu_6") == "compiled (triton)"
-    assert bench.kernel_family("ncclDevKernel_AllGather_RING_LL") == "nccl"
-    assert bench.kernel_family("void at::native::vectorized_elementwise_kernel") == "other eager kernels"
-    for span in ("FSDP::pre_backward (layers.22)", "Optimizer.step#AdamW.step",
-                 "FullyShardedDataParallel.forward"):
-        assert bench._is_annotation(span)
-    assert not bench._is_annotation("nvjet_sm90_tst_16x64_64x16_1x2_h_bz_TNN")
+def test_a_bad_override_stops_the_matrix_before_any_case_runs(tmp_path):
+    matrix = yaml.safe_load(TINY_MATRIX.read_text())
+    matrix["cases"][1]["overrides"] = ["training.loss=fast"]
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(matrix))
+    with pytest.raises(ConfigError, match=r"cases\.kit: training\.loss: 'fast'"):
+        bench.run(path, tmp_path / "out")
+    assert not (tmp_path / "out" / "runs").exists()

@@ -1,0 +1,153 @@
+"""The benchmark's tables and plot, from the rows it recorded: what notebook 09's kernel imports.
+
+    rows = kit.jsonl.read("benchmarks/results/bench-8b-2xh200-run4.jsonl")
+    print(render(rows, matrix))           # table.md: the article's table, kit vs baseline per cap
+    best_by_case(rows), largest_by_case(rows), plot(rows, "bench.png")
+
+Kernel side: imports no torch (matplotlib only inside `plot`, without pyplot). The rows come from
+kit.bench_worker (one JSON line per setup, batch, curve, profile, done) through the runner
+kit.bench, which writes results.jsonl and calls `render` and `plot`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# Dense bf16 tensor-core peak from the vendor's data sheet (MFU's denominator), by device name.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def _top_by_case(rows: list[dict], key: str) -> dict[str, dict]:
+    """case -> its ok batch row with the largest `key`."""
+    top: dict[str, dict] = {}
+    for r in rows:
+        if r.get("kind") == "batch" and r["status"] == "ok":
+            if r["case"] not in top or r[key] > top[r["case"]][key]:
+                top[r["case"]] = r
+    return top
+
+
+def best_by_case(rows: list[dict]) -> dict[str, dict]:
+    """case -> its fastest batch row."""
+    return _top_by_case(rows, "tokens_per_s_gpu")
+
+
+def largest_by_case(rows: list[dict]) -> dict[str, dict]:
+    """case -> its largest batch that fitted."""
+    return _top_by_case(rows, "batch")
+
+
+def fastest(best: dict[str, dict], matrix: dict, role: str, cap) -> dict | None:
+    """The fastest of the best rows (`best_by_case`) of the cases with this role ("baseline",
+    "kit") and memory cap; None when none of them fitted."""
+    rows = [best[c["name"]] for c in matrix["cases"]
+            if c.get("role") == role and c.get("cap_gib") == cap and c["name"] in best]
+    return max(rows, key=lambda r: r["tokens_per_s_gpu"], default=None)
+
+
+def _fmt(x, spec=",.0f", none="-"):
+    return none if x is None else format(x, spec)
+
+
+def render(rows: list[dict], matrix: dict) -> str:
+    best, largest = best_by_case(rows), largest_by_case(rows)
+    cases = [c["name"] for c in matrix["cases"]]
+    by_case = {n: [r for r in rows if r["case"] == n] for n in cases}
+    first = next((r for r in rows if r.get("device")), {})
+    lines = [f"Device: {first.get('device', '?')} x {first.get('world', '?')}; model "
+             f"{matrix['model']}, sequence length {matrix['seq_len']}; model FLOPs per token "
+             f"{_fmt(first.get('flops_per_token', 0) / 1e9, '.3g')} G (LoRA: forward + input "
+             "gradients, attention included, recompute not counted)"
+             + ("; MFU against 989 TFLOP/s dense bf16." if first.get("device", "cpu") != "cpu"
+                else "; no MFU on CPU."), ""]
+
+    def status(name: str) -> str:
+        rs = by_case.get(name, [])
+        if not rs:
+            return "not run"
+        if any(r.get("kind") == "failed" for r in rs):
+            return "failed (see logs/" + name + ".log)"
+        oom = next((r for r in rs if r.get("status") == "oom"), None)
+        return f"OOM at batch {oom['batch']}" if oom else "ok"
+
+    article = [c for c in matrix["cases"] if c.get("table") == "article"]
+    if article:
+        lines += ["### The article's table", "",
+                  "| configuration | cap GiB | largest batch/GPU | peak GiB | tokens/s/GPU | status |",
+                  "|---|---|---|---|---|---|"]
+        for c in article:
+            r = largest.get(c["name"])
+            lines.append(f"| {c.get('label', c['name'])} | {_fmt(c.get('cap_gib'), 'g')} | "
+                         f"{r['batch'] if r else 'none fits'} | "
+                         f"{_fmt(r and r['peak_alloc_gib'], '.1f')} | "
+                         f"{_fmt(r and r['tokens_per_s_gpu'])} | {status(c['name'])} |")
+        lines.append("")
+
+    caps = sorted({c.get("cap_gib") for c in matrix["cases"] if c.get("role") in ("baseline", "kit")},
+                  key=lambda x: (x is None, x))
+    if caps:
+        lines += ["### Kit vs the article recipe, per memory cap (best batch of each)", "",
+                  "| cap GiB/GPU | baseline tokens/s/GPU (batch, MFU) | kit best tokens/s/GPU "
+                  "(batch, MFU) | kit config | speed-up |", "|---|---|---|---|---|"]
+        for cap in caps:
+            b, k = fastest(best, matrix, "baseline", cap), fastest(best, matrix, "kit", cap)
+            ratio = f"{k['tokens_per_s_gpu'] / b['tokens_per_s_gpu']:.2f}x" if b and k else "-"
+            def cell(r):
+                return (f"{_fmt(r['tokens_per_s_gpu'])} ({r['batch']}, {_fmt(r['mfu'], '.1%')})"
+                        if r else "-")
+            lines.append(f"| {_fmt(cap, 'g')} | {cell(b)} | {cell(k)} | "
+                         f"{k['label'] if k else '-'} | {ratio} |")
+        lines.append("")
+
+    lines += ["### Every case", "",
+              "| case | recipe | cap GiB | batches tried: tokens/s/GPU (peak GiB) | best | status |",
+              "|---|---|---|---|---|---|"]
+    for name in cases:
+        rs = [r for r in by_case[name] if r.get("kind") == "batch"]
+        tried = ", ".join(f"{r['batch']}: {_fmt(r['tokens_per_s_gpu'])} ({r['peak_alloc_gib']:.1f})"
+                          if r["status"] == "ok" else f"{r['batch']}: OOM" for r in rs)
+        b = best.get(name)
+        c = next(c for c in matrix["cases"] if c["name"] == name)
+        lines.append(f"| {c.get('label', name)} | {c['recipe']} | {_fmt(c.get('cap_gib'), 'g')} | "
+                     f"{tried or '-'} | {_fmt(b and b['tokens_per_s_gpu'])} | {status(name)} |")
+    lines.append("")
+
+    curves = {r["case"]: r for r in rows if r.get("kind") == "curve"}
+    if len(curves) >= 2:
+        names = list(curves)
+        ref = curves[names[0]]
+        lines += [f"### What is learned: loss per step, {len(ref['losses'])} steps at batch "
+                  f"{ref['batch']}, same data", "",
+                  "| case | loss step 1 | loss last step | max abs diff vs " + names[0] + " |",
+                  "|---|---|---|---|"]
+        for n in names:
+            c = curves[n]["losses"]
+            diff = max(abs(a - b) for a, b in zip(c, ref["losses"], strict=False))
+            lines.append(f"| {curves[n]['label']} | {c[0]:.4f} | {c[-1]:.4f} | {diff:.4f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str | Path) -> None:
+    from matplotlib.figure import Figure  # no pyplot: a notebook's backend stays as it is
+
+    fig = Figure(figsize=(12, 4.5))
+    ax, bx = fig.subplots(1, 2)
+    for name in dict.fromkeys(r["case"] for r in rows):
+        rs = [r for r in rows if r["case"] == name and r.get("kind") == "batch"
+              and r["status"] == "ok"]
+        if rs:
+            ax.plot([r["batch"] for r in rs], [r["tokens_per_s_gpu"] for r in rs], marker="o",
+                    label=name, ls="--" if rs[0]["recipe"] == "article" else "-")
+        for r in rows:
+            if r["case"] == name and r.get("kind") == "curve":
+                bx.plot(range(1, len(r["losses"]) + 1), r["losses"], label=name)
+    ax.set(xscale="log", xlabel="batch per GPU", ylabel="tokens/s per GPU",
+           title="throughput (dashed: article recipe)")
+    if ax.lines:
+        ax.legend(fontsize=7)
+    bx.set(xlabel="step", ylabel="loss", title="same data, same start")
+    if bx.lines:
+        bx.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
