@@ -3,7 +3,7 @@
 # re-check (save, resume from full and sharded, merge). Runs ~15 minutes: longer than one device
 # call, so it is started detached and polled with benchmarks/poll.sh (results file names it):
 #   setsid nohup bash benchmarks/gpu_speed.sh /tmp/speed > /tmp/speed.log 2>&1 &
-# MATRIX=kit/configs/<matrix>.yaml runs another matrix (default bench-8b.yaml).
+# MATRIX=benchmarks/matrices/<matrix>.yaml runs another matrix (default bench-8b.yaml).
 # Results: /tmp/speed/bench/{table.md,results.jsonl,bench.png}, /tmp/speed/nb06*, /tmp/speed/ckpt.
 set -uo pipefail
 OUT=${1:-/tmp/speed}; mkdir -p "$OUT"

@@ -240,7 +240,7 @@ def advice(info: dict) -> list[str]:
         smallest = min(g["memory_gib"] for g in gpus)
         lines.append(
             f"Smallest GPU: {smallest} GiB; check a model against it with "
-            "kit.memory.estimate(...).fits(gib) before launching (notebook 01)."
+            "kit.estimate.estimate(...).fits(gib) before launching (notebook 01)."
         )
         link = info["topology"]["gpu0_gpu1"]
         if len(gpus) > 1 and link and not link.startswith("NV"):

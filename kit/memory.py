@@ -13,12 +13,8 @@ interpreter of its own. torch is imported inside the functions, so importing thi
 from __future__ import annotations
 
 from kit import ROOT
-
-# estimate and lora_params are temporary re-exports (issue 13): kit/lora.py, kit/doctor/context.py,
-# kit/doctor/preflight.py and notebooks 00 and 03 still reach them, Setup and shape_of through
-# kit.memory. Remove once they import kit.shapes and kit.estimate.
-from kit.estimate import Setup, activation_bytes_per_token_layer, estimate  # noqa: F401
-from kit.shapes import lora_params, shape_of  # noqa: F401
+from kit.estimate import Setup, activation_bytes_per_token_layer
+from kit.shapes import shape_of
 
 
 def measure_saved_activations(model, batch_size: int, seq_len: int, vocab: int | None = None) -> int:

@@ -155,7 +155,7 @@ def read_config(cfg, overrides: list[str] | None = None) -> tuple[dict | None, l
     return tree, []
 
 
-# Architectures whose decoder layers have Llama's linears (q/k/v/o, gate/up/down): kit.memory's
+# Architectures whose decoder layers have Llama's linears (q/k/v/o, gate/up/down): kit.shapes'
 # Shape counts their parameters from the config alone, without importing torch.
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"}
 
@@ -186,7 +186,7 @@ def model_config(name: str, trust_remote_code: bool = False) -> dict:
 class ModelFacts:
     name: str
     trust_remote_code: bool
-    config: dict  # the transformers config, as a dict (kit.memory reads it too)
+    config: dict  # the transformers config, as a dict (kit.shapes reads it too)
     params: int
     linear_4bit_params: int  # what bitsandbytes quantizes: every Linear but the output head
 
@@ -222,8 +222,8 @@ def model_facts(name: str, trust_remote_code: bool = False) -> ModelFacts:
     when the model's config cannot be read offline."""
     config = model_config(name, trust_remote_code)
     facts = ModelFacts(name, trust_remote_code, config, 0, 0)
-    if config.get("model_type") in LLAMA_LIKE and importlib.util.find_spec("kit.memory"):
-        from kit.memory import shape_of
+    if config.get("model_type") in LLAMA_LIKE and importlib.util.find_spec("kit.shapes"):
+        from kit.shapes import shape_of
 
         shape = shape_of(config)
         params, linear = shape.params, shape.layers * shape.layer_linear_params
@@ -331,7 +331,7 @@ def data_columns(path: Path, n: int = 20) -> tuple[list[str], int | None]:
 
 
 def namespace(tree: dict):
-    """A dict tree with attribute access, as kit.memory.Setup.from_config reads a Config."""
+    """A dict tree with attribute access, as kit.estimate.Setup.from_config reads a Config."""
     return SimpleNamespace(
         **{k: namespace(v) if isinstance(v, dict) else v for k, v in tree.items()}
     )

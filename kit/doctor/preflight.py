@@ -203,19 +203,19 @@ def _cpu_bf16(c: Context) -> list[Finding]:
 def _gpu_memory(c: Context) -> list[Finding]:
     if c.device != "cuda" or not c.env["gpus"] or c.facts is None:
         return []
-    if importlib.util.find_spec("kit.memory") is None:
+    if importlib.util.find_spec("kit.estimate") is None:
         return [
             Finding(
                 "info",
                 "memory_check_skipped",
-                "kit.memory is not available: GPU memory was not estimated",
+                "kit.estimate is not available: GPU memory was not estimated",
                 "install the full kit",
             )
         ]
-    from kit import memory
+    from kit.estimate import Setup, estimate
 
     try:
-        est = memory.estimate(c.facts.config, memory.Setup.from_config(namespace(c.tree), c.ranks))
+        est = estimate(c.facts.config, Setup.from_config(namespace(c.tree), c.ranks))
     except (ValueError, KeyError) as e:
         return [
             Finding(
