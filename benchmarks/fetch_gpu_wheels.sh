@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 dest=$PWD/.whl/gpu; tmp=$(mktemp -d); mkdir -p "$dest"
 plat="--only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64"
 pip download -q --no-deps $plat bitsandbytes==0.50.2 -d "$tmp/bnb"
-pip download -q $plat papermill ipykernel ipywidgets nbformat nbclient matplotlib -d "$tmp/nb"
+pip download -q $plat papermill ipykernel ipywidgets nbformat nbclient matplotlib pytest -d "$tmp/nb"
 (cd "$tmp/bnb" && mkdir x && cd x && unzip -q ../*.whl \
   && rm -f bitsandbytes/libbitsandbytes_cuda1{18,21,24,26,28}.so \
   && grep -v -E "libbitsandbytes_cuda1(18|21|24|26|28)" bitsandbytes-*.dist-info/RECORD > R && mv R bitsandbytes-*.dist-info/RECORD \

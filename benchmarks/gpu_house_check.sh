@@ -16,7 +16,7 @@ print("torch", torch.__version__, "transformers", transformers.__version__, "pef
       "bitsandbytes", bitsandbytes.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0))
 PY
 start=$(date +%s)
-python3 -m pytest -q -m gpu tests/ -p no:cacheprovider > "$OUT/pytest-gpu.log" 2>&1
+python3 -m pytest -q -m gpu tests/test_quantize.py -p no:cacheprovider > "$OUT/pytest-gpu.log" 2>&1
 echo "pytest -m gpu rc=$? $(tail -1 "$OUT/pytest-gpu.log")"
 python3 - "$OUT" <<'PY'
 import json, subprocess, sys, time

@@ -3,7 +3,7 @@
 # or ipywidgets, and no network. Install them from wheels carried in .whl/gpu (see README there:
 # `bash benchmarks/fetch_gpu_wheels.sh` on a machine with a registry fills it).
 set -euo pipefail
-python3 -c "import bitsandbytes, papermill, ipywidgets" 2>/dev/null && exit 0
+python3 -c "import bitsandbytes, papermill, ipywidgets, pytest" 2>/dev/null && exit 0
 python3 -m pip install -q --no-index --find-links .whl/gpu \
-  bitsandbytes papermill ipykernel ipywidgets matplotlib nbformat nbclient 2>&1 | grep -v WARNING || true
+  bitsandbytes papermill ipykernel ipywidgets matplotlib nbformat nbclient pytest 2>&1 | grep -v WARNING || true
 python3 -m ipykernel install --user --name python3 >/dev/null
