@@ -28,6 +28,10 @@ from kit.quantize import DTYPES
 class Engine:
     name = ""
 
+    def check(self, cfg: Config, world_size: int) -> None:
+        """Raise ConfigError (one line) for what this engine cannot run with `world_size`
+        processes: the recipe asks right after joining the process group, before loading."""
+
     def wrap(self, model: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
         raise NotImplementedError
 
@@ -111,6 +115,7 @@ class FSDP1(Engine):
     name = "fsdp1"
 
     def wrap(self, model, cfg, device):
+        import torch.distributed as dist
         from torch.distributed.fsdp import (
             BackwardPrefetch,
             CPUOffload,
@@ -120,6 +125,7 @@ class FSDP1(Engine):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
+        self.check(cfg, dist.get_world_size())
         s = cfg.sharding
         dtype = DTYPES[cfg.model.dtype]
         mp = None
@@ -143,6 +149,14 @@ class FSDP1(Engine):
             # On CPU FSDP1 needs the device named, else "FSDP needs a non-CPU accelerator device".
             device_id=device,
         )
+
+    def check(self, cfg, world_size):
+        if world_size == 1:  # the config cannot know the world size; a rank can
+            from kit.config import ConfigError
+            from kit.pitfalls import NO_SHARD_ALLOWED
+
+            raise ConfigError(f"sharding.engine: 'fsdp1' on 1 process is not allowed; "
+                              f"{NO_SHARD_ALLOWED}")
 
     def clip_grad_norm(self, wrapped, max_norm):
         return wrapped.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"))

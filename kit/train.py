@@ -48,6 +48,8 @@ class Recipe:
     def setup(self) -> None:
         cfg = self.cfg
         self.env = env = kdist.init(cfg.training.device, cfg.run.dist_timeout_min)
+        self.engine = engines.get(cfg.sharding.engine)
+        self.engine.check(cfg, env.world_size)  # before any model is loaded
         if env.is_main:
             self._claim_output_dir()
             (self.out / "config.yaml").write_text(cfg.to_yaml())
@@ -74,7 +76,6 @@ class Recipe:
         if rc.enabled and (rc.every > 1 or rc.keeps != "inputs"):
             self.say(f"recompute: {len(built.recomputed)} decoder layers, keeping their "
                      f"{rc.keeps}")
-        self.engine = engines.get(cfg.sharding.engine)
         self.model = self.engine.wrap(self.peft_model, cfg, env.device)
         if t.compile:
             n = recompute.compile_layers(self.model, t.activation_memory_budget)

@@ -70,6 +70,8 @@ def test_benchmark_matrices_hold_valid_kit_configs(path):
         (["sharding.engine=fsdp1", "lora.dtype=float32"], "lora.dtype: 'float32' is not allowed; FSDP1 flattens one dtype"),
         (["sharding.engine=fsdp1", "sharding.use_orig_params=false"], "sharding.use_orig_params: False is not allowed"),
         (["sharding.engine=fsdp1", "sharding.strategy=SHARD_GRAD_OP"], "SHARD_GRAD_OP fails with 4-bit"),
+        (["sharding.engine=fsdp1", "sharding.strategy=NO_SHARD", "quantization.method=none"],
+         "sharding.strategy: 'NO_SHARD' is not allowed; FSDP1's NO_SHARD (also what it runs on one process) cannot save"),
         (["model.dtype=float32", "attention.implementation=flash_attention_2"], "flash attention needs model.dtype"),
         (["training"], "override 'training': expected key=value"),
         # Renamed keys: one line to the new name (activation recomputation is not a checkpoint).

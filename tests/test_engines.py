@@ -49,3 +49,14 @@ def test_every_config_engine_has_an_object():
     from kit.config import ShardingConfig
 
     assert set(get_args(get_type_hints(ShardingConfig)["engine"])) == set(engines.ENGINES)
+
+
+def test_fsdp1_on_one_process_is_refused_before_loading(tmp_path):
+    """FSDP1 runs NO_SHARD on one process: its adapter gather fails at save, after every step
+    trained (CPU), and its 4-bit forward fails on a GPU (1x H100). Refused with one line first."""
+    from conftest import torchrun
+
+    run = torchrun(tmp_path / "run", "sharding.engine=fsdp1", nproc=1, check=False)
+    assert run.returncode != 0
+    assert "[rank 0] ConfigError: sharding.engine: 'fsdp1' on 1 process is not allowed" in run.stderr
+    assert "Loading weights" not in run.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -105,7 +105,7 @@ def test_script_patterns_without_a_reproduction_are_the_known_few():
 def test_load_config_refuses_exactly_the_config_predicates():
     config_pitfalls = {p.code for p in PITFALLS if p.config}
     assert config_pitfalls == {"fsdp1_int_storage", "fsdp1_mixed_dtype", "fsdp1_use_orig_params",
-                               "shard_grad_op_4bit", "flash_attn_fp32"}  # fmt: skip
+                               "shard_grad_op_4bit", "flash_attn_fp32", "fsdp1_no_shard"}  # fmt: skip
     # Values a predicate refuses and load_config does not: none; and the other way round.
     assert [str(v) for _, v in pitfalls.config_violations(view(["quantization.storage=float32",
                                                               "sharding.engine=fsdp1"]))] == [

@@ -126,6 +126,17 @@ def _shard_grad_op(cfg) -> Violation | None:
     return None
 
 
+def _no_shard(cfg) -> Violation | None:
+    if _is_fsdp1(cfg) and cfg.sharding.strategy == "NO_SHARD":
+        return Violation("sharding.strategy", cfg.sharding.strategy, NO_SHARD_ALLOWED)
+    return None
+
+
+NO_SHARD_ALLOWED = ("FSDP1's NO_SHARD (also what it runs on one process) cannot save the adapter "
+                    "and fails with 4-bit weights; use FULL_SHARD on 2+ processes, or engine "
+                    "fsdp2 or ddp")
+
+
 def _flash_fp32(cfg) -> Violation | None:
     if cfg.attention.implementation == "flash_attention_2" and cfg.model.dtype == "float32":
         return Violation("attention.implementation", "flash_attention_2",
@@ -342,6 +353,16 @@ PITFALLS: list[Pitfall] = [
         error=r"FSDP does not support changing the parameters between forward and backward",
         wrong="shard_grad_op", fixed=KIT_FSDP1,
         overrides=("sharding.engine=fsdp1", "sharding.strategy=SHARD_GRAD_OP"),
+    ),
+    Pitfall(
+        "fsdp1_no_shard", "FSDP1 on one process, or with NO_SHARD",
+        "FSDP1 runs NO_SHARD on one process (or when asked): the adapter's state-dict gather "
+        "then fails at save, after every step has trained ('FSDP assumes ... is in the "
+        "state_dict'), and with 4-bit weights on a GPU the first forward fails ('as_params=True')",
+        "FULL_SHARD on 2+ processes, or FSDP2 (kit: sharding.engine=fsdp2) or DDP on one",
+        fields=("sharding.strategy", "sharding.engine"), config=_no_shard,
+        error=r"FSDP assumes \S+ is in the state_dict|as_params=True type\(prim_param\)",
+        overrides=("sharding.engine=fsdp1", "sharding.strategy=NO_SHARD"),
     ),
     # ------------------------------------------------------------------ training
     Pitfall(
