@@ -134,7 +134,7 @@ class Run:
             return "running"
         if not (self.folder / "pid").exists():
             return "prepared"
-        if self.exit_code == 0 and (self.folder / "result.json").exists():
+        if self.exit_code == 0:  # run.sh's exit code: torchrun's, so every rank's
             return "completed"
         if (self.folder / "stop_requested").exists():
             return "stopped"
