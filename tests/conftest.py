@@ -20,6 +20,16 @@ def kit_home(tmp_path_factory):
     return Path(home)
 
 
+def alive(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 class Finished:
     """What a test reads of a finished run: its exit code and its log (every rank's output and
     torchrun's, in one file: stdout and stderr are the same text)."""

@@ -10,9 +10,8 @@ import sys
 import textwrap
 import time
 
-import psutil
 import pytest
-from conftest import ROOT
+from conftest import ROOT, alive
 
 from kit import child
 
@@ -81,18 +80,11 @@ def test_timeout_kills_the_whole_tree(env, tmp_path, own_session):
     assert time.monotonic() - start < 20
     grandchild = int(pid_file.read_text())
     deadline = time.monotonic() + 5
-    while _alive(grandchild) and time.monotonic() < deadline:
+    while alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.1)
-    if _alive(grandchild):
+    if alive(grandchild):
         os.kill(grandchild, 9)  # this test's own leftover; then fail
         pytest.fail(f"grandchild {grandchild} outlived the timeout")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_command_line_prints_the_result_alone():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT
+from conftest import ROOT, alive
 
 from kit.config import ConfigError
 from kit.launch import PreflightFailed, Run, RunFailed, launch, preflight, prepare, resolve
@@ -24,13 +24,6 @@ SHORT = ["training.steps=6", "training.eval_every=3"]
 ENV = {"OMP_NUM_THREADS": "1"}
 # run.sh honours KIT_ROOT: where the ranks' `python -m kit.train` runs (default: this checkout).
 RANK_ROOT = Path(os.environ.get("KIT_ROOT", ROOT))
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 # --------------------------------------------------------------------------- no launch
