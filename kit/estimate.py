@@ -83,6 +83,8 @@ class Setup:
     def adapter_bytes(self) -> int:
         if self.lora_dtype != "auto":
             return DTYPE_BYTES[self.lora_dtype]
+        # As kit.engines answers it (FSDP1 flattens one dtype per unit): the estimate is kernel
+        # side and models the engines without importing them.
         return DTYPE_BYTES[self.dtype] if self.engine == "fsdp1" else 4
 
 

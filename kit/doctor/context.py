@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import yaml
 
-from kit.config import Config, ConfigError, _set_override
+from kit.config import Config, ConfigError, apply_overrides
 from kit.findings import Finding
 
 KIT = Path(__file__).resolve().parents[1]
@@ -147,11 +147,10 @@ def read_config(cfg, overrides: list[str] | None = None) -> tuple[dict | None, l
         return None, [Finding("error", "config_invalid", msg, "give a YAML mapping of sections")]
     if "distributed_type" in tree or "fsdp_config" in tree:
         tree = from_accelerate(tree)
-    for item in overrides or []:
-        try:
-            _set_override(tree, item)
-        except ConfigError as e:
-            return None, [Finding("error", "config_invalid", str(e), "write key=value overrides")]
+    try:
+        apply_overrides(tree, overrides)
+    except ConfigError as e:
+        return None, [Finding("error", "config_invalid", str(e), "write key=value overrides")]
     return tree, []
 
 
