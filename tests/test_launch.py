@@ -232,9 +232,9 @@ def test_run_to_end_timeout_stops_every_process_of_the_run(tmp_path):
     from kit.launch import run_to_end
 
     folder = tmp_path / "slow"
-    with pytest.raises(TimeoutError, match="stopped after 40s"):
+    with pytest.raises(TimeoutError, match="stopped after 25s"):
         run_to_end("tiny-cpu", ["training.steps=100000", f"run.output_dir={folder}"], nproc=2,
-                   env=ENV, timeout=40)
+                   env=ENV, timeout=25)
     left = []
     for p in psutil.process_iter():
         try:
