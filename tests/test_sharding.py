@@ -1,0 +1,46 @@
+"""What each rank holds (kit.sharding, notebook 04): the rank-side report of one engine, and the
+kernel side's tables over it (kit.sharding_report). Two ranks for real: notebook 04's test."""
+
+import json
+
+import pytest
+import torch
+
+from kit import sharding_report
+from kit.config import load_config
+
+
+@pytest.fixture
+def group_of_one(monkeypatch):
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    from kit import dist as kdist
+
+    env = kdist.init("cpu")
+    yield env
+    kdist.cleanup()
+
+
+def test_fsdp2_report_of_one_rank(group_of_one, tmp_path):
+    from kit.sharding import report_rank
+
+    cfg = load_config(None, ["sharding.engine=fsdp2", "training.device=cpu"])
+    torch.manual_seed(cfg.training.seed)
+    row = report_rank(cfg, group_of_one, tmp_path)
+    # Units: each decoder layer, the input embeddings (a unit of their own), the root ('').
+    assert row["units"] == ["", "base_model.model.model.embed_tokens",
+                            "base_model.model.model.layers.0", "base_model.model.model.layers.1"]
+    assert row["decoder_layer_classes"] == ["LlamaDecoderLayer"]
+    lora = [p for n, p in row["params"].items() if "lora_A" in n]
+    assert lora and all(p["trainable"] and p["grad_shape"] == p["shape"] for p in lora)
+    # Mixed precision: LoRA's fp32 weights are gathered and run in the model dtype.
+    assert row["seen_in_forward"]["LoRA A weight"] == "bfloat16"
+    (tmp_path / "fsdp2").mkdir()
+    (tmp_path / "fsdp2" / "rank0.json").write_text(json.dumps(row))
+    found = sharding_report.read_report(tmp_path)
+    table = sharding_report.shard_table(found["fsdp2"], "layers.0.self_attn.q_proj.lora_A")
+    assert table == [{"param": "model.layers.0.self_attn.q_proj.lora_A.default.weight",
+                      "dtype": "float32", "full": (8, 128), "rank 0": (8, 128)}]
+    held = sharding_report.bytes_per_rank(found["fsdp2"])[0]
+    assert held["trainable"] == sum(p["bytes"] for p in row["params"].values() if p["trainable"])
+    assert held["frozen"] + held["trainable"] == held["full model"]  # one rank holds it all
