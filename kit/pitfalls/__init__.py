@@ -127,14 +127,28 @@ def _shard_grad_op(cfg) -> Violation | None:
 
 
 def _no_shard(cfg) -> Violation | None:
-    if _is_fsdp1(cfg) and cfg.sharding.strategy == "NO_SHARD":
+    if _is_fsdp1(cfg) and cfg.sharding.strategy in ("NO_SHARD", "HYBRID_SHARD"):
         return Violation("sharding.strategy", cfg.sharding.strategy, NO_SHARD_ALLOWED)
     return None
 
 
-NO_SHARD_ALLOWED = ("FSDP1's NO_SHARD (also what it runs on one process) cannot save the adapter "
-                    "and fails with 4-bit weights; use FULL_SHARD on 2+ processes, or engine "
-                    "fsdp2 or ddp")
+NO_SHARD_ALLOWED = ("FSDP1's NO_SHARD (also what it runs on one process) and HYBRID_SHARD cannot "
+                    "save the adapter (NO_SHARD also fails with 4-bit weights); use FULL_SHARD "
+                    "on 2+ processes, or engine fsdp2 or ddp")
+
+
+def _flex_cpu(cfg, machine: dict) -> Violation | None:
+    if cfg.attention.implementation == "flex_attention" and machine["device"] == "cpu":
+        return Violation("attention.implementation", "flex_attention",
+                         "FlexAttention has no backward on CPU; use sdpa (or eager) here")
+    return None
+
+
+def _offload_cpu(cfg, machine: dict) -> Violation | None:
+    if cfg.sharding.cpu_offload and machine["device"] == "cpu":
+        return Violation("sharding.cpu_offload", True,
+                         "offloading moves parameters off a GPU and there is none; use false")
+    return None
 
 
 def _flash_fp32(cfg) -> Violation | None:
@@ -226,6 +240,22 @@ PITFALLS: list[Pitfall] = [
         fields=("attention.implementation", "model.dtype"), config=_flash_fp32,
         overrides=("model.dtype=float32", "attention.implementation=flash_attention_2"),
         error=r"Flash Attention \d only supports torch.float16 and torch.bfloat16",
+    ),
+    Pitfall(
+        "flex_attention_cpu", "flex_attention on a machine without a GPU",
+        "FlexAttention trains only on GPUs: the first backward on CPU fails ('FlexAttention "
+        "does not support backward on CPU')",
+        "attention.implementation=sdpa on CPU",
+        fields=("attention.implementation",), machine=_flex_cpu,
+        error=r"FlexAttention does not support backward on CPU",
+    ),
+    Pitfall(
+        "cpu_offload_no_gpu", "FSDP CPU offload on a machine without a GPU",
+        "CPU offload moves parameters between host and GPU; with no GPU, wrapping fails "
+        "('Cannot access accelerator device when none is available')",
+        "sharding.cpu_offload=false on CPU",
+        fields=("sharding.cpu_offload",), machine=_offload_cpu,
+        error=r"Cannot access accelerator device when none is available",
     ),
     Pitfall(
         "torch_dtype_deprecated", "from_pretrained(torch_dtype=...)",
@@ -355,10 +385,11 @@ PITFALLS: list[Pitfall] = [
         overrides=("sharding.engine=fsdp1", "sharding.strategy=SHARD_GRAD_OP"),
     ),
     Pitfall(
-        "fsdp1_no_shard", "FSDP1 on one process, or with NO_SHARD",
-        "FSDP1 runs NO_SHARD on one process (or when asked): the adapter's state-dict gather "
-        "then fails at save, after every step has trained ('FSDP assumes ... is in the "
-        "state_dict'), and with 4-bit weights on a GPU the first forward fails ('as_params=True')",
+        "fsdp1_no_shard", "FSDP1 on one process, with NO_SHARD, or with HYBRID_SHARD",
+        "FSDP1 runs NO_SHARD on one process (or when asked), and HYBRID_SHARD keeps whole copies "
+        "per node: the adapter's state-dict gather then fails at save, after every step has "
+        "trained ('FSDP assumes ... is in the state_dict'), and with 4-bit weights on a GPU "
+        "NO_SHARD's first forward fails ('as_params=True')",
         "FULL_SHARD on 2+ processes, or FSDP2 (kit: sharding.engine=fsdp2) or DDP on one",
         fields=("sharding.strategy", "sharding.engine"), config=_no_shard,
         error=r"FSDP assumes \S+ is in the state_dict|as_params=True type\(prim_param\)",
@@ -531,6 +562,13 @@ def reproduced(codes=()) -> list[Pitfall]:
 def config_violations(cfg) -> list[tuple[Pitfall, Violation]]:
     """Every pitfall a config walks into that its values alone decide (what load_config refuses)."""
     found = ((p, p.config(cfg)) for p in PITFALLS if p.config)
+    return [(p, v) for p, v in found if v is not None]
+
+
+def machine_violations(cfg, machine: dict) -> list[tuple[Pitfall, Violation]]:
+    """The error-level pitfalls the config walks into on `machine` (device, ranks, packages):
+    what the pre-flight and the ranks refuse before loading anything."""
+    found = ((p, p.machine(cfg, machine)) for p in PITFALLS if p.machine and p.level == "error")
     return [(p, v) for p, v in found if v is not None]
 
 
