@@ -8,11 +8,15 @@ on the rank side.
     cfg = load_config("kit/configs/tiny-cpu.yaml", ["sharding.engine=fsdp1", "training.lr=2e-4"])
 
 Every bad value raises ``ConfigError`` with one line: the field, the value, what is allowed.
+
+Longer than 400 lines because it is the schema of every field, each with the comment a person
+reads to choose its value, and the one loader that checks them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -192,9 +196,10 @@ class CheckpointingConfig:
 class RunConfig:
     name: str = "default"
     output_dir: str = ""  # "": launch/<name>
-    # Start over in an output_dir that holds an earlier run's results or checkpoints (they are
-    # deleted). Off: such a start is refused, so nothing trained is lost by re-running a command.
-    overwrite: bool = False
+    # Start over in an output_dir that holds an earlier run: its files move, byte for byte, into
+    # <output_dir>/earlier/<time>/ (kit.runfolder); nothing is deleted. Off: such a start is
+    # refused, so re-running a command never touches what was trained.
+    start_over: bool = False
     # Collective timeout (NCCL/gloo). Raise it when gathering or saving a large model takes long.
     dist_timeout_min: int = 30
 
@@ -260,13 +265,18 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "2e-4" as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "2e-4" as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None and math.isfinite(number):
+            return number
+        if number is not None:
+            raise ConfigError(f"{name}: {value!r} is not allowed; expected a finite number")
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -280,6 +290,8 @@ RENAMED = {
     "training.checkpoint_keeps": "training.recompute.keeps (inputs, matmuls, mlp_matmuls, "
                                  "attention_matmuls; mlp -> mlp_matmuls, attention -> "
                                  "attention_matmuls)",
+    "run.overwrite": "run.start_over (the earlier run moves into <output_dir>/earlier/; the kit "
+                     "never deletes a run)",
 }
 
 
@@ -374,6 +386,23 @@ def _check(cfg: Config) -> None:
         raise ConfigError(str(violation))
 
 
+def read_yaml(path: Path) -> dict:
+    """A YAML config file as a tree; a syntax error is one line naming the file, line and column."""
+    try:
+        tree = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file: {str(path)!r}{where} is not valid YAML ({what})") from None
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file: {str(path)!r} holds {type(tree).__name__} "
+                          f"{tree!r:.40}; expected a mapping of sections (run:, model:, ...)")
+    return tree
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read YAML (or defaults when path is None), apply key=value overrides, validate, return."""
     tree: dict = {}
@@ -381,7 +410,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file: {str(p)!r} does not exist")
-        tree = yaml.safe_load(p.read_text()) or {}
+        tree = read_yaml(p)
     apply_overrides(tree, overrides)
     cfg = _build(Config, tree, "")
     _check(cfg)

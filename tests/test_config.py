@@ -71,7 +71,13 @@ def test_benchmark_matrices_hold_valid_kit_configs(path):
         (["sharding.engine=fsdp1", "sharding.use_orig_params=false"], "sharding.use_orig_params: False is not allowed"),
         (["sharding.engine=fsdp1", "sharding.strategy=SHARD_GRAD_OP"], "SHARD_GRAD_OP fails with 4-bit"),
         (["sharding.engine=fsdp1", "sharding.strategy=NO_SHARD", "quantization.method=none"],
-         "sharding.strategy: 'NO_SHARD' is not allowed; FSDP1's NO_SHARD (also what it runs on one process) cannot save"),
+         "sharding.strategy: 'NO_SHARD' is not allowed; FSDP1's NO_SHARD (also what it runs on one process) and "
+         "HYBRID_SHARD cannot save"),
+        (["sharding.engine=fsdp1", "sharding.strategy=HYBRID_SHARD"],
+         "sharding.strategy: 'HYBRID_SHARD' is not allowed; FSDP1's NO_SHARD"),
+        (["training.lr=nan"], "training.lr: 'nan' is not allowed; expected a finite number"),
+        (["training.max_grad_norm=.inf"], "training.max_grad_norm: inf is not allowed; expected a finite number"),
+        (["run.overwrite=true"], "run.overwrite: renamed; use run.start_over"),
         (["model.dtype=float32", "attention.implementation=flash_attention_2"], "flash attention needs model.dtype"),
         (["training"], "override 'training': expected key=value"),
         # Renamed keys: one line to the new name (activation recomputation is not a checkpoint).
@@ -95,6 +101,20 @@ def test_bad_values_get_one_line_naming_the_field(overrides, message):
 def test_missing_file_is_named():
     with pytest.raises(ConfigError, match="config file: 'nope.yaml' does not exist"):
         load_config("nope.yaml")
+
+
+@pytest.mark.parametrize("text, where", [
+    ("run:\n  name: x\n model: [\n", "line 3 column 2 is not valid YAML"),
+    ("training:\n  lr: [1, 2\n", "line 3 column 1 is not valid YAML"),
+    ("- a list\n", "holds list"),
+])
+def test_a_broken_yaml_file_is_one_line_naming_file_line_and_column(tmp_path, text, where):
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "c.yaml")
+    message = str(err.value)
+    assert message.startswith("config file: ") and "c.yaml" in message and where in message
+    assert "\n" not in message
 
 
 def test_resolved_config_round_trips(tmp_path):
