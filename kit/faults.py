@@ -7,12 +7,14 @@ Rank side (the recipe calls it once per optimizer step); off unless the environm
 makes rank 1 raise ``InjectedFailure`` right after step 3, while rank 0 goes on into the next
 collective: exactly the situation a real crash (OOM, a bad batch) creates on one GPU. It lets the
 tests and notebook 07 check that the launcher names the failed rank and shows its traceback
-instead of hanging. KIT_FAIL_STEP defaults to 1.
+instead of hanging. KIT_FAIL_STEP defaults to 1. KIT_FAIL_SIGNAL=SIGKILL makes that rank die of
+the signal instead (no exception, no error file: what the kernel's OOM killer does to a process).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 
 
 class InjectedFailure(RuntimeError):
@@ -25,6 +27,8 @@ def maybe_fail(step: int, rank: int) -> None:
     if fail_rank == "" or int(fail_rank) != rank:
         return
     if step == int(os.environ.get("KIT_FAIL_STEP", "1")):
+        if os.environ.get("KIT_FAIL_SIGNAL"):
+            os.kill(os.getpid(), getattr(signal, os.environ["KIT_FAIL_SIGNAL"]))
         raise InjectedFailure(
             f"injected failure on rank {rank} at step {step} (KIT_FAIL_RANK/KIT_FAIL_STEP are set)"
         )

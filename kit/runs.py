@@ -38,7 +38,8 @@ class RunFailed(RuntimeError):
                  log: str = ""):
         self.name, self.rank, self.message, self.traceback, self.log = (
             name, rank, message, traceback, log)
-        where = f"rank {rank}" if rank is not None else "unknown rank"
+        where = f"rank {rank}" if rank is not None else "its check step (no rank started)" if \
+            message.startswith("ConfigError") else "unknown rank"
         tail = "\n".join(traceback.rstrip().splitlines()[-12:])
         super().__init__(f"run {name!r} failed on {where}: {message}"
                          + (f"\n{tail}" if tail else "") + (f"\nlog: {log}" if log else ""))
@@ -214,9 +215,19 @@ class Run:
         return lines[-n:]
 
     def failure(self) -> RunFailed:
-        """Which rank failed and why: torchrun's per-rank error.json (written by @record) of the
-        earliest failure; else the recipe's "[rank N] ..." line; else torchrun's summary."""
+        """Which rank failed and why: a rank killed by a signal torchrun does not send (SIGKILL
+        from the OOM killer, SIGSEGV: it leaves no error of its own, and its peers then fail with
+        "Connection reset by peer"); else torchrun's per-rank error.json (written by @record) of
+        the earliest failure; else the recipe's "[rank N] ..." line; else torchrun's summary."""
         log = str(self.folder / "run.log")
+        killed = _killed_rank(self.tail(400))
+        if killed is not None:
+            rank, sig = killed
+            hint = (": what the kernel's OOM killer sends when host memory runs out (see dmesg)"
+                    if sig == signal.SIGKILL else "")
+            return RunFailed(self.name, rank, f"killed by {sig.name} (signal {int(sig)}), with no "
+                             f"error of its own{hint}; the other ranks then lost their peer",
+                             log=log)
         errors = []
         for f in self.folder.glob("logs/*/attempt_*/*/error.json"):
             try:
@@ -239,6 +250,9 @@ class Run:
             m = re.search(r"\[rank (\d+)\] (\w*Error: .*)", line)
             if m:
                 return RunFailed(self.name, int(m.group(1)), m.group(2), log=log)
+        refused = [line for line in lines if line.startswith("ConfigError: ")]
+        if refused:  # run.sh's check step (kit.check): no rank was started
+            return RunFailed(self.name, None, "; ".join(refused), log=log)
         text = "\n".join(lines)
         rank = re.search(r"rank\s*:\s*(\d+) \(local_rank", text)
         code = re.search(r"exitcode\s*:\s*(-?\d+)", text)
@@ -283,6 +297,27 @@ def runs() -> list[Run]:
     """Every run folder under launch/, newest first."""
     folders = [p.parent for p in (ROOT / "launch").glob("*/run.sh")]
     return [Run(f) for f in sorted(folders, key=lambda f: f.stat().st_mtime, reverse=True)]
+
+
+# Signals torchrun itself sends to stop the ranks that are left after a failure.
+_TORCHRUN_SENDS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+
+
+def _killed_rank(lines: list[str]) -> tuple[int, signal.Signals] | None:
+    """(rank, signal) of the first rank in torchrun's failure summary that died of a signal
+    torchrun does not send, at or before the root cause's time; None if there is none."""
+    text = "\n".join(lines)
+    found = []
+    for m in re.finditer(r"time\s*:\s*(\S+)\s*host\s*:.*?rank\s*:\s*(\d+) \(local_rank.*?"
+                         r"exitcode\s*:\s*(-?\d+)", text, re.S):
+        when, rank, code = m.group(1), int(m.group(2)), int(m.group(3))
+        if code < 0 and -code in signal.Signals._value2member_map_:
+            sig = signal.Signals(-code)
+            if sig not in _TORCHRUN_SENDS:
+                found.append((when, rank, sig))
+    root = re.search(r"Root Cause.*?time\s*:\s*(\S+)", text, re.S)
+    found = [f for f in found if root is None or f[0] <= root.group(1)]
+    return min(found)[1:] if found else None
 
 
 def _lines(path: Path) -> list[str]:
