@@ -1,5 +1,6 @@
-"""Training data: a local json/jsonl/csv/parquet file (or the bundled sample) through `datasets`,
-plain text or chat messages, tokenized to fixed-length rows and split across ranks.
+"""Training data: a local json/jsonl/csv/parquet file (or the bundled sample), read through
+`datasets` and every row checked by kit.datafile, plain text or chat messages, tokenized to
+fixed-length rows and split across ranks.
 
 With data.packing, several samples share a row (`_encode_packed`): rows carry `position_ids` that
 restart at 0 per sample and no `attention_mask`, which is how transformers recognises packed rows
@@ -10,75 +11,35 @@ transformers ignores the packing and attention crosses samples."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
 from kit.config import ConfigError, DataConfig
 
-BUNDLED = {"kit:sample": "sample.jsonl", "kit:sample-chat": "sample-chat.jsonl"}
-BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-
-
-def resolve_path(path: str, field: str = "data.path") -> Path:
-    if path in BUNDLED:
-        return Path(__file__).parent / "data" / BUNDLED[path]
-    p = Path(path).expanduser()
-    if p.suffix not in BUILDERS:
-        allowed = ", ".join(list(BUILDERS) + list(BUNDLED))
-        raise ConfigError(f"{field}: {path!r} is not allowed; expected a file ending in {allowed}")
-    if not p.is_file():
-        raise ConfigError(f"{field}: {path!r} does not exist")
-    return p
-
-
-def read_rows(path: Path) -> list[dict]:
-    """Rows of a local file, read by `datasets` (the reader for every format). GPU images often
-    ship without `datasets` (and its pyarrow): there json/jsonl/csv fall back to the standard
-    library, and parquet asks for `datasets`."""
-    try:
-        from datasets import load_dataset
-    except ImportError:
-        return read_rows_stdlib(path)
-    return load_dataset(BUILDERS[path.suffix], data_files=str(path), split="train").to_list()
-
-
-def read_rows_stdlib(path: Path) -> list[dict]:
-    """The fallback reader (fills the gap where `datasets` is not installed)."""
-    import csv
-    import json
-
-    if path.suffix == ".parquet":
-        raise ConfigError(f"data.path: {str(path)!r} needs the datasets package (pip install datasets)")
-    text = path.read_text()
-    if path.suffix == ".csv":
-        return list(csv.DictReader(text.splitlines()))
-    if path.suffix == ".json" and text.lstrip().startswith("["):
-        return json.loads(text)
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+# Reading and checking files moved to kit.datafile (no torch: the kernel side checks them too);
+# BUNDLED ... resolve_path stay importable from here for existing callers.
+from kit.datafile import (  # noqa: F401
+    BUILDERS,
+    BUNDLED,
+    check_file,
+    read_checked,
+    read_rows,
+    read_rows_stdlib,
+    resolve_path,
+    texts_column,
+)
 
 
 def warm_cache(cfg: DataConfig) -> None:
-    """Read the files once so that `datasets` has cached them (call on one rank first)."""
-    read_rows(resolve_path(cfg.path))
-    if cfg.val_path:
-        read_rows(resolve_path(cfg.val_path, "data.val_path"))
+    """Read the files once so that `datasets` has cached them (call on one rank first); every
+    row is checked, so a bad file stops the run before a model is loaded."""
+    check_file(cfg)
 
 
-def _texts(rows: list[dict], cfg: DataConfig, tokenizer, field: str) -> list[str]:
-    columns = list(rows[0]) if rows else []
-    fmt = cfg.format
-    if fmt == "auto":
-        fmt = "messages" if cfg.messages_field in columns else "text"
-    column = cfg.messages_field if fmt == "messages" else cfg.text_field
-    if column not in columns:
-        name = "data.messages_field" if fmt == "messages" else "data.text_field"
-        raise ConfigError(
-            f"{name}: {column!r} is not a column of {field}; columns: {', '.join(columns)}"
-        )
+def _texts(rows: list[dict], cfg: DataConfig, tokenizer, name: str) -> list[str]:
+    fmt, column = texts_column(rows, cfg, name)
     if fmt == "text":
-        return [str(r[column]) for r in rows]
+        return [r[column] for r in rows]
     if not tokenizer.chat_template:
         raise ConfigError("data.format: 'messages' needs a tokenizer with a chat template")
     return [tokenizer.apply_chat_template(r[column], tokenize=False) for r in rows]
@@ -156,9 +117,9 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[Rows, Rows]:
     """(train, validation) tokenized rows; the split is seeded, identical on every rank."""
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    rows = read_rows(resolve_path(cfg.path))
+    rows = read_checked(cfg.path, cfg)  # every row checked here, where rows keep their numbers
     if cfg.val_path:
-        train, val = rows, read_rows(resolve_path(cfg.val_path, "data.val_path"))
+        train, val = rows, read_checked(cfg.val_path, cfg, "data.val_path")
     elif cfg.val_fraction > 0:
         # A seeded permutation: the same split on every rank and every machine.
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()

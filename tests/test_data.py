@@ -51,6 +51,56 @@ def test_missing_text_field_names_the_columns(tmp_path, tokenizer):
         data.build_datasets(cfg, tokenizer, seed=0)
 
 
+GOOD = '{"text": "fine"}\n'
+CHAT = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}]}\n'
+# (file name, its text, what the one line must say): every kind of bad file kit.datafile refuses.
+BAD_FILES = [
+    ("missing.jsonl", GOOD * 2 + '{"body": "no text"}\n' + GOOD * 3,
+     "line 3: 'text' is missing or null; every row needs a string in data.text_field"),
+    ("null.jsonl", GOOD * 4 + "\n" + '{"text": null}\n' + GOOD,  # the blank line is counted
+     "line 6: 'text' is missing or null; every row needs a string in data.text_field"),
+    ("number.jsonl", GOOD + '{"text": 7}\n' + GOOD * 3 + '{"text": ["a", "list"]}\n',
+     "line 2: 'text' is 7 (int), not a string (1 more bad row: line 6); every row needs a string"),
+    ("empty.jsonl", "", "holds no rows"),
+    ("blank.jsonl", "\n  \n\t\n", "holds no rows"),
+    ("broken.jsonl", GOOD * 2 + '{"text": "a" "b"}\n' + GOOD,
+     "line 3 is not valid JSON (Expecting ',' delimiter: column 14)"),
+    ("broken.json", '[\n {"text": "a"},\n {"text": "b"}\n {"text": "c"}\n]\n',
+     "line 4 is not valid JSON (Expecting ',' delimiter: column 2)"),
+    ("broken.csv", 'text,n\nfine,1\n"open quote,2\nfine,3\n',
+     "line 3 does not parse as CSV (unexpected end of data)"),
+    ("null.csv", "text,n\nfine,1\nfine,2\n,3\n",
+     "record 3: 'text' is missing or null; every row needs a string in data.text_field"),
+    ("chat.jsonl", CHAT + '{"messages": "hi"}\n' + CHAT,
+     "line 2: 'messages' is 'hi' (str), not a non-empty list; every row needs a non-empty list"),
+    ("chat-item.jsonl", CHAT * 3 + '{"messages": [{"role": "user"}]}\n',
+     "line 4: 'messages' message 1 is {'role': 'user'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, text, says", BAD_FILES, ids=[b[0] for b in BAD_FILES])
+def test_bad_files_are_refused_in_one_line(tmp_path, tokenizer, name, text, says):
+    """The check step (check_file) and the ranks (build_datasets) refuse the same file with the
+    same line: the field, the file, where in it, what is wrong and what is allowed."""
+    from kit import datafile
+
+    path = tmp_path / name
+    path.write_text(text)
+    cfg = DataConfig(path=str(path), max_seq_len=16)
+    with pytest.raises(ConfigError) as checked:
+        datafile.check_file(cfg)
+    with pytest.raises(ConfigError) as built:
+        data.build_datasets(cfg, tokenizer, seed=0)
+    message = str(checked.value)
+    assert message == str(built.value)
+    assert "\n" not in message and message.startswith(f"data.path: {str(path)!r} ")
+    assert says in message, message
+    val = DataConfig(path="kit:sample", val_path=str(path))  # data.val_path: the same checks
+    with pytest.raises(ConfigError, match=r"^data\.val_path: ") as checked:
+        datafile.check_file(val)
+    assert says in str(checked.value)
+
+
 @pytest.mark.parametrize("path, message", [("x.txt", "expected a file ending in"), ("/no/such.jsonl", "does not exist")])
 def test_bad_paths(tokenizer, path, message):
     with pytest.raises(ConfigError, match=f"data.path: .*{message}"):

@@ -1,0 +1,231 @@
+"""Data files, read and checked before anything trains: data.path (and data.val_path) resolved,
+read by `datasets`, and every row checked, so that a bad file is refused with one line naming
+the file, the line or record, the bad value and what is allowed (a ConfigError), not a traceback
+and not a row that silently trains on the text "None".
+
+    check_file(cfg.data)                      # the pre-flight and the check step: raises or not
+    rows = read_rows(resolve_path(cfg.data.path))
+    check_rows(cfg.data.path, rows, cfg.data)
+
+Imports no torch (nor `datasets` at import time): the notebook kernel and the launcher import it
+before any process starts; kit.data (the rank side) tokenizes what it returns.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kit import ROOT
+from kit.config import ConfigError, DataConfig
+
+BUNDLED = {"kit:sample": "sample.jsonl", "kit:sample-chat": "sample-chat.jsonl"}
+BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+SHOWN = 5  # bad rows named in one message beyond the first
+
+
+def resolve_path(path: str, field: str = "data.path") -> Path:
+    """A bundled file, or a local one: relative paths from here, else from the checkout (where
+    the ranks run, kit.launch)."""
+    if path in BUNDLED:
+        return Path(__file__).parent / "data" / BUNDLED[path]
+    p = Path(path).expanduser()
+    if p.suffix not in BUILDERS:
+        allowed = ", ".join(list(BUILDERS) + list(BUNDLED))
+        raise ConfigError(f"{field}: {path!r} is not allowed; expected a file ending in {allowed}")
+    for candidate in (p, ROOT / p):
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"{field}: {path!r} does not exist")
+
+
+class Unreadable(ConfigError):
+    """datasets failed on a file whose every line parses: `rows`, read by the standard library,
+    may still show which row is bad (e.g. a number where the texts are strings)."""
+
+    def __init__(self, message: str, rows: list[dict]):
+        super().__init__(message)
+        self.rows = rows
+
+
+def read_rows(path: Path, field: str = "data.path", name: str = "") -> list[dict]:
+    """Rows of a local file, read by `datasets` (the reader for every format). GPU images often
+    ship without `datasets` (and its pyarrow): there json/jsonl/csv fall back to the standard
+    library, and parquet asks for `datasets`. `name`: the file as the config gives it."""
+    where = f"{field}: {name or str(path)!r}"
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        return read_rows_stdlib(path, field, name)
+    try:
+        rows = load_dataset(BUILDERS[path.suffix], data_files=str(path), split="train").to_list()
+    except Exception as e:  # noqa: BLE001 - any failure of the reader becomes one line below
+        # This fills a gap: datasets' error names no line (and an empty file ends in a bare
+        # StopIteration), so the standard library reads the file again to find the bad one.
+        readable = read_rows_stdlib(path, field, name) if path.suffix != ".parquet" else []
+        cause = e
+        while cause.__cause__ or cause.__context__:
+            cause = cause.__cause__ or cause.__context__
+        said = str(cause).splitlines()[0] if str(cause) else ""
+        raise Unreadable(
+            f"{where} cannot be read by datasets ({type(cause).__name__}: {said})", readable
+        ) from None
+    if not rows:
+        raise ConfigError(f"{where} holds no rows")
+    return rows
+
+
+def read_rows_stdlib(path: Path, field: str = "data.path", name: str = "") -> list[dict]:
+    """The fallback reader (fills the gap where `datasets` is not installed), and the one that
+    names the bad line when `datasets` fails: an unparsable line is a ConfigError."""
+    where = f"{field}: {name or str(path)!r}"
+    if path.suffix == ".parquet":
+        raise ConfigError(f"{where} needs the datasets package (pip install datasets)")
+    text = path.read_text()
+    rows = _csv_rows(text, where) if path.suffix == ".csv" else _json_rows(path, text, where)
+    if not rows:
+        raise ConfigError(f"{where} holds no rows")
+    return rows
+
+
+def _csv_rows(text: str, where: str) -> list[dict]:
+    import csv
+
+    reader = csv.reader(text.splitlines(keepends=True), strict=True)
+    rows, header, start = [], None, 1
+    try:
+        for record in reader:
+            if header is None:
+                header = record
+            elif len(record) > len(header):  # what datasets' reader (pandas) refuses
+                raise ConfigError(f"{where} line {start} does not parse as CSV ({len(record)} "
+                                  f"fields; the header has {len(header)})")
+            elif record:
+                missing = [None] * (len(header) - len(record))  # as csv.DictReader fills them
+                rows.append(dict(zip(header, record + missing, strict=True)))
+            start = reader.line_num + 1
+    except csv.Error as e:
+        raise ConfigError(f"{where} line {start} does not parse as CSV ({e})") from None
+    return rows
+
+
+def _json_rows(path: Path, text: str, where: str) -> list[dict]:
+    """A .json file: one JSON document (a list of records), or JSON Lines as .jsonl holds."""
+    if path.suffix == ".json" and text.strip():
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            if e.msg != "Extra data":  # "Extra data": several documents, read as JSON Lines
+                raise ConfigError(f"{where} line {e.lineno} is not valid JSON "
+                                  f"({e.msg}: column {e.colno})") from None
+        else:
+            records = data if isinstance(data, list) else [data]
+            for i, r in enumerate(records, 1):
+                if not isinstance(r, dict):
+                    raise ConfigError(f"{where} record {i} is {_short(r)}, not a JSON object")
+            return records
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where} line {number} is not valid JSON "
+                              f"({e.msg}: column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where} line {number} is {_short(row)}, not a JSON object")
+        rows.append(row)
+    return rows
+
+
+def columns_of(rows: list[dict]) -> list[str]:
+    return list(dict.fromkeys(k for r in rows for k in r))
+
+
+def texts_column(rows: list[dict], cfg: DataConfig, name: str) -> tuple[str, str]:
+    """(format, column) the texts come from: data.format (auto: messages if that column exists)
+    and its field, which must be a column of the file `name`."""
+    columns = columns_of(rows)
+    fmt = cfg.format
+    if fmt == "auto":
+        fmt = "messages" if cfg.messages_field in columns else "text"
+    column = cfg.messages_field if fmt == "messages" else cfg.text_field
+    if column not in columns:
+        field = "data.messages_field" if fmt == "messages" else "data.text_field"
+        raise ConfigError(
+            f"{field}: {column!r} is not a column of {name}; columns: {', '.join(columns)}"
+        )
+    return fmt, column
+
+
+def check_rows(name: str, rows: list[dict], cfg: DataConfig, field: str = "data.path") -> None:
+    """Every row holds a text (a string) or chat messages (a non-empty list of {role, content});
+    otherwise one line naming the first bad row (and how many more there are): by its line in a
+    .jsonl file, by its record number (from 1, a CSV's header not counted) in the others."""
+    where = f"{field}: {name!r}"
+    if not rows:
+        raise ConfigError(f"{where} holds no rows")
+    fmt, column = texts_column(rows, cfg, name)
+    bad = [(i, p) for i, r in enumerate(rows) if (p := _problem(r.get(column), fmt))]
+    if not bad:
+        return
+    if str(name).endswith(".jsonl") or name in BUNDLED:  # datasets skips blank lines
+        path = resolve_path(name, field)
+        lines = [n for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+        unit, position = "line", (lambda i: lines[i] if i < len(lines) else i + 1)
+    else:
+        unit, position = "record", (lambda i: i + 1)
+    (first, problem), rest = bad[0], bad[1:]
+    more = ""
+    if rest:
+        shown = ", ".join(str(position(i)) for i, _ in rest[:SHOWN])
+        shown += ", ..." if len(rest) > SHOWN else ""
+        plural = "s" if len(rest) > 1 else ""
+        more = f" ({len(rest)} more bad row{plural}: {unit}{plural} {shown})"
+    allowed = (
+        "a string in data.text_field" if fmt == "text"
+        else "a non-empty list of {role, content} messages in data.messages_field"
+    )
+    raise ConfigError(f"{where} {unit} {position(first)}: {column!r} {problem}{more}; "
+                      f"every row needs {allowed}")
+
+
+def _problem(value, fmt: str) -> str:
+    """What is wrong with one row's value ("" when nothing is)."""
+    if value is None:
+        return "is missing or null"
+    if fmt == "text":
+        return "" if isinstance(value, str) else f"is {_short(value)}, not a string"
+    if not isinstance(value, list) or not value:
+        return f"is {_short(value)}, not a non-empty list"
+    for i, m in enumerate(value, 1):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m.get("content") is None:
+            return f"message {i} is {_short(m)}, not a {{role, content}} dict"
+    return ""
+
+
+def _short(value, limit: int = 60) -> str:
+    """A value as one short line: its repr (cut) and its type."""
+    text = repr(value)
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def read_checked(path: str, cfg: DataConfig, field: str = "data.path") -> list[dict]:
+    """The rows of data.path (or data.val_path: `field`), every one checked."""
+    try:
+        rows = read_rows(resolve_path(path, field), field, path)
+    except Unreadable as e:
+        if e.rows:
+            check_rows(path, e.rows, cfg, field)  # names the bad row, when a row is bad
+        raise
+    check_rows(path, rows, cfg, field)
+    return rows
+
+
+def check_file(cfg: DataConfig) -> None:
+    """Read data.path and data.val_path and check every row: a ConfigError (one line) or None."""
+    read_checked(cfg.path, cfg)
+    if cfg.val_path:
+        read_checked(cfg.val_path, cfg, "data.val_path")
