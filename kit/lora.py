@@ -16,6 +16,30 @@ def linear_module_names(model) -> list[str]:
     return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, kinds)})
 
 
+def check_targets(model, targets: str | list[str], model_name: str) -> None:
+    """Every name in lora.target_modules matches a module (peft's own matching), or one line
+    naming each that does not: PEFT itself only refuses names when none matches, and otherwise
+    skips them, training fewer layers without a word. (The doctor's pre-flight says the same.)"""
+    if targets == "all-linear":
+        return
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    if isinstance(targets, str):  # one regex, matched against whole module names
+        configs = {targets: LoraConfig(target_modules=targets)}
+    else:
+        configs = {t: LoraConfig(target_modules=[t]) for t in targets}
+    names = [n for n, _ in model.named_modules() if n]
+    unmatched = [t for t, config in configs.items()
+                 if not any(check_target_module_exists(config, n) for n in names)]
+    if unmatched:
+        raise ConfigError(
+            f"lora.target_modules: {', '.join(map(repr, unmatched))} "
+            f"match{'es' if len(unmatched) == 1 else ''} no module of {model_name}; "
+            f"its linear layers: {', '.join(linear_module_names(model))}"
+        )
+
+
 def apply_lora(model, cfg: Config):
     """Wrap `model` with PEFT LoRA per cfg.lora; adapters cast to the dtype the sharding engine
     needs (kit.engines: float32, or model.dtype under FSDP1, which flattens one dtype per unit)."""
@@ -23,6 +47,7 @@ def apply_lora(model, cfg: Config):
 
     lc = cfg.lora
     targets = lc.target_modules
+    check_targets(model, targets, cfg.model.name)
     config = LoraConfig(
         r=lc.r,
         lora_alpha=lc.alpha,
@@ -31,16 +56,7 @@ def apply_lora(model, cfg: Config):
         bias="none",
         task_type="CAUSAL_LM",
     )
-    try:
-        peft_model = get_peft_model(model, config)
-    except ValueError as e:
-        if "not found in the base model" not in str(e) and "Target modules" not in str(e):
-            raise
-        names = ", ".join(linear_module_names(model))
-        raise ConfigError(
-            f"lora.target_modules: {targets!r} matches no module of the model; "
-            f"allowed: 'all-linear' or names among {names}"
-        ) from None
+    peft_model = get_peft_model(model, config)
     dtype = engines.get(cfg.sharding.engine).adapter_dtype(cfg)
     for p in peft_model.parameters():
         if p.requires_grad:

@@ -19,7 +19,7 @@ import torch
 from kit import lora, quantize, recompute
 from kit import loss as kloss
 from kit.checks import check_checkpointing_active
-from kit.config import Config
+from kit.config import Config, ConfigError
 
 
 @dataclass
@@ -35,9 +35,14 @@ def build(cfg: Config, device: torch.device, *, train: bool = True) -> Built:
     """Load the base model onto `device` (quantized per cfg), add LoRA seeded with
     training.seed (the same adapter on every rank), switch on recomputation and the loss, and put
     it in train mode (from_pretrained returns eval mode, where transformers' recompute silently
-    does nothing). train=False stops after LoRA: the model as loaded, for looking inside."""
+    does nothing). train=False stops after LoRA: the model as loaded, for looking inside.
+    A data.max_seq_len past the model's max_position_embeddings is refused (ConfigError)."""
     attn, warning = quantize.attention_implementation(cfg.attention.implementation)
     model, tokenizer = quantize.load_model(cfg, device, attn)
+    most = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(most, int) and cfg.data.max_seq_len > most:  # the doctor's pre-flight says it too
+        raise ConfigError(f"data.max_seq_len: {cfg.data.max_seq_len} is not allowed; "
+                          f"{cfg.model.name} has max_position_embeddings={most}")
     if cfg.data.packing:  # with a KV cache, transformers ignores packing (kit.data)
         model.config.use_cache = False
     torch.manual_seed(cfg.training.seed)  # the same LoRA init on every rank

@@ -1,4 +1,6 @@
-"""LoRA adapters (kit.lora): lora.recompute gives the same result and keeps less for backward."""
+"""LoRA adapters (kit.lora): lora.recompute gives the same result and keeps less for backward;
+what the model cannot fit (a target name that matches nothing, sequences longer than its
+positions) is refused by kit.model.build with one line."""
 
 import pytest
 import torch
@@ -35,3 +37,28 @@ def test_recomputed_adapters_give_the_same_result_and_keep_less():
     for name in grads_a:
         assert torch.allclose(grads_a[name], grads_b[name], atol=1e-6), name
     assert kept_b < 0.85 * kept_a, (kept_a, kept_b)
+
+
+LINEARS = "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"
+
+
+@pytest.mark.parametrize("override, line", [
+    ("lora.target_modules=[q_proj,q_prj,v_proj]",  # PEFT alone would train q and v, silently
+     f"lora.target_modules: 'q_prj' matches no module of kit:tiny-llama; its linear layers: {LINEARS}"),
+    ("lora.target_modules=[q_prj,v_proj,vproj]",
+     f"lora.target_modules: 'q_prj', 'vproj' match no module of kit:tiny-llama; its linear layers: "
+     f"{LINEARS}"),
+    ("lora.target_modules=[query_key_value]",  # Falcon's names: PEFT's own error, in one line
+     f"lora.target_modules: 'query_key_value' matches no module of kit:tiny-llama; its linear "
+     f"layers: {LINEARS}"),
+    ("data.max_seq_len=4096",  # accepted before: 30x slower on this CPU
+     "data.max_seq_len: 4096 is not allowed; kit:tiny-llama has max_position_embeddings=512"),
+], ids=["one-typo", "two-typos", "falcon-names", "max_seq_len"])  # fmt: skip
+def test_build_refuses_what_the_model_cannot_fit(override, line):
+    from kit import model
+    from kit.config import ConfigError, load_config
+
+    cfg = load_config(None, ["quantization.method=none", "model.dtype=float32", override])
+    with pytest.raises(ConfigError) as raised:
+        model.build(cfg, torch.device("cpu"))
+    assert str(raised.value) == line

@@ -293,7 +293,7 @@ PITFALLS: list[Pitfall] = [
         "lora.target_modules=all-linear, or names of this model's linear layers (python -m "
         "kit.doctor CONFIG lists them)",
         fields=("lora.target_modules",),
-        error=r"Target modules? .* not found in the base model|matches no module of the model",
+        error=r"Target modules? .* not found in the base model|match(es)? no module of",
         wrong="falcon_target_names", fixed="loaded_the_kit_way",
         overrides=("lora.target_modules=[query_key_value]",),
     ),
@@ -305,8 +305,9 @@ PITFALLS: list[Pitfall] = [
     ),
     Pitfall(
         "target_modules_partial", "LoRA target names of which some match nothing",
-        "some LoRA target_modules match no module; PEFT skips them silently",
-        "drop them, or use names of this model's linear layers", level="warning",
+        "some LoRA target_modules match no module; PEFT would skip them silently and train "
+        "fewer layers than asked (the kit refuses them)",
+        "fix or drop the names that match nothing, or use lora.target_modules=all-linear",
         fields=("lora.target_modules",),
     ),
     # ------------------------------------------------------------------ recompute
