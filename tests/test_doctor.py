@@ -82,6 +82,7 @@ CHECKS = [
      ["lora.target_modules=[q_proj]"], CPU),
     ("target_modules_unsupported", ["lora.target_modules=[mlp]"], CPU,
      ["lora.target_modules=[gate_proj]"], CPU),
+    ("max_seq_len_too_long", ["data.max_seq_len=4096"], CPU, ["data.max_seq_len=512"], CPU),
     ("text_field_missing", ["data.text_field=body"], CPU, ["data.text_field=text"], CPU),
     ("text_field_missing", ["data.path=kit:sample-chat", "data.messages_field=conversation",
                             "data.format=messages"], CPU, ["data.path=kit:sample-chat"], CPU),
@@ -116,6 +117,53 @@ def test_config_object_dict_and_yaml_path_give_the_same_findings():
     cfg = load_config(TINY, ["lora.target_modules=[query_key_value]"])
     expected = ["target_modules_unmatched"]
     assert codes(cfg=cfg) == codes(cfg=cfg.to_dict()) == codes(bad[1:]) == expected
+
+
+LINEARS = "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"
+# What kit.model.build raises on the rank side (tests/test_lora.py), said before the run.
+SAME_LINE_AS_THE_RANKS = [
+    (["lora.target_modules=[q_proj,q_prj,v_proj]"], "target_modules_partial",
+     f"lora.target_modules: 'q_prj' matches no module of kit:tiny-llama; its linear layers: "
+     f"{LINEARS}: "),
+    (["lora.target_modules=[q_prj,v_proj,vproj]"], "target_modules_partial",
+     f"lora.target_modules: 'q_prj', 'vproj' match no module of kit:tiny-llama; its linear "
+     f"layers: {LINEARS}: "),
+    (["data.max_seq_len=4096"], "max_seq_len_too_long",
+     "data.max_seq_len: 4096 is not allowed; kit:tiny-llama has max_position_embeddings=512"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("overrides", "code", "line"), SAME_LINE_AS_THE_RANKS,
+                         ids=["one-typo", "two-typos", "max_seq_len"])
+def test_model_fit_errors_say_the_ranks_line(overrides, code, line):
+    findings = doctor.preflight(TINY, env=CPU, overrides=overrides)
+    assert [(f.level, f.code) for f in findings] == [("error", code)]
+    assert findings[0].message.startswith(line), findings[0].message
+
+
+# A bad file of each kind (tests/test_data.py has them all): the pre-flight's error is the line
+# kit.datafile.check_file raises, which the ranks raise too.
+BAD_DATA = {
+    "missing.jsonl": '{"text": "a"}\n{"body": "b"}\n',
+    "broken.jsonl": '{"text": "a"}\n{"text": "a" "b"}\n',
+    "empty.jsonl": "\n\n",
+    "chat.jsonl": '{"messages": []}\n',
+}
+
+
+@pytest.mark.parametrize("name", BAD_DATA)
+@pytest.mark.parametrize("key", ["data.path", "data.val_path"])
+def test_bad_data_file_is_an_error_with_the_checks_line(tmp_path, name, key):
+    from kit import datafile
+    from kit.config import ConfigError, DataConfig
+
+    path = tmp_path / name
+    path.write_text(BAD_DATA[name])
+    with pytest.raises(ConfigError) as raised:
+        datafile.check_file(DataConfig(**{key.split(".")[1]: str(path)}))
+    findings = doctor.preflight(TINY, env=CPU, overrides=[f"{key}={path}"])
+    assert [(f.level, f.code, f.field) for f in findings] == [("error", "data_rows_invalid", key)]
+    assert findings[0].message == str(raised.value)
 
 
 def test_raw_tree_load_config_rejects_explains_each_field_once():
@@ -271,8 +319,8 @@ RAW = [
     ("peft.utils.error.NoMatchingPeftModuleError: Target modules {'query_key_value'} not found "
      "in the base model. Please check the target modules and try again.",
      "target_modules_unmatched"),
-    ("[rank 0] ConfigError: lora.target_modules: ['nope_proj'] matches no module of the model",
-     "target_modules_unmatched"),
+    ("[rank 0] ConfigError: lora.target_modules: 'nope_proj' matches no module of "
+     "kit:tiny-llama; its linear layers: down_proj, gate_proj", "target_modules_unmatched"),
     ("ValueError: Target module LlamaMLP(\n  (gate_proj): Linear(in_features=128)\n) is not "
      "supported. Currently, only the following modules are supported", "target_modules_unsupported"),
     ("ConfigError: data.text_field: 'body' is not a column of kit:sample; columns: text",

@@ -25,9 +25,6 @@ import yaml
 from kit.config import Config, ConfigError, apply_overrides
 from kit.findings import Finding
 
-KIT = Path(__file__).resolve().parents[1]
-ROOT = KIT.parent  # the checkout: runs start here, relative data paths resolve here
-
 
 def detect_env(vars: dict | None = None, nproc_per_node: int | None = None) -> dict:
     """The machine a run would start on: env vars, GPUs (via nvidia-smi, which never touches this
@@ -278,55 +275,6 @@ class Context:
         except Exception as e:  # noqa: BLE001 - any failure means: cannot inspect this model
             self.facts_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             return None
-
-
-def data_file(path: str) -> Path | None:
-    """data.path as a file: a bundled one (kit:sample is kit/data/sample.jsonl, as kit.data
-    names them; not imported here, it imports torch), or a path from here or the checkout."""
-    candidates = [Path(path).expanduser(), ROOT / path]
-    if path.startswith("kit:"):
-        candidates = [KIT / "data" / f"{path[4:]}.jsonl"]
-    for p in candidates:
-        if p.is_file():
-            return p
-    return None
-
-
-def data_columns(path: Path, n: int = 20) -> tuple[list[str], int | None]:
-    """(column names from the first rows, row count when cheap) without loading the file."""
-    if path.suffix == ".jsonl":
-        rows, count = [], 0
-        with open(path) as f:  # streamed: only the first n rows are parsed
-            for line in f:
-                if line.strip():
-                    count += 1
-                    if len(rows) < n:
-                        rows.append(json.loads(line))
-        return sorted({k for r in rows for k in r}), count
-    if path.suffix == ".json":
-        data = json.loads(path.read_text())
-        if isinstance(data, dict):  # {"col": [...]} or {"data": [rows]}
-            inner = next(
-                (v for v in data.values() if isinstance(v, list) and v and isinstance(v[0], dict)),
-                None,
-            )
-            if inner is None:
-                return sorted(data), None
-            data = inner
-        return sorted({k for r in data[:n] for k in r}), len(data)
-    if path.suffix == ".csv":
-        import csv
-
-        with open(path, newline="") as f:
-            reader = csv.reader(f)
-            header = next(reader, [])
-            return header, sum(1 for _ in reader)
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        meta = pq.ParquetFile(path).metadata
-        return list(meta.schema.names), meta.num_rows
-    raise ValueError(f"unsupported file type {path.suffix!r}")
 
 
 def namespace(tree: dict):

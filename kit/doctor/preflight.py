@@ -17,22 +17,16 @@ import importlib.util
 import math
 from collections.abc import Callable
 
+from kit import datafile
 from kit.config import ConfigError, config_from_dict
-from kit.doctor.context import (
-    Context,
-    complete_env,
-    data_columns,
-    data_file,
-    lookup,
-    namespace,
-    read_config,
-)
+from kit.doctor.context import Context, complete_env, lookup, namespace, read_config
 from kit.findings import Finding, ordered
 from kit.pitfalls import PITFALLS, get
 
 # Conservative bytes/s for moving a whole model once: a network filesystem, one TCP stream, or
 # rank 0 writing a checkpoint while the others wait in a collective.
 SLOW_BYTES_PER_S = 100e6
+FIX_ROWS = "fix the file where the message says (every row needs its text), or use another file"
 CPU_BF16_PARAMS = 40e6  # FINDINGS: this CPU has no bf16 instructions; above ~40M params use fp32
 
 CHECKS: list[Callable[[Context], list[Finding]]] = []
@@ -244,6 +238,8 @@ def _gpu_memory(c: Context) -> list[Finding]:
 
 @_check
 def _target_modules(c: Context) -> list[Finding]:
+    """Every name in lora.target_modules must match a module (peft's own matching): PEFT skips
+    the names that match nothing when others do, and trains fewer layers without a word."""
     targets = c.get("lora.target_modules")
     if c.facts is None or targets in ("all-linear", None, "", []):
         return []
@@ -252,7 +248,6 @@ def _target_modules(c: Context) -> list[Finding]:
 
     supported = {"Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D"}
     names = [targets] if isinstance(targets, str) else [str(t) for t in targets]
-    allowed = ", ".join(c.facts.linear_names())
     out, unmatched, field = [], [], "lora.target_modules"
     for name in names:
         config = LoraConfig(target_modules=[name] if not isinstance(targets, str) else name)
@@ -263,12 +258,27 @@ def _target_modules(c: Context) -> list[Finding]:
         elif not kinds & supported:
             where = f"lora.target_modules: {name!r} names {', '.join(sorted(kinds))} modules"
             out.append(get("target_modules_unsupported").finding(where, field=field))
-    if unmatched:
+    if unmatched:  # the line kit.lora.check_targets raises on the rank side
         code = "target_modules_" + ("unmatched" if len(unmatched) == len(names) else "partial")
-        where = (f"lora.target_modules {unmatched} on {c.get('model.name')} (its linear layers: "
-                 f"{allowed})")
+        where = (f"lora.target_modules: {', '.join(map(repr, unmatched))} "
+                 f"match{'es' if len(unmatched) == 1 else ''} no module of {c.get('model.name')}; "
+                 f"its linear layers: {', '.join(c.facts.linear_names())}")
         out.append(get(code).finding(where, field=field))
     return out
+
+
+@_check
+def _seq_len(c: Context) -> list[Finding]:
+    """data.max_seq_len past the model's positions: the rank side (kit.model.build) refuses it
+    with the same line; on this CPU it would train ~30x slower before anything else went wrong."""
+    length = c.get("data.max_seq_len")
+    most = (c.facts.config if c.facts else {}).get("max_position_embeddings")
+    if not isinstance(length, int) or not isinstance(most, int) or length <= most:
+        return []
+    msg = (f"data.max_seq_len: {length} is not allowed; {c.get('model.name')} has "
+           f"max_position_embeddings={most}")
+    return [Finding("error", "max_seq_len_too_long", msg, f"data.max_seq_len={most} or less",
+                    "data.max_seq_len")]
 
 
 @_check
@@ -289,70 +299,39 @@ def _model_unreadable(c: Context) -> list[Finding]:
 
 @_check
 def _data(c: Context) -> list[Finding]:
+    """data.path and data.val_path read and every row checked by kit.datafile, as a run does."""
     if c.accelerate:
         return []
-    out = []
+    out, cfg = [], namespace(c.tree["data"])
     for key in ("data.path", "data.val_path"):
         path = c.get(key)
         if not path:
             continue
-        found = data_file(str(path))
-        if found is None:
-            out.append(
-                Finding(
-                    "error",
-                    "data_missing",
-                    f"{key}: {path!r} does not exist",
-                    "give a .jsonl/.json/.csv/.parquet file or kit:sample",
-                    key,
-                )
-            )
+        try:
+            datafile.resolve_path(str(path), key)
+        except ConfigError as e:
+            fix = "give a .jsonl/.json/.csv/.parquet file or kit:sample"
+            out.append(Finding("error", "data_missing", str(e), fix, key))
             continue
         try:
-            columns, rows = data_columns(found)
-        except Exception as e:  # noqa: BLE001 - unreadable for any reason is one finding
-            out.append(
-                Finding(
-                    "error",
-                    "data_unreadable",
-                    f"{key}: cannot read {found.name}: {e}",
-                    "check the file's format",
-                    key,
-                )
-            )
+            rows = datafile.read_checked(str(path), cfg, key)
+        except ConfigError as e:
+            field = str(e).split(":", 1)[0]  # the file's key (a row, a line), or a data.*_field
+            if field == key:
+                out.append(Finding("error", "data_rows_invalid", str(e), FIX_ROWS, key))
+            else:
+                fix = f"{field}=<one of the columns named>"
+                out.append(Finding("error", "text_field_missing", str(e), fix, field))
             continue
-        fmt = c.get("data.format")
-        if fmt == "auto":
-            fmt = "messages" if c.get("data.messages_field") in columns else "text"
-        field = "data.messages_field" if fmt == "messages" else "data.text_field"
-        if columns and c.get(field) not in columns:
-            out.append(
-                Finding(
-                    "error",
-                    "text_field_missing",
-                    f"{field}: {c.get(field)!r} is not a column of {found.name} (columns: "
-                    f"{', '.join(columns)})",
-                    f"{field}=<one of: {', '.join(columns)}>",
-                    field,
-                )
-            )
-        batch, ranks = c.get("training.batch_size"), c.ranks
-        if key == "data.path" and rows is not None and isinstance(batch, int):
-            train_rows = (
-                rows
-                if c.get("data.val_path")
-                else int(rows * (1 - (c.get("data.val_fraction") or 0)))
-            )
-            if train_rows < batch * ranks:
-                out.append(
-                    Finding(
-                        "error",
-                        "data_too_small",
-                        f"{train_rows} training rows cannot fill {ranks} ranks x batch {batch}",
-                        "lower training.batch_size or add rows",
-                        "training.batch_size",
-                    )
-                )
+        batch, val = c.get("training.batch_size"), c.get("data.val_fraction") or 0
+        if key == "data.path" and isinstance(batch, int):
+            train_rows = len(rows) if c.get("data.val_path") else int(len(rows) * (1 - val))
+            if train_rows < batch * c.ranks:
+                out.append(Finding(
+                    "error", "data_too_small",
+                    f"{train_rows} training rows cannot fill {c.ranks} ranks x batch {batch}",
+                    "lower training.batch_size or add rows", "training.batch_size",
+                ))  # fmt: skip
     return out
 
 
