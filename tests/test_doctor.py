@@ -93,7 +93,8 @@ CHECKS = [
     ("cpu_bf16_slow", ["model.name=kit:llama-1b"], env(CPU, host_ram_gib=None),
      ["model.name=kit:llama-1b", "model.dtype=float32"], env(CPU, host_ram_gib=None)),
     ("config_invalid", ["training.lr=-1"], CPU, ["training.lr=2e-4"], CPU),
-    ("model_unreadable", ["model.name=/nonexistent/model"], CPU, [], CPU),
+    ("model_source", ["model.name=/nonexistent/model"], CPU, [], CPU),
+    ("model_source", ["model.name=kit:nope"], CPU, ["model.name=kit:tiny-qwen2"], CPU),
 ]  # fmt: skip
 
 

@@ -283,7 +283,17 @@ def _seq_len(c: Context) -> list[Finding]:
 
 @_check
 def _model_unreadable(c: Context) -> list[Finding]:
-    if c.accelerate or c.facts is not None:
+    if c.accelerate:
+        return []
+    from kit.sources import check_model
+
+    try:  # where model.name points: a kit model, a folder with config.json, a reachable hub
+        check_model(str(c.get("model.name")))
+    except ConfigError as e:
+        return [Finding("error", "model_source", str(e), "point model.name at a local model "
+                        "folder, a kit: model, or a hub id on a machine with a network",
+                        "model.name")]
+    if c.facts is not None:
         return []
     return [
         Finding(
