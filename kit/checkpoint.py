@@ -8,21 +8,40 @@ adapter keys and `save_pretrained(state_dict=...)` writes a file with no tensors
 (the first article's recipe does exactly that). So the kit asks PEFT for the key mapping once,
 before wrapping, writes the file in PEFT's format, reads it back and compares it with the adapter
 the model really has, or fails loudly.
+
+Training checkpoints (save every N steps, resume) are the second half. Their manifest, checked
+before any resume trusts a folder, is `kit.manifest` (torch-free); reading back, merging and the
+command line are `kit.merge`; both are re-exported here.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
 
+from kit import manifest
+from kit.manifest import MARKER, CheckpointError, checkpoints_root, first_line, scan, summary
+from kit.merge import (
+    fresh_folder,
+    generate,
+    load_for_inference,
+    main,
+    merge_adapter,
+    saved_shapes,
+    verify_adapter,
+    verify_checkpoint,
+)
 
-class CheckpointError(RuntimeError):
-    """A checkpoint on disk is missing, empty or does not match the model."""
+__all__ = [  # callers use these from here; some live in kit.manifest (torch-free) and kit.merge
+    "MARKER", "AdapterLayout", "CheckpointError", "checkpoints_root", "find_resume", "fresh_folder",
+    "gather_trainable", "generate", "load_for_inference", "load_training_state", "main",
+    "merge_adapter", "prune", "save_adapter", "save_training_state", "saved_shapes", "scan",
+    "summary", "verify_adapter", "verify_checkpoint",
+]
 
 
 class AdapterLayout:
@@ -100,32 +119,6 @@ def save_adapter(layout: AdapterLayout, state, folder: Path, tokenizer=None) -> 
     return folder
 
 
-def verify_adapter(folder: Path, expected: dict[str, tuple[int, ...]]) -> dict:
-    """Raise CheckpointError unless `folder` holds every expected LoRA tensor, finite, right shape."""
-    from safetensors import safe_open
-
-    folder = Path(folder)
-    weights = folder / "adapter_model.safetensors"
-    if not (folder / "adapter_config.json").is_file() or not weights.is_file():
-        raise CheckpointError(f"{folder}: adapter_config.json or adapter_model.safetensors missing")
-    with safe_open(str(weights), "pt") as f:
-        found = {k: f.get_tensor(k) for k in f.keys()}
-    missing = sorted(set(expected) - set(found))
-    if missing:
-        raise CheckpointError(
-            f"{weights}: {len(missing)} of {len(expected)} LoRA tensors missing "
-            f"(holds {len(found)}), e.g. {missing[0]}"
-        )
-    for k, shape in expected.items():
-        t = found[k]
-        if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"{weights}: {k} has shape {tuple(t.shape)}, expected {shape}")
-        if not torch.isfinite(t.float()).all():
-            raise CheckpointError(f"{weights}: {k} holds NaN or inf")
-    config = json.loads((folder / "adapter_config.json").read_text())
-    return {"tensors": len(found), "r": config.get("r"), "bytes": weights.stat().st_size}
-
-
 # --------------------------------------------------------------------------- training checkpoints
 #
 # <output_dir>/checkpoints/step-000010/
@@ -133,53 +126,38 @@ def verify_adapter(folder: Path, expected: dict[str, tuple[int, ...]]) -> dict:
 #     dcp/  | full.pt     trainable weights + optimizer: sharded (one file per rank, DCP) or gathered
 #     trainer.pt          step, LR scheduler, data position, format, world size (rank 0)
 #     rng-rank{r}.pt      every rank's RNG states (dropout differs per rank)
-#     COMPLETE.json       written last; a folder without it was interrupted and is never resumed
+#     COMPLETE.json       the manifest (kit.manifest): every file's size and sha256 and the config
+#                         that made it, written last; a folder without it is never resumed
 #
 # Each checkpoint is written into step-N.tmp and renamed when complete, so a process killed mid-save
-# leaves a .tmp folder that resume reports and skips.
-
-MARKER = "COMPLETE.json"
-
-
-def checkpoints_root(output_dir) -> Path:
-    return Path(output_dir) / "checkpoints"
+# leaves a .tmp folder that resume reports and skips. Resume checks the manifest first (a truncated
+# or changed file, another model or LoRA shape, another world size) and falls back to the newest
+# checkpoint without a problem.
 
 
-def scan(output_dir) -> tuple[list[tuple[int, Path]], list[Path]]:
-    """(complete checkpoints as (step, folder) oldest first, incomplete folders)."""
-    root = checkpoints_root(output_dir)
-    complete, incomplete = [], []
-    for folder in sorted(root.glob("step-*")) if root.is_dir() else []:
-        if folder.name.endswith(".tmp") or not (folder / MARKER).is_file():
-            incomplete.append(folder)
-        else:
-            complete.append((json.loads((folder / MARKER).read_text())["step"], folder))
-    return sorted(complete), incomplete
-
-
-def summary(output_dir) -> list[dict]:
-    """One row per checkpoint folder: step, format, bytes, seconds to write, complete or not."""
-    complete, incomplete = scan(output_dir)
-    rows = [{"folder": f.name, **json.loads((f / MARKER).read_text()), "complete": True}
-            for _, f in complete]
-    return rows + [{"folder": f.name, "complete": False} for f in incomplete]
-
-
-def find_resume(resume: str, output_dir) -> tuple[Path | None, list[str]]:
-    """The checkpoint folder that `training.resume` names, plus notes on what was skipped."""
+def find_resume(resume: str, output_dir, cfg=None, world_size: int | None = None
+                ) -> tuple[Path | None, list[str]]:
+    """The checkpoint folder `training.resume` names, plus one note per newer checkpoint skipped.
+    With `cfg` (a Config or its to_dict()) and `world_size`, a checkpoint must also have been made
+    with the same resume fields (kit.manifest.RESUME_FIELDS) and world size; without: files only.
+    "auto" with no valid checkpoint: (None, notes); the caller decides. A path: it must be valid."""
     if not resume:
         return None, []
+    config = cfg.to_dict() if hasattr(cfg, "to_dict") else cfg
     if resume != "auto":
-        folder = Path(resume)
-        if not (folder / MARKER).is_file():
-            raise CheckpointError(
-                f"training.resume: {resume!r} is not a complete checkpoint (no {MARKER}); "
-                "use 'auto' or a checkpoints/step-N folder"
-            )
-        return folder, []
-    complete, incomplete = scan(output_dir)
-    notes = [f"skipping {f}: incomplete (interrupted while saving)" for f in incomplete]
-    return (complete[-1][1] if complete else None), notes
+        why = manifest.problem(Path(resume), config, world_size)
+        if why:
+            raise CheckpointError(f"training.resume: {why}")
+        return Path(resume), []
+    folder, _, notes = manifest.newest_valid(output_dir, config, world_size)
+    return folder, notes
+
+
+def _load(path: Path):
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot be read ({first_line(e)})") from e
 
 
 def _rng_state(device) -> dict:
@@ -205,10 +183,35 @@ def _trainable_only(wrapped, state: dict) -> dict:
     return {k: v for k, v in state.items() if k in names}
 
 
+def _run_config(output_dir) -> dict:
+    """The resolved config the recipe wrote into the run folder ({} when there is none)."""
+    import yaml
+
+    try:
+        return yaml.safe_load((Path(output_dir) / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+
+
+def _set_aside(folder: Path) -> Path | None:
+    """A checkpoint of this step from an earlier attempt (the run resumed from an older one, e.g.
+    because this one was damaged): renamed step-N.replaced-K, never deleted."""
+    if not folder.exists():
+        return None
+    n = 1
+    while (aside := folder.with_name(f"{folder.name}.replaced-{n}")).exists():
+        n += 1
+    os.replace(folder, aside)
+    print(f"checkpoint: kept the earlier {folder.name} as {aside} (never resumed; delete it "
+          "yourself when it is not needed)", flush=True)
+    return aside
+
+
 def save_training_state(*, wrapped, engine, optimizer, scheduler, batches, step, env, fmt,
                         output_dir, layout: AdapterLayout, keep_last: int = 0,
-                        tokenizer=None) -> Path:
-    """Write checkpoint `step` (a collective: every rank calls it). Returns the folder."""
+                        tokenizer=None, config: dict | None = None) -> Path:
+    """Write checkpoint `step` (a collective: every rank calls it). Returns the folder. `config`:
+    the run's config tree for the manifest (default: the run folder's config.yaml)."""
     import time
 
     import torch.distributed as dist
@@ -224,7 +227,7 @@ def save_training_state(*, wrapped, engine, optimizer, scheduler, batches, step,
     folder = checkpoints_root(output_dir) / f"step-{step:06d}"
     tmp = folder.with_name(folder.name + ".tmp")
     if env.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # this step's own unfinished save, if one was killed
         tmp.mkdir(parents=True)
     dist.barrier()
     full = fmt == "full"
@@ -241,7 +244,7 @@ def save_training_state(*, wrapped, engine, optimizer, scheduler, batches, step,
     torch.save(_rng_state(env.device), tmp / f"rng-rank{env.rank}.pt")
     adapter_state = gather_trainable(wrapped)
     faults.maybe_fail_in_save(step, env.rank)
-    dist.barrier()
+    dist.barrier()  # every rank's files exist from here on
     if env.is_main:
         save_adapter(layout, adapter_state, tmp / "adapter", tokenizer)
         torch.save(
@@ -252,11 +255,10 @@ def save_training_state(*, wrapped, engine, optimizer, scheduler, batches, step,
         missing = [f"rng-rank{r}.pt" for r in range(env.world_size) if not (tmp / f"rng-rank{r}.pt").is_file()]
         if missing:
             raise CheckpointError(f"{tmp}: {', '.join(missing)} not written")
-        size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
-        info = {"step": step, "format": fmt, "world_size": env.world_size, "bytes": size,
-                "seconds": round(time.perf_counter() - started, 3)}
-        (tmp / MARKER).write_text(json.dumps(info))
-        shutil.rmtree(folder, ignore_errors=True)
+        seconds = round(time.perf_counter() - started, 3)
+        manifest.write(tmp, _run_config(output_dir) if config is None else config, step,
+                       env.world_size, {"format": fmt, "seconds": seconds})
+        _set_aside(folder)
         os.replace(tmp, folder)
         prune(output_dir, keep_last)
     dist.barrier()
@@ -273,8 +275,11 @@ def prune(output_dir, keep_last: int) -> list[Path]:
 
 
 def load_training_state(folder, *, wrapped, optimizer, scheduler, batches, env) -> int:
-    """Restore a checkpoint written by save_training_state (collective); returns its step."""
+    """Restore a checkpoint written by save_training_state (collective); returns its step. Resume
+    checks the manifest first; a file that still cannot be read, or weights that do not fit this
+    model, raise CheckpointError naming the file."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -284,112 +289,36 @@ def load_training_state(folder, *, wrapped, optimizer, scheduler, batches, env) 
     )
 
     folder = Path(folder)
-    trainer = torch.load(folder / "trainer.pt", weights_only=False)
+    trainer = _load(folder / "trainer.pt")
     full = trainer["format"] == "full"
     # strict=False: the checkpoint holds only the trainable weights, not the frozen 4-bit base.
     options = StateDictOptions(full_state_dict=full, ignore_frozen_params=True, strict=False)
     if full:
-        saved = torch.load(folder / "full.pt", weights_only=False)
+        saved = _load(folder / "full.pt")
         model_state, optim_state = saved["model"], saved["optim"]
     else:
         model_state = _trainable_only(wrapped, get_model_state_dict(wrapped, options=options))
         optim_state = get_optimizer_state_dict(wrapped, optimizer, options=options)
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(folder / "dcp"))
+        try:
+            dcp.load(state, checkpoint_id=str(folder / "dcp"))
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            # The manifest, when there is one, names the damaged shard; DCP's error names none.
+            why = manifest.problem(folder) if manifest.read(folder) else None
+            raise CheckpointError(why or f"{folder / 'dcp'}: cannot be loaded ({first_line(e)})") from e
         model_state, optim_state = state["model"], state["optim"]
-    set_model_state_dict(wrapped, model_state, options=options)
-    set_optimizer_state_dict(wrapped, optimizer, optim_state, options=options)
+    try:
+        set_model_state_dict(wrapped, model_state, options=options)
+        set_optimizer_state_dict(wrapped, optimizer, optim_state, options=options)
+    except Exception as e:  # another model or LoRA shape: a size mismatch per tensor
+        raise CheckpointError(f"{folder}: its weights do not fit this model, made with another "
+                              f"model or LoRA shape? ({first_line(e)})") from e
     scheduler.load_state_dict(trainer["scheduler"])
     batches.load_state_dict(trainer["batches"])
     rng = folder / f"rng-rank{env.rank}.pt"
     if rng.is_file() and trainer["world_size"] == env.world_size:
-        _set_rng_state(torch.load(rng, weights_only=False), env.device)
+        _set_rng_state(_load(rng), env.device)
     return trainer["step"]
-
-
-# --------------------------------------------------------------------------- inference and merge
-
-
-def load_for_inference(run_dir, adapter: str | Path | None = None, merged: bool = False):
-    """(model, tokenizer) of a finished run in one process, no FSDP: the base exactly as trained
-    (quantized per the run's config) plus the adapter. `adapter`: another adapter folder (e.g. a
-    checkpoint's); `merged`: fold the adapter in (see merge_adapter)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from kit import builtin, quantize
-    from kit.config import load_config
-
-    cfg = load_config(Path(run_dir) / "config.yaml")
-    adapter = Path(adapter or Path(run_dir) / "adapter")
-    model = AutoModelForCausalLM.from_pretrained(
-        builtin.resolve(cfg.model.name),
-        dtype=quantize.DTYPES[cfg.model.dtype],
-        quantization_config=quantize.bnb_config(cfg),
-        **({"device_map": {"": 0}} if torch.cuda.is_available() else {}),
-    )
-    if merged and cfg.quantization.method != "none":
-        # bf16 Linear layers holding exactly the 4-bit values the adapter was trained against.
-        model = model.dequantize()
-    model = PeftModel.from_pretrained(model, adapter)
-    if merged:
-        model = model.merge_and_unload()
-    return model.eval(), AutoTokenizer.from_pretrained(adapter)
-
-
-def merge_adapter(run_dir, out_dir, adapter: str | Path | None = None) -> Path:
-    """Fold a run's adapter into its base weights (dequantized to model.dtype) and export a
-    standalone model with save_pretrained: loadable by plain AutoModelForCausalLM, no PEFT."""
-    model, tokenizer = load_for_inference(run_dir, adapter, merged=True)
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    config = json.loads((tmp / "config.json").read_text())
-    if "quantization_config" in config or not list(tmp.glob("*.safetensors")):
-        raise CheckpointError(f"{tmp}: merged export is still quantized or holds no weights")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
-    return out_dir
-
-
-@torch.no_grad()
-def generate(model, tokenizer, prompt: str, max_new_tokens: int = 24) -> str:
-    """Greedy continuation of `prompt` (deterministic, so before/after comparisons are fair)."""
-    inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
-    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id)
-    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """python -m kit.checkpoint {list,verify,merge} RUN_DIR [...]"""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m kit.checkpoint", description=main.__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="checkpoints of a run, complete and incomplete").add_argument("run")
-    v = sub.add_parser("verify", help="check an adapter folder against its config")
-    v.add_argument("adapter")
-    m = sub.add_parser("merge", help="fold the adapter into the base; export with save_pretrained")
-    m.add_argument("run")
-    m.add_argument("out")
-    m.add_argument("--adapter", default=None)
-    args = parser.parse_args(argv)
-    if args.command == "list":
-        for row in summary(args.run):
-            print(row if row["complete"] else f"{row['folder']}: INCOMPLETE (never resumed)")
-    elif args.command == "verify":
-        from safetensors import safe_open
-
-        with safe_open(str(Path(args.adapter) / "adapter_model.safetensors"), "pt") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        print(verify_adapter(args.adapter, shapes) if shapes else "EMPTY adapter")
-        return 0 if shapes else 1
-    else:
-        print(merge_adapter(args.run, args.out, args.adapter))
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,24 +1,35 @@
-"""Checkpoints on 2 CPU processes: exact resume, interrupted saves, retention, merge, empty files.
+"""Checkpoints: exact resume, interrupted or damaged saves, retention, merge, empty files, the
+manifest and the command line. Tests marked slow launch the recipe on 2 CPU processes; the others
+build checkpoint folders by hand.
 
 (The adapter round trip for every engine is in test_train.py.)"""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import read_run, torchrun
+from conftest import ROOT, read_run, torchrun
 
-from kit import checkpoint
+from kit import checkpoint, manifest
+from kit.config import Config
 
-pytestmark = pytest.mark.slow
 FP32 = ["model.dtype=float32", "quantization.method=none"]  # exact arithmetic on CPU
 
 
 def losses(out) -> list[tuple[str, int, float]]:
     return [(m["split"], m["step"], m["loss"]) for m in read_run(out)[1]]
+
+
+def sha_tree(root) -> dict[str, str]:
+    """Relative path -> sha256 of every file under `root`."""
+    return {p.relative_to(root).as_posix(): manifest.sha256(p)
+            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -28,19 +39,42 @@ def uninterrupted(tmp_path_factory):
     return losses(out)
 
 
-def test_resume_after_stop_equals_uninterrupted_run_exactly(tmp_path, uninterrupted):
+@pytest.mark.slow
+def test_resume_over_a_damaged_checkpoint_falls_back_and_equals_uninterrupted_run(
+        tmp_path, uninterrupted):
     out = tmp_path / "run"
     torchrun(out, *FP32, "checkpointing.save_every=5", "training.stop_at_step=10")
     assert read_run(out)[0]["status"] == "stopped"
+    ck = out / "checkpoints"
+    assert checkpoint.find_resume("auto", out) == (ck / "step-000010", [])
+    shard = ck / "step-000010" / "dcp" / "__0_0.distcp"
+    size = shard.stat().st_size
+    os.truncate(shard, size // 2)  # a copy cut short, a full disk
+    before = sha_tree(ck)
     proc = torchrun(out, *FP32, "checkpointing.save_every=5", "training.resume=auto")
-    assert "resumed from" in proc.stdout and "step-000010" in proc.stdout
+    assert (f"skipping {ck / 'step-000010'}: dcp/__0_0.distcp is {size // 2:,} bytes, the "
+            f"manifest says {size:,} (truncated); using step-000005") in proc.stdout
+    assert "step-000005" in proc.stdout.split("resumed from", 1)[1].splitlines()[0]
     result, _ = read_run(out)
     assert result["status"] == "completed"
     assert losses(out) == uninterrupted  # every step, bit for bit
-    # Retention: keep_last=2 leaves exactly the two newest.
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000015", "step-000020"]
+    # Retention (keep_last=2) leaves the two newest; the damaged step 10, which the resumed run
+    # saved anew, was moved aside whole, never deleted or rewritten.
+    assert f"kept the earlier step-000010 as {ck / 'step-000010.replaced-1'}" in proc.stdout
+    assert sorted(p.name for p in ck.iterdir()) == [
+        "step-000010.replaced-1", "step-000015", "step-000020"]
+    after = sha_tree(ck)
+    for rel, digest in before.items():
+        folder, _, rest = rel.partition("/")
+        if folder == "step-000005":
+            assert not (ck / rel).exists()  # pruned by keep_last=2, once step 15 was saved
+        else:
+            assert after[f"step-000010.replaced-1/{rest}"] == digest, rel
+    assert [r["folder"] for r in checkpoint.summary(out) if r.get("set_aside")] == [
+        "step-000010.replaced-1"]
 
 
+@pytest.mark.slow
 def test_killed_mid_save_resumes_from_previous_good_checkpoint(tmp_path, uninterrupted):
     out = tmp_path / "run"
     os.environ["KIT_FAIL_SAVE_STEP"] = "10"
@@ -57,6 +91,7 @@ def test_killed_mid_save_resumes_from_previous_good_checkpoint(tmp_path, uninter
     assert losses(out) == uninterrupted
 
 
+@pytest.mark.slow
 def test_resume_nf4_bf16_fsdp1_full_format(tmp_path):
     engine, fmt = "fsdp1", "full"
     args = [f"sharding.engine={engine}", f"checkpointing.format={fmt}", "checkpointing.save_every=10",
@@ -70,11 +105,258 @@ def test_resume_nf4_bf16_fsdp1_full_format(tmp_path):
     assert max(abs(x[2] - y[2]) for x, y in zip(a, b, strict=True)) < 1e-3  # bf16: within tolerance
     marker = json.loads((resumed / "checkpoints" / "step-000010" / checkpoint.MARKER).read_text())
     assert marker["format"] == fmt and marker["bytes"] > 0
+    assert "full.pt" in marker["files"] and marker["config"]["sharding.engine"] == engine
+
+
+# --------------------------------------------------------------------------- the manifest, by hand
+
+CONFIG = Config().to_dict()  # lora.r=8, what the hand-made checkpoints below were "made with"
+LORA_KEY = "base_model.model.layer.lora_A.weight"
+
+
+def changed(**fields) -> dict:
+    """CONFIG with e.g. lora__r=16 set (section__field)."""
+    tree = copy.deepcopy(CONFIG)
+    for name, value in fields.items():
+        section, key = name.split("__")
+        tree[section][key] = value
+    return tree
+
+
+def save_adapter_file(folder, tensors) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 8}))
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+
+
+def fake_checkpoint(out, step: int, world_size: int = 2):
+    """checkpoints/step-N with a 4,096-byte 'shard', a trainer file and a real adapter, manifest
+    written by kit.manifest as save_training_state writes it."""
+    folder = out / "checkpoints" / f"step-{step:06d}"
+    (folder / "dcp").mkdir(parents=True)
+    (folder / "dcp" / "__0_0.distcp").write_bytes(bytes(range(256)) * 16)
+    (folder / "trainer.pt").write_bytes(b"trainer state " * 8)
+    save_adapter_file(folder / "adapter", {LORA_KEY: torch.ones(8, 16)})
+    manifest.write(folder, CONFIG, step, world_size, {"format": "sharded", "seconds": 0.1})
+    return folder
+
+
+def test_manifest_records_files_checksums_and_the_config_that_made_it(tmp_path):
+    folder = fake_checkpoint(tmp_path, 5)
+    saved = json.loads((folder / manifest.MARKER).read_text())
+    assert saved["step"] == 5 and saved["world_size"] == 2 and saved["format"] == "sharded"
+    assert sorted(saved["files"]) == ["adapter/adapter_config.json",
+                                      "adapter/adapter_model.safetensors", "dcp/__0_0.distcp",
+                                      "trainer.pt"]
+    assert saved["files"]["dcp/__0_0.distcp"] == {
+        "bytes": 4096, "sha256": manifest.sha256(folder / "dcp" / "__0_0.distcp")}
+    assert saved["config"]["lora.r"] == 8 and saved["config"]["quantization.method"] == "nf4"
+    assert saved["config"]["data.max_seq_len"] == CONFIG["data"]["max_seq_len"]
+    assert "training.steps" not in saved["config"]  # more steps may continue a run
+    assert manifest.problem(folder, CONFIG, 2) is None
+    assert manifest.problem(folder, changed(training__steps=999), 2) is None
+    assert manifest.problem(folder) is None  # files only
+    assert checkpoint.verify_checkpoint(folder, CONFIG)["adapter_tensors"] == 1
+    assert checkpoint.summary(tmp_path) == [{
+        "folder": "step-000005", "step": 5, "world_size": 2, "bytes": saved["bytes"],
+        "format": "sharded", "seconds": 0.1, "complete": True, "files": 4}]
+
+
+def damage(folder, how: str) -> None:
+    shard = folder / "dcp" / "__0_0.distcp"
+    if how == "truncated":
+        os.truncate(shard, 1024)
+    elif how == "changed byte":
+        data = bytearray(shard.read_bytes())
+        data[100] ^= 1
+        shard.write_bytes(bytes(data))
+    elif how == "missing file":
+        (folder / "trainer.pt").unlink()
+    elif how == "old kit, no manifest":
+        (folder / manifest.MARKER).write_text(json.dumps({"step": 5, "format": "sharded",
+                                                          "world_size": 2, "bytes": 1}))
+    elif how == "damaged manifest":
+        (folder / manifest.MARKER).write_text('{"step": 5, "fi')
+    elif how == "no marker":
+        (folder / manifest.MARKER).unlink()
+
+
+@pytest.mark.parametrize("how, config, world_size, expected", [
+    ("truncated", None, None,
+     "{f}: dcp/__0_0.distcp is 1,024 bytes, the manifest says 4,096 (truncated)"),
+    ("changed byte", None, None, "{f}: dcp/__0_0.distcp has sha256 "),
+    ("missing file", None, None, "{f}: trainer.pt is missing (the manifest lists it)"),
+    ("", changed(lora__r=16), 2, "{f}: made with lora.r=8, this run has lora.r=16"),
+    ("", changed(lora__r=16, model__name="kit:tiny-qwen2"), 2,
+     "{f}: made with model.name=kit:tiny-llama, this run has model.name=kit:tiny-qwen2 "
+     "(also differs: lora.r)"),
+    ("", CONFIG, 4, "{f}: written by 2 ranks, this run has 4: an exact resume needs the same "
+                    "world size"),
+    ("old kit, no manifest", None, None, "{f}: COMPLETE.json holds no manifest (saved by an older "
+                                         "kit): its files cannot be verified, so it is never resumed"),
+    ("damaged manifest", None, None, "{f}: COMPLETE.json is not readable JSON (damaged)"),
+    ("no marker", None, None, "{f}: not a complete checkpoint (no COMPLETE.json"),
+], ids=lambda x: x if isinstance(x, str) and len(x) < 24 else None)
+def test_a_checkpoint_problem_is_one_line_naming_the_file_or_field(
+        tmp_path, how, config, world_size, expected):
+    folder = fake_checkpoint(tmp_path, 5)
+    damage(folder, how)
+    found = manifest.problem(folder, config, world_size)
+    assert found is not None and found.startswith(expected.format(f=folder)), found
+    assert "\n" not in found
+    if how == "changed byte":
+        assert found.endswith("(changed after it was saved)")
+    with pytest.raises(checkpoint.CheckpointError) as raised:  # an explicit path must be valid
+        checkpoint.find_resume(str(folder), tmp_path, config, world_size)
+    assert str(raised.value) == f"training.resume: {found}"
+    assert len(checkpoint.summary(tmp_path)) == 1  # listed, whatever the damage
 
 
 def test_resume_path_must_be_a_complete_checkpoint(tmp_path):
-    with pytest.raises(checkpoint.CheckpointError, match="training.resume: .* is not a complete checkpoint"):
+    with pytest.raises(checkpoint.CheckpointError,
+                       match="training.resume: .*: not a complete checkpoint \\(no COMPLETE.json"):
         checkpoint.find_resume(str(tmp_path), tmp_path)
+
+
+def test_newest_valid_falls_back_past_damaged_and_interrupted_checkpoints(tmp_path):
+    five, ten = fake_checkpoint(tmp_path, 5), fake_checkpoint(tmp_path, 10)
+    (tmp_path / "checkpoints" / "step-000015.tmp").mkdir()  # a save killed midway
+    damage(ten, "truncated")
+    notes = [f"skipping {ten.parent / 'step-000015.tmp'}: incomplete (interrupted while saving); "
+             "using step-000005",
+             f"skipping {ten}: dcp/__0_0.distcp is 1,024 bytes, the manifest says 4,096 "
+             "(truncated); using step-000005"]
+    assert manifest.newest_valid(tmp_path, CONFIG, 2) == (five, 5, notes)
+    assert checkpoint.find_resume("auto", tmp_path) == (five, notes)  # train.py's call today
+    assert checkpoint.find_resume("auto", tmp_path, Config(), 2) == (five, notes)
+    # Made with another LoRA shape: none is valid; the caller decides what to do.
+    folder, notes = checkpoint.find_resume("auto", tmp_path, changed(lora__r=16), 2)
+    assert folder is None and len(notes) == 3
+    assert notes[-1] == (f"skipping {five}: made with lora.r=8, this run has lora.r=16; "
+                         "no valid checkpoint left to resume from")
+
+
+def test_load_names_the_file_it_cannot_read(tmp_path):
+    """The last line of defence, behind the manifest: a real (1-process) DCP checkpoint whose
+    shard or trainer file cannot be read gives one line naming the file, not a traceback."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    options = StateDictOptions(ignore_frozen_params=True, strict=False)
+    folder = tmp_path / "step-000001"
+    dcp.save({"model": get_model_state_dict(model, options=options),
+              "optim": get_optimizer_state_dict(model, optimizer, options=options)},
+             checkpoint_id=str(folder / "dcp"))
+    torch.save({"step": 1, "format": "sharded", "world_size": 1}, folder / "trainer.pt")
+    shard = folder / "dcp" / "__0_0.distcp"
+    size, saved = shard.stat().st_size, shard.read_bytes()
+
+    def load():
+        checkpoint.load_training_state(folder, wrapped=model, optimizer=optimizer,
+                                       scheduler=None, batches=None, env=None)
+
+    os.truncate(shard, size // 2)
+    with pytest.raises(checkpoint.CheckpointError) as raised:  # no manifest: the folder
+        load()
+    assert str(raised.value) == f"{folder / 'dcp'}: cannot be loaded (EOFError)"
+    shard.write_bytes(saved)
+    manifest.write(folder, None, 1, 1)
+    os.truncate(shard, size // 2)
+    with pytest.raises(checkpoint.CheckpointError) as raised:  # the manifest names the shard
+        load()
+    assert str(raised.value) == (f"{folder}: dcp/__0_0.distcp is {size // 2:,} bytes, the "
+                                 f"manifest says {size:,} (truncated)")
+    os.truncate(folder / "trainer.pt", 20)
+    with pytest.raises(checkpoint.CheckpointError, match=f"^{folder / 'trainer.pt'}: cannot be read "):
+        load()
+    # Another shape (as another LoRA r would give): one line, not one per tensor.
+    full = tmp_path / "full"
+    full.mkdir()
+    options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True, strict=False)
+    torch.save({"model": get_model_state_dict(model, options=options),
+                "optim": get_optimizer_state_dict(model, optimizer, options=options)}, full / "full.pt")
+    torch.save({"step": 1, "format": "full", "world_size": 1}, full / "trainer.pt")
+    wider = torch.nn.Linear(4, 8)
+    with pytest.raises(checkpoint.CheckpointError) as raised:
+        checkpoint.load_training_state(full, wrapped=wider, optimizer=torch.optim.AdamW(
+            wider.parameters()), scheduler=None, batches=None, env=None)
+    assert str(raised.value).startswith(f"{full}: its weights do not fit this model")
+    assert "size mismatch for weight" in str(raised.value) and "\n" not in str(raised.value)
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def cli(*args) -> subprocess.Popen:
+    """Start `python -m kit.checkpoint ARGS` (several run side by side: each imports torch)."""
+    return subprocess.Popen([sys.executable, "-m", "kit.checkpoint", *map(str, args)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_command_line_failures_are_one_line_naming_the_path_exit_2(tmp_path, capsys):
+    """python -m kit.checkpoint, for real: a missing run, a run with no adapter, a truncated
+    adapter file, an empty adapter, a damaged checkpoint, a merge into a folder that exists."""
+    run = tmp_path / "run"  # a run folder whose run saved no adapter
+    run.mkdir()
+    (run / "config.yaml").write_text(Config().to_yaml())
+    cut = tmp_path / "cut"
+    save_adapter_file(cut, {LORA_KEY: torch.ones(64, 64)})
+    weights = cut / "adapter_model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    empty = tmp_path / "empty"
+    save_adapter_file(empty, {})
+    damaged = fake_checkpoint(tmp_path / "ckrun", 5)
+    damage(damaged, "truncated")
+    out = tmp_path / "merged"
+    (out / "mine.txt").parent.mkdir()
+    (out / "mine.txt").write_text("a user's file")
+    cases = [  # the first four as a person types them (a process each), the rest in-process
+        (("list", tmp_path / "nope"), f"list: run: '{tmp_path / 'nope'}' does not exist"),
+        (("merge", run, tmp_path / "new"), f"merge: {run / 'adapter' / 'adapter_model.safetensors'}"
+                                           ": does not exist (no adapter saved there)"),
+        (("verify", cut), f"verify: {weights}: cannot be read (SafetensorError: "),
+        (("merge", run, out), f"merge: out: '{out}' exists; choose a new folder"),
+        (("verify", run), f"verify: {run / 'adapter' / 'adapter_model.safetensors'}: does not exist"),
+        (("verify", empty), f"verify: {empty / 'adapter_model.safetensors'}: holds 0 tensors"),
+        (("verify", damaged), f"verify: {damaged}: dcp/__0_0.distcp is 1,024 bytes, the manifest"),
+    ]
+    procs = [cli(*args) for args, _ in cases[:4]]
+    for i, (args, expected) in enumerate(cases):
+        if i < 4:
+            stdout, stderr = procs[i].communicate(timeout=120)
+            code = procs[i].returncode
+        else:
+            code = checkpoint.main([str(a) for a in args])
+            stdout, stderr = capsys.readouterr()
+        assert code == 2, (args, stderr[-2000:])
+        assert stderr.startswith(f"python -m kit.checkpoint {expected}"), stderr[-2000:]
+        assert stderr.count("\n") == 1 and stdout == "", stderr
+    assert (out / "mine.txt").read_text() == "a user's file" and not (tmp_path / "new").exists()
+    with pytest.raises(checkpoint.CheckpointError, match="out: '.*' exists; choose a new folder"):
+        checkpoint.merge_adapter(run, out)  # refused before anything is loaded
+    assert (out / "mine.txt").read_text() == "a user's file"
+    assert checkpoint.fresh_folder(out) == tmp_path / "merged-2"
+
+
+def test_command_line_verifies_and_lists_a_good_checkpoint(tmp_path, capsys):
+    fake_checkpoint(tmp_path, 5)
+    (tmp_path / "checkpoints" / "step-000010.tmp").mkdir()
+    assert checkpoint.main(["verify", str(tmp_path / "checkpoints" / "step-000005")]) == 0
+    assert "'adapter_tensors': 1" in capsys.readouterr().out
+    assert checkpoint.main(["list", str(tmp_path)]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert "'folder': 'step-000005'" in listed[0] and "'files': 4" in listed[0]
+    assert listed[1] == "step-000010.tmp: INCOMPLETE (never resumed)"
 
 
 def test_verify_rejects_empty_and_wrong_adapters(tmp_path):
@@ -90,6 +372,7 @@ def test_verify_rejects_empty_and_wrong_adapters(tmp_path):
         checkpoint.verify_adapter(tmp_path, expected)
 
 
+@pytest.mark.slow
 def test_merged_export_matches_adapter_on_base(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -109,6 +392,7 @@ def test_merged_export_matches_adapter_on_base(tmp_path):
     assert plain.dtype == torch.bfloat16
 
 
+@pytest.mark.slow
 def test_fresh_start_never_replaces_trained_results_unless_asked(tmp_path):
     out = tmp_path / "run"
     torchrun(out, "training.steps=2", "training.eval_every=0")
@@ -120,6 +404,7 @@ def test_fresh_start_never_replaces_trained_results_unless_asked(tmp_path):
     assert read_run(out)[0]["steps"] == 3
 
 
+@pytest.mark.slow
 def test_notebook_08_runs_under_papermill(tmp_path):
     from conftest import ROOT
 
