@@ -46,12 +46,13 @@ KERNEL_SIDE = [
     "kit.doctor.*", "kit.bench", "kit.bench_report", "kit.tour", "kit.__main__", "kit.child",
     "kit.jsonl", "kit.findings", "kit.sharding_report", "kit.recompute_sweep", "kit.hardware",
     "kit.pitfalls",  # the package __init__ only: the registry of records
+    "kit.manifest",  # checkpoint manifests: the torch-free check before torchrun reads them too
 ]
 RANK_SIDE = [
     "kit.train", "kit.model", "kit.builtin", "kit.quantize", "kit.lora", "kit.recompute",
     "kit.layers", "kit.engines", "kit.sharding", "kit.checkpoint", "kit.data", "kit.loss",
     "kit.dist", "kit.faults", "kit.checks", "kit.article", "kit.bench_worker", "kit.memory",
-    "kit.attention", "kit.attention_bench", "kit.pitfalls.reproduce",
+    "kit.attention", "kit.attention_bench", "kit.pitfalls.reproduce", "kit.merge",
 ]
 KERNEL_HEAVY = ("torch", "transformers", "peft", "bitsandbytes", "ipywidgets")
 MAY_IMPORT_IPYWIDGETS = ("widgets", "__main__")  # relative to the package
