@@ -13,6 +13,7 @@ before any process starts; kit.data (the rank side) tokenizes what it returns.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -58,7 +59,9 @@ def read_rows(path: Path, field: str = "data.path", name: str = "") -> list[dict
     except ImportError:
         return read_rows_stdlib(path, field, name)
     try:
-        rows = load_dataset(BUILDERS[path.suffix], data_files=str(path), split="train").to_list()
+        with _quiet():
+            rows = load_dataset(BUILDERS[path.suffix], data_files=str(path), split="train")
+        rows = rows.to_list()
     except Exception as e:  # noqa: BLE001 - any failure of the reader becomes one line below
         # This fills a gap: datasets' error names no line (and an empty file ends in a bare
         # StopIteration), so the standard library reads the file again to find the bad one.
@@ -73,6 +76,23 @@ def read_rows(path: Path, field: str = "data.path", name: str = "") -> list[dict
     if not rows:
         raise ConfigError(f"{where} holds no rows")
     return rows
+
+
+@contextlib.contextmanager
+def _quiet():
+    """datasets without its progress bars and its own error log while it reads: a bad file is
+    the one line below, not three (each rank used to print "Generating train split" too)."""
+    from datasets.utils import logging as datasets_logging
+
+    bars, level = datasets_logging.is_progress_bar_enabled(), datasets_logging.get_verbosity()
+    datasets_logging.disable_progress_bar()
+    datasets_logging.set_verbosity(datasets_logging.CRITICAL)
+    try:
+        yield
+    finally:
+        if bars:
+            datasets_logging.enable_progress_bar()
+        datasets_logging.set_verbosity(level)
 
 
 def read_rows_stdlib(path: Path, field: str = "data.path", name: str = "") -> list[dict]:
@@ -161,8 +181,8 @@ def texts_column(rows: list[dict], cfg: DataConfig, name: str) -> tuple[str, str
 
 def check_rows(name: str, rows: list[dict], cfg: DataConfig, field: str = "data.path") -> None:
     """Every row holds a text (a string) or chat messages (a non-empty list of {role, content});
-    otherwise one line naming the first bad row (and how many more there are): by its line in a
-    .jsonl file, by its record number (from 1, a CSV's header not counted) in the others."""
+    otherwise one line naming the first bad row (and the numbers of the others): a .jsonl file's
+    rows are numbered by line, the others' by record (from 1, a CSV's header not counted)."""
     where = f"{field}: {name!r}"
     if not rows:
         raise ConfigError(f"{where} holds no rows")
@@ -170,24 +190,27 @@ def check_rows(name: str, rows: list[dict], cfg: DataConfig, field: str = "data.
     bad = [(i, p) for i, r in enumerate(rows) if (p := _problem(r.get(column), fmt))]
     if not bad:
         return
-    if str(name).endswith(".jsonl") or name in BUNDLED:  # datasets skips blank lines
+    # Row numbers: a .jsonl file's line numbers (datasets skips blank lines, they count here),
+    # else the record's place in the file, from 1.
+    if str(name).endswith(".jsonl") or name in BUNDLED:
         path = resolve_path(name, field)
         lines = [n for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
-        unit, position = "line", (lambda i: lines[i] if i < len(lines) else i + 1)
+        number, which = (lambda i: lines[i] if i < len(lines) else i + 1), "line {}"
     else:
-        unit, position = "record", (lambda i: i + 1)
+        header = ", the header not counted" if str(name).endswith(".csv") else ""
+        number, which = (lambda i: i + 1), "record {}" + header
     (first, problem), rest = bad[0], bad[1:]
     more = ""
     if rest:
-        shown = ", ".join(str(position(i)) for i, _ in rest[:SHOWN])
+        shown = ", ".join(str(number(i)) for i, _ in rest[:SHOWN])
         shown += ", ..." if len(rest) > SHOWN else ""
-        plural = "s" if len(rest) > 1 else ""
-        more = f" ({len(rest)} more bad row{plural}: {unit}{plural} {shown})"
+        more = f" ({len(rest)} more bad row{'s' if len(rest) > 1 else ''}: {shown})"
     allowed = (
         "a string in data.text_field" if fmt == "text"
         else "a non-empty list of {role, content} messages in data.messages_field"
     )
-    raise ConfigError(f"{where} {unit} {position(first)}: {column!r} {problem}{more}; "
+    at = number(first)
+    raise ConfigError(f"{where} row {at} ({which.format(at)}): {column!r} {problem}{more}; "
                       f"every row needs {allowed}")
 
 

@@ -56,25 +56,29 @@ CHAT = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "
 # (file name, its text, what the one line must say): every kind of bad file kit.datafile refuses.
 BAD_FILES = [
     ("missing.jsonl", GOOD * 2 + '{"body": "no text"}\n' + GOOD * 3,
-     "line 3: 'text' is missing or null; every row needs a string in data.text_field"),
+     "row 3 (line 3): 'text' is missing or null; every row needs a string in data.text_field"),
     ("null.jsonl", GOOD * 4 + "\n" + '{"text": null}\n' + GOOD,  # the blank line is counted
-     "line 6: 'text' is missing or null; every row needs a string in data.text_field"),
+     "row 6 (line 6): 'text' is missing or null; every row needs a string in data.text_field"),
     ("number.jsonl", GOOD + '{"text": 7}\n' + GOOD * 3 + '{"text": ["a", "list"]}\n',
-     "line 2: 'text' is 7 (int), not a string (1 more bad row: line 6); every row needs a string"),
+     "row 2 (line 2): 'text' is 7 (int), not a string (1 more bad row: 6); every row needs a string"),
     ("empty.jsonl", "", "holds no rows"),
     ("blank.jsonl", "\n  \n\t\n", "holds no rows"),
     ("broken.jsonl", GOOD * 2 + '{"text": "a" "b"}\n' + GOOD,
      "line 3 is not valid JSON (Expecting ',' delimiter: column 14)"),
     ("broken.json", '[\n {"text": "a"},\n {"text": "b"}\n {"text": "c"}\n]\n',
      "line 4 is not valid JSON (Expecting ',' delimiter: column 2)"),
+    ("number.json", '[{"text": "a"}, {"text": 3}, {"text": "b"}]',
+     "row 2 (record 2): 'text' is 3 (int), not a string; every row needs a string"),
     ("broken.csv", 'text,n\nfine,1\n"open quote,2\nfine,3\n',
      "line 3 does not parse as CSV (unexpected end of data)"),
     ("null.csv", "text,n\nfine,1\nfine,2\n,3\n",
-     "record 3: 'text' is missing or null; every row needs a string in data.text_field"),
+     "row 3 (record 3, the header not counted): 'text' is missing or null; every row needs a "
+     "string in data.text_field"),
     ("chat.jsonl", CHAT + '{"messages": "hi"}\n' + CHAT,
-     "line 2: 'messages' is 'hi' (str), not a non-empty list; every row needs a non-empty list"),
+     "row 2 (line 2): 'messages' is 'hi' (str), not a non-empty list; every row needs a "
+     "non-empty list"),
     ("chat-item.jsonl", CHAT * 3 + '{"messages": [{"role": "user"}]}\n',
-     "line 4: 'messages' message 1 is {'role': 'user'"),
+     "row 4 (line 4): 'messages' message 1 is {'role': 'user'"),
 ]  # fmt: skip
 
 
