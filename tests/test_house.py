@@ -46,6 +46,7 @@ KERNEL_SIDE = [
     "kit.doctor.*", "kit.bench", "kit.bench_report", "kit.tour", "kit.__main__", "kit.child",
     "kit.jsonl", "kit.findings", "kit.sharding_report", "kit.recompute_sweep", "kit.hardware",
     "kit.pitfalls",  # the package __init__ only: the registry of records
+    "kit.datafile",  # reading and checking data files, before any process starts
     "kit.manifest",  # checkpoint manifests: the torch-free check before torchrun reads them too
 ]
 RANK_SIDE = [
