@@ -69,7 +69,7 @@ def case_config(matrix: dict, case: dict, out: Path) -> Config:
     overrides. A bad value raises ConfigError naming the case."""
     overrides = [
         f"run.name={case['name']}", f"run.output_dir={out / 'runs' / case['name']}",
-        "run.overwrite=true", f"run.dist_timeout_min={case.get('dist_timeout_min', 5)}",
+        "run.start_over=true", f"run.dist_timeout_min={case.get('dist_timeout_min', 5)}",
         f"model.name={matrix['model']}", f"training.device={matrix.get('device', 'auto')}",
         f"data.max_seq_len={matrix['seq_len']}", f"training.lr={matrix.get('lr', 2e-4)}",
         f"training.seed={matrix.get('seed', 42)}",  # the kit recipe's training.seed default

@@ -112,9 +112,9 @@ def _any_rank(flag: bool, env) -> bool:
 
 def _peaks(device) -> tuple[float | None, float | None]:
     if device.type != "cuda":
-        from kit.train import peak_memory_gib
+        from kit.memory import peak_gib
 
-        return round(peak_memory_gib(device), 3), None
+        return round(peak_gib(device), 3), None
     return (round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
             round(torch.cuda.max_memory_reserved(device) / 2**30, 3))
 

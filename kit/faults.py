@@ -39,3 +39,11 @@ def maybe_fail_in_save(step: int, rank: int) -> None:
     not yet marked complete), as a killed job would; resume must skip that checkpoint."""
     if os.environ.get("KIT_FAIL_SAVE_STEP", "") == str(step):
         os._exit(17)  # no cleanup, no exception handling: a hard kill
+
+
+def maybe_fail_gather(rank: int) -> None:
+    """KIT_FAIL_GATHER=1: the adapter's gather fails on every rank, as FSDP1 HYBRID_SHARD's does
+    ('FSDP assumes ... is in the state_dict'); the recipe must stop after its first step."""
+    if os.environ.get("KIT_FAIL_GATHER") == "1":
+        raise RuntimeError(f"injected: the adapter cannot be gathered on rank {rank} "
+                           "(KIT_FAIL_GATHER is set)")

@@ -29,18 +29,19 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from kit import ROOT
+from kit import ROOT, runfolder
+from kit.check import check as check_start
+from kit.check import inputs as check_inputs
 from kit.config import Config, ConfigError, apply_overrides, config_from_dict, load_config
 
 # The run handle lives in kit.runs; notebooks import it from here with launch.
 from kit.runs import DONE, Follow, Run, RunFailed, command, runs  # noqa: F401
 
 CONFIGS = ROOT / "kit" / "configs"
-# Files a run writes; a new launch under the same name removes exactly these (never the folder:
-# run.output_dir may point anywhere).
-RUN_FILES = ("config.yaml", "run.sh", "run.log", "pid", "exit_code", "stop_requested",
-             "metrics.jsonl", "result.json", "probe.pt")
-TRAINED = ("metrics.jsonl", "result.json", "probe.pt")
+# What a new start in a folder replaces: the files of the start itself, never a run's results or
+# logs. A recipe run's earlier files move into earlier/ first (kit.runfolder); another module's
+# (a benchmark case, a reproduction) log of an earlier start is replaced.
+PLUMBING = ("run.sh", "pid", "exit_code", "stop_requested")
 
 
 class PreflightFailed(RuntimeError):
@@ -120,12 +121,6 @@ RUN_SH = """\
 # result.json, adapter/, exit_code.
 set -euo pipefail
 RUN_DIR="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd -P)"
-echo $$ > "$RUN_DIR/pid"               # lets kit.launch.Run.attach find a terminal-started run
-rm -f "$RUN_DIR/exit_code"
-trap 'echo $? > "$RUN_DIR/exit_code"' EXIT
-trap 'exit 143' TERM                   # after torchrun has stopped its ranks: exit_code 143
-if [ -t 1 ]; then exec > >(tee "$RUN_DIR/run.log") 2>&1; fi   # the notebook redirects itself
-
 KIT_ROOT="${{KIT_ROOT:-{root}}}"  # ranks run here: -m kit.train, relative data paths
 PYTHON="${{PYTHON:-{python}}}"  # on a cluster: PYTHON=python3
 NNODES="${{NNODES:-1}}"
@@ -134,6 +129,12 @@ NPROC_PER_NODE="${{NPROC_PER_NODE:-{nproc}}}"
 MASTER_ADDR="${{MASTER_ADDR:-127.0.0.1}}"   # multi-node only: node 0's address, reachable by all
 MASTER_PORT="${{MASTER_PORT:-29500}}"
 DIST_TIMEOUT_MIN="${{DIST_TIMEOUT_MIN:-{timeout}}}"  # collective timeout (run.dist_timeout_min)
+{check}
+echo $$ > "$RUN_DIR/pid"               # lets kit.launch.Run.attach find a terminal-started run
+rm -f "$RUN_DIR/exit_code"
+trap 'echo $? > "$RUN_DIR/exit_code"' EXIT
+trap 'exit 143' TERM                   # after torchrun has stopped its ranks: exit_code 143
+if [ -t 1 ]; then exec > >(tee -a "$RUN_DIR/run.log") 2>&1; fi   # the notebook redirects itself
 
 export TOKENIZERS_PARALLELISM={TOKENIZERS_PARALLELISM}                     # fast tokenizers + forked ranks deadlock
 export PYTORCH_CUDA_ALLOC_CONF={PYTORCH_CUDA_ALLOC_CONF}  # fewer fragmentation OOMs on GPUs
@@ -169,19 +170,35 @@ cd "$KIT_ROOT"
 """
 # What the recipe's run.sh passes kit.train: its config and where to write.
 TRAIN_ARGS = ("{config}", "run.output_dir={run_dir}", "run.dist_timeout_min={timeout}")
+# The recipe's check step (kit.check), before anything in the folder is touched.
+CHECK_STEP = """
+# The check step (kit.check): config, model.name, the data rows, this machine and the run folder,
+# in one process before torchrun starts any rank: a mistake is one line. 3 = finished, nothing
+# to do. KIT_CHECK=0 skips it (the ranks check the run folder again themselves).
+if [ "${{KIT_CHECK:-1}}" != 0 ]; then
+  rc=0
+  ( cd "$KIT_ROOT" && "$PYTHON" -m kit.check {args} "$@" --nproc "$NPROC_PER_NODE" \\
+      --nnodes "$NNODES" ) || rc=$?
+  if [ "$rc" = 3 ]; then exit 0; fi
+  if [ "$rc" != 0 ]; then exit "$rc"; fi
+fi"""
 
 
 def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None,
             nproc: int = 2, name: str | None = None, module: str = "kit.train",
-            args: tuple[str, ...] | list[str] = TRAIN_ARGS) -> Path:
+            args: tuple[str, ...] | list[str] = TRAIN_ARGS,
+            plan: runfolder.Plan | None = None) -> Path:
     """Write config.yaml and run.sh into the run folder; return the folder. A resolved Config is
     used as it is (launch and run_to_end resolve once); a path or name is resolved here.
 
     module, args: what torchrun runs on each rank (default: the recipe). In args, "{config}",
     "{run_dir}" and "{timeout}" stand for the folder's config.yaml, the folder and the collective
-    timeout; everything else is passed as written. Files of an earlier start (run.sh, logs) are
-    replaced; trained results (adapter, checkpoints, metrics, result) are the recipe's to keep:
-    it refuses a fresh start over them unless run.overwrite (and a resume continues them)."""
+    timeout; everything else is passed as written. Nothing a run wrote is deleted: a recipe
+    start that would replace an earlier run is refused (kit.runfolder: run.start_over moves it
+    into earlier/, a resume keeps what it replaces there).
+
+    plan: for the recipe, what kit.runfolder decided (launch and run_to_end plan before they
+    call this); planned here when not given. Its earlier files move into earlier/ first."""
     cfg = cfg_or_path
     if not isinstance(cfg, Config) or overrides or name:
         cfg = resolve(cfg_or_path, overrides, name)
@@ -189,12 +206,16 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
     if folder.exists() and Run(folder).status == "running":
         raise RuntimeError(f"run {cfg.run.name!r} is running; stop it first: "
                            f"Run.attach({cfg.run.name!r}).stop()")
-    for f in RUN_FILES:
-        if f not in TRAINED:
-            (folder / f).unlink(missing_ok=True)
-    shutil.rmtree(folder / "logs", ignore_errors=True)
-    folder.mkdir(parents=True, exist_ok=True)
     cfg.run.output_dir = str(folder)
+    if module == "kit.train":
+        plan = plan or runfolder.plan(cfg, nproc)
+        plan.keep_earlier(folder)
+    else:
+        (folder / "run.log").unlink(missing_ok=True)
+        shutil.rmtree(folder / "logs", ignore_errors=True)
+    for f in PLUMBING:
+        (folder / f).unlink(missing_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.yaml").write_text(cfg.to_yaml())
     try:
         rel = folder.relative_to(ROOT)
@@ -203,11 +224,13 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
     words = " ".join(_shell_word(str(arg)) for arg in args)
     what = (f"kit.train (NF4 + LoRA + {cfg.sharding.engine})" if module == "kit.train"
             else module)
+    check = CHECK_STEP.format(args=words) if module == "kit.train" else ""
     script = RUN_SH.format(
         name=cfg.run.name, what=what, date=datetime.now().strftime("%F %T"),
         rel=rel, root=ROOT, python=sys.executable, nproc=int(nproc),
         timeout=cfg.run.dist_timeout_min, module=module, args=words,
-        device=cfg.training.device, on_cpu=int(cfg.training.device == "cpu"), **RUN_ENV,
+        device=cfg.training.device, on_cpu=int(cfg.training.device == "cpu"), check=check,
+        **RUN_ENV,
     )
     (folder / "run.sh").write_text(script)
     (folder / "run.sh").chmod(0o755)
@@ -233,12 +256,27 @@ def launch(cfg_or_path: Config | str | Path, overrides: list[str] | None = None,
            name: str | None = None, env: dict | None = None, force: bool = False) -> Run:
     """Check (kit.doctor), write launch/<run>/, start run.sh; returns at once (the watched way).
 
-    env: extra environment for the ranks, e.g. {"KIT_FAIL_RANK": "1"} (see kit/faults.py)."""
+    env: extra environment for the ranks, e.g. {"KIT_FAIL_RANK": "1"} (see kit/faults.py).
+    A finished run (training.resume=auto at its training.steps) is said so and returned as it
+    is, nothing started; a start that would replace a run raises ConfigError, nothing written."""
     cfg = resolve(cfg_or_path, overrides, name)
+    check_inputs(cfg)
     preflight(cfg, force, nproc, env)
-    run = Run(prepare(cfg, nproc=nproc))
-    run.start(env)
+    plan = _plan(cfg, nproc)
+    if plan.start is None:
+        return Run(run_dir(cfg))
+    run = Run(prepare(cfg, nproc=nproc, plan=plan))
+    run.start({**(env or {}), **({"KIT_CHECK": "0"} if force else {})})
     return run
+
+
+def _plan(cfg: Config, nproc: int) -> runfolder.Plan:
+    """The run folder's plan (kit.runfolder), said in a line when the run is finished, with a
+    line per checkpoint it skips."""
+    plan = runfolder.plan(cfg, nproc, run_dir(cfg))
+    for line in [plan.message] if plan.start is None else plan.notes:
+        print(line)
+    return plan
 
 
 def run_to_end(cfg_or_path: Config | str | Path, overrides: list[str] | None = None,
@@ -248,10 +286,20 @@ def run_to_end(cfg_or_path: Config | str | Path, overrides: list[str] | None = N
     """Prepare the run folder, run it, and return when it has ended (the captured way: output in
     the folder's run.log, `Run.output()`). A failed run raises RunFailed (check=False: returns
     it, `run.status == "failed"`); past `timeout` seconds every process of the run, ranks
-    included, is stopped and TimeoutError raised. No pre-flight: demonstrations of what goes
-    wrong run through here on purpose."""
+    included, is stopped and TimeoutError raised. The recipe (module kit.train) is checked first
+    as run.sh's check step would (kit.check: a ConfigError, one line per problem, before anything
+    is written; a finished run is said so and returned, nothing started); other modules, such as
+    the pitfalls' reproductions of what goes wrong, are not checked."""
     cfg = resolve(cfg_or_path, overrides, name)
-    run = Run(prepare(cfg, nproc=nproc, module=module, args=args))
+    plan = None
+    if module == "kit.train":  # what run.sh's check step would refuse, before writing anything
+        cfg.run.output_dir = str(run_dir(cfg))
+        plan = check_start(cfg, nproc)
+        for line in [plan.message] if plan.start is None else plan.notes:
+            print(line)
+        if plan.start is None:
+            return Run(run_dir(cfg))
+    run = Run(prepare(cfg, nproc=nproc, module=module, args=args, plan=plan))
     run.start(env)
     try:
         run.wait(timeout=timeout, poll_s=0.2)

@@ -90,3 +90,19 @@ def runtime_baseline_gib() -> float:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=ROOT)  # fmt: skip
     return int(out.stdout.split()[-1]) / 2**20  # KiB -> GiB
+
+
+def peak_gib(device) -> float:
+    """Peak memory of this process on `device` so far: allocated CUDA memory on a GPU, the peak
+    resident set on CPU (each rank's own: every row of metrics.jsonl carries it)."""
+    import resource
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # The process's peak RSS. Not ru_maxrss: on Linux it carries over the launching parent's peak.
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20  # KiB -> GiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

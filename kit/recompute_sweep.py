@@ -24,9 +24,10 @@ from pathlib import Path
 from kit import launch
 
 # What every run of the sweep gets, before its setting: a short run that writes nothing but
-# metrics (no adapter, no probe logits, no validation until the end) and may start over.
+# metrics (no adapter, no probe logits, no validation until the end) and may start over
+# (an earlier run of the same setting moves into its earlier/).
 SHORT_RUN = ("training.eval_every=0", "checkpointing.save_adapter=false",
-             "checkpointing.save_probe_logits=false", "run.overwrite=true")  # fmt: skip
+             "checkpointing.save_probe_logits=false", "run.start_over=true")  # fmt: skip
 
 
 def folder_name(setting: str) -> str:

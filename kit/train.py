@@ -1,6 +1,7 @@
 """The training recipe: NF4 base + LoRA + FSDP2/FSDP1/DDP, one code path for CPU and GPUs.
 
     torchrun --nproc_per_node=2 -m kit.train kit/configs/tiny-cpu.yaml sharding.engine=fsdp1
+    python -m kit.train --check kit/configs/tiny-cpu.yaml --nproc 2   # the check step alone
 
 Order of operations (each step is its own module): process group -> load (quantized) model ->
 LoRA -> activation checkpointing + train mode -> shard -> optimizer -> train -> save adapter.
@@ -12,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
-import shutil
 import sys
 import time
 import traceback
@@ -22,19 +21,23 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from kit import builtin, checkpoint, checks, data, engines, faults, lora, model, recompute
+from kit import (
+    builtin,
+    checkpoint,
+    checks,
+    data,
+    engines,
+    faults,
+    lora,
+    memory,
+    model,
+    pitfalls,
+    recompute,
+    runfolder,
+    sources,
+)
 from kit import dist as kdist
 from kit.config import Config, ConfigError, load_config
-
-
-def peak_memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    # The process's peak RSS. Not ru_maxrss: on Linux it carries over the launching parent's peak.
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 2**20  # KiB -> GiB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 class Recipe:
@@ -50,8 +53,18 @@ class Recipe:
         self.env = env = kdist.init(cfg.training.device, cfg.run.dist_timeout_min)
         self.engine = engines.get(cfg.sharding.engine)
         self.engine.check(cfg, env.world_size)  # before any model is loaded
+        machine = {"device": env.device.type, "ranks": env.world_size, "packages": {}}
+        for _, violation in pitfalls.machine_violations(cfg, machine):
+            raise ConfigError(str(violation))
+        sources.check_model(cfg.model.name)
+        # What this start does to the run folder (kit.runfolder): decided by rank 0 (it hashes
+        # the checkpoints' files once) before any rank writes; nothing trained is replaced in place.
+        self.plan = self._broadcast_plan()
+        if self.plan.start is None:  # finished: nothing to do, nothing touched
+            return
         if env.is_main:
-            self._claim_output_dir()
+            self.plan.keep_earlier(self.out)
+            self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(cfg.to_yaml())
         with kdist.main_process_first(env):  # rank 0 builds kit models / fills caches first
             builtin.resolve(cfg.model.name)
@@ -95,40 +108,48 @@ class Recipe:
         )
         self.start_step = self._resume()
 
+    def _broadcast_plan(self) -> runfolder.Plan:
+        """Rank 0's plan (or its refusal) on every rank: one line, the same on each."""
+        box: list = [None]
+        if self.env.is_main:
+            try:
+                box[0] = runfolder.plan(self.cfg, self.env.world_size, ranks=True)
+            except ConfigError as e:
+                box[0] = e
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], ConfigError):
+            raise ConfigError(str(box[0]))
+        return box[0]
+
     def _resume(self) -> int:
-        """Restore the checkpoint training.resume names; keep the metrics up to its step."""
-        folder, notes = checkpoint.find_resume(self.cfg.training.resume, self.out)
-        for note in notes:
+        """Restore the checkpoint the plan chose (its manifest checked by kit.runfolder); the
+        metrics up to its step are the history (rows past it were kept in earlier/)."""
+        for note in self.plan.notes:
             self.say(note)
-        step = 0
-        if folder is not None:
+        step, folder = 0, self.plan.checkpoint
+        if self.plan.start:
             step = checkpoint.load_training_state(
                 folder, wrapped=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                 batches=self.train_batches, env=self.env,
             )
             self.say(f"resumed from {folder} at step {step}")
         self.history = []
-        if self.env.is_main:
-            metrics = self.out / "metrics.jsonl"
-            old = [json.loads(x) for x in metrics.read_text().splitlines()] if step and metrics.exists() else []
-            self.history = [r for r in old if r["step"] <= step]
-            metrics.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        metrics = self.out / "metrics.jsonl"
+        if self.env.is_main and step and metrics.exists():
+            self.history = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
         return step
 
-    def _claim_output_dir(self) -> None:
-        """A fresh run never silently replaces an earlier run's trained results."""
-        cfg, out = self.cfg, self.out
-        earlier = [p for p in ("result.json", "checkpoints", "adapter") if (out / p).exists()]
-        if earlier and not cfg.training.resume:
-            if not cfg.run.overwrite:
-                raise ConfigError(
-                    f"run.output_dir: {str(out)!r} holds an earlier run ({', '.join(earlier)}); "
-                    "allowed: training.resume=auto to continue it, run.overwrite=true to replace "
-                    "it, or another run.name"
-                )
-            for p in earlier + ["metrics.jsonl", "probe.pt"]:
-                shutil.rmtree(out / p) if (out / p).is_dir() else (out / p).unlink(missing_ok=True)
-        out.mkdir(parents=True, exist_ok=True)
+    def _prove_save(self) -> None:
+        """After the first step: gather the adapter and check it as the end of the run will, so
+        that a run which cannot save fails now, not after its last step (a collective)."""
+        faults.maybe_fail_gather(self.env.rank)
+        tensors = self.adapter_layout.select(checkpoint.gather_trainable(self.model))
+        for key, t in tensors.items():
+            want = self.adapter_layout.shapes[key]
+            if tuple(t.shape) != tuple(want):
+                raise checkpoint.CheckpointError(
+                    f"the adapter cannot be saved: {key} gathers as {tuple(t.shape)}, expected "
+                    f"{tuple(want)} (checked after the first step, before training on)")
 
     def _check_same_init(self) -> None:
         """Every rank must start from the same adapter: FSDP keeps each rank's own slice of it,
@@ -220,6 +241,8 @@ class Recipe:
             if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
                 self.log({"split": "val", "step": step, "loss": self.evaluate()})
             self._check(row, step, lora_start)
+            if step == self.start_step + 1 and (c.save_adapter or c.save_every):
+                self._prove_save()
             faults.maybe_fail(step, env.rank)
             if c.save_every and step % c.save_every == 0:
                 folder = checkpoint.save_training_state(
@@ -264,6 +287,7 @@ class Recipe:
 
     def save(self) -> dict:
         cfg, env = self.cfg, self.env
+        faults.maybe_fail_gather(env.rank)
         state = checkpoint.gather_trainable(self.model)
         sums = [None] * env.world_size
         dist.all_gather_object(sums, checkpoint.checksum(state))
@@ -290,7 +314,7 @@ class Recipe:
     def log(self, row: dict) -> None:
         row = {
             **row,
-            "peak_mem_gib": round(peak_memory_gib(self.env.device), 4),
+            "peak_mem_gib": round(memory.peak_gib(self.env.device), 4),
             "elapsed_s": round(time.perf_counter() - self.started, 3),
         }
         self.history.append(row)
@@ -331,6 +355,10 @@ class Recipe:
 def run(cfg: Config) -> dict:
     recipe = Recipe(cfg)
     recipe.setup()
+    if recipe.plan.start is None:  # a finished run: said so, nothing started or written
+        recipe.say(recipe.plan.message)
+        recipe.cleanup()
+        return {"status": "finished", "message": recipe.plan.message}
     recipe.train()
     result = recipe.finish(recipe.save())
     # Only on success: after a failure, destroy_process_group under NCCL waits for peers stuck in
@@ -346,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
+    if argv[0] == "--check":  # the check step alone, one process, no rank started (kit.check)
+        from kit import check
+
+        return check.main(argv[1:])
     path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
     rank = os.environ.get("RANK", "0")
     try:

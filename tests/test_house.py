@@ -48,6 +48,7 @@ KERNEL_SIDE = [
     "kit.pitfalls",  # the package __init__ only: the registry of records
     "kit.datafile",  # reading and checking data files, before any process starts
     "kit.manifest",  # checkpoint manifests: the torch-free check before torchrun reads them too
+    "kit.check", "kit.runfolder", "kit.sources",  # what is known before any process starts
 ]
 RANK_SIDE = [
     "kit.train", "kit.model", "kit.builtin", "kit.quantize", "kit.lora", "kit.recompute",

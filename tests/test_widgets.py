@@ -80,7 +80,7 @@ def test_dashboard_follows_rows_and_logs(run):
     assert dash.error.layout.display == "none"
 
 
-def test_dashboard_drops_an_earlier_runs_rows_when_the_recipe_rewrites_metrics(run):
+def test_dashboard_drops_an_earlier_runs_rows_when_a_new_start_replaces_metrics(run):
     """Watching starts before the relaunched recipe replaces the earlier run's metrics.jsonl:
     the rows read from the old file must not stay in the curves (seen in JupyterLab)."""
     dash = Dashboard(run, live=True, plot_interval_s=0)
@@ -88,7 +88,10 @@ def test_dashboard_drops_an_earlier_runs_rows_when_the_recipe_rewrites_metrics(r
     write(metrics, [row(s, 7.0 - 0.1 * s) for s in range(1, STEPS + 1)])  # the earlier run
     dash.poll()
     assert dash.progress.value == STEPS
-    metrics.write_text("")  # the new run's setup (run.overwrite=true) starts the file over
+    # The new run's start (run.start_over=true) moves the earlier file into earlier/ and the
+    # recipe writes a new one.
+    (run.folder / "earlier").mkdir(exist_ok=True)
+    metrics.rename(run.folder / "earlier" / "metrics.jsonl")
     write(metrics, [row(1, 6.9), row(2, 6.8)])
     dash.poll()
     assert list(dash.train_line.get_xdata()) == [1, 2]

@@ -1,0 +1,82 @@
+"""The check step: everything about a start that can be known before a process starts.
+
+    python -m kit.check CONFIG [key=value ...] [--nproc N] [--nnodes N]
+
+run.sh runs it before torchrun (and kit.launch calls `check` before writing the run folder), so a
+mistake is one line from one process, not the same line from every rank followed by torchrun's
+40-line ChildFailedError. It checks, in order: the config file and values (kit.config), where
+model.name points (kit.sources), the data file row by row (kit.datafile), the pre-flight's
+error-level findings for this machine (kit.doctor: pitfalls, GPUs, memory), and what the start
+would do to its run folder (kit.runfolder: a refused start, a finished run).
+
+Exit codes: 0 go on, 2 refused (one line per problem on stderr), 3 nothing to do (the run is
+finished; run.sh then exits 0 without starting torchrun). Imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kit import datafile, runfolder, sources
+from kit.config import Config, ConfigError, load_config
+
+NOTHING_TO_DO = 3
+
+
+class Refused(ConfigError):
+    """Several one-line problems; str() is one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+def inputs(cfg: Config) -> None:
+    """What the config points at: the model (kit.sources) and the data, row by row (kit.datafile)."""
+    sources.check_model(cfg.model.name)
+    datafile.check_file(cfg.data)
+
+
+def check(cfg: Config, nproc_per_node: int = 2, nnodes: int = 1,
+          env_vars: dict | None = None) -> runfolder.Plan:
+    """Raise ConfigError/Refused for a start that cannot run; else return its run-folder plan
+    (plan.start None: finished, nothing to do). Touches no file."""
+    inputs(cfg)
+    from kit import doctor  # the pre-flight: pitfalls with this machine, GPUs, memory
+
+    machine = doctor.detect_env(vars=env_vars, nproc_per_node=nproc_per_node)
+    machine["nnodes"] = nnodes
+    errors = [f for f in doctor.preflight(cfg, machine) if f.level == "error"]
+    if errors:
+        raise Refused([f"{f.field or f.code}: {f.message}" + (f" (fix: {f.fix})" if f.fix else "")
+                       for f in errors])
+    return runfolder.plan(cfg, nproc_per_node * nnodes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kit.check", description=__doc__.split("\n")[0])
+    parser.add_argument("config", nargs="?", help="a kit YAML (optional: key=value only)")
+    parser.add_argument("overrides", nargs="*", help="key=value")
+    parser.add_argument("--nproc", type=int, default=2, help="processes per node")
+    parser.add_argument("--nnodes", type=int, default=1)
+    args = parser.parse_args(argv)
+    path, overrides = args.config, list(args.overrides)
+    if path and "=" in path:
+        path, overrides = None, [path, *overrides]
+    try:
+        plan = check(load_config(path, overrides), args.nproc, args.nnodes)
+    except ConfigError as e:
+        for line in str(e).splitlines():
+            sys.stderr.write(f"ConfigError: {line}\n")
+        return 2
+    if plan.start is None:
+        print(plan.message)
+        return NOTHING_TO_DO
+    for note in plan.notes:
+        print(note)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
