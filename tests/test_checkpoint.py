@@ -41,7 +41,7 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.slow
 def test_resume_over_a_damaged_checkpoint_falls_back_and_equals_uninterrupted_run(
-        tmp_path, uninterrupted):
+        tmp_path, uninterrupted, capsys):
     out = tmp_path / "run"
     torchrun(out, *FP32, "checkpointing.save_every=5", "training.stop_at_step=10")
     assert read_run(out)[0]["status"] == "stopped"
@@ -50,32 +50,33 @@ def test_resume_over_a_damaged_checkpoint_falls_back_and_equals_uninterrupted_ru
     shard = ck / "step-000010" / "dcp" / "__0_0.distcp"
     size = shard.stat().st_size
     os.truncate(shard, size // 2)  # a copy cut short, a full disk
-    before = sha_tree(ck)
+    before = sha_tree(out)
+    capsys.readouterr()
     proc = torchrun(out, *FP32, "checkpointing.save_every=5", "training.resume=auto")
+    said = capsys.readouterr().out  # the launcher's plan (kit.runfolder), before any rank
     assert (f"skipping {ck / 'step-000010'}: dcp/__0_0.distcp is {size // 2:,} bytes, the "
-            f"manifest says {size:,} (truncated); using step-000005") in proc.stdout
+            f"manifest says {size:,} (truncated); using step-000005") in said
     assert "step-000005" in proc.stdout.split("resumed from", 1)[1].splitlines()[0]
     result, _ = read_run(out)
     assert result["status"] == "completed"
     assert losses(out) == uninterrupted  # every step, bit for bit
-    # Retention (keep_last=2) leaves the two newest; the damaged step 10, which the resumed run
-    # saved anew, was moved aside whole, never deleted or rewritten.
-    assert f"kept the earlier step-000010 as {ck / 'step-000010.replaced-1'}" in proc.stdout
-    assert sorted(p.name for p in ck.iterdir()) == [
-        "step-000010.replaced-1", "step-000015", "step-000020"]
-    after = sha_tree(ck)
+    # The damaged step 10 and the stopped run's end moved, whole, into earlier/<time>/ before the
+    # ranks started; retention (keep_last=2) then leaves the two newest checkpoints.
+    assert sorted(p.name for p in ck.iterdir()) == ["step-000015", "step-000020"]
+    (earlier,) = (out / "earlier").iterdir()
+    assert "truncated" in (earlier / "why.txt").read_text()
+    after = sha_tree(out)
     for rel, digest in before.items():
-        folder, _, rest = rel.partition("/")
-        if folder == "step-000005":
-            assert not (ck / rel).exists()  # pruned by keep_last=2, once step 15 was saved
+        if rel.startswith("checkpoints/step-000005/"):
+            assert not (out / rel).exists()  # pruned by keep_last=2, once step 15 was saved
+        elif rel in ("run.sh", "pid", "exit_code", "config.yaml", "metrics.jsonl"):
+            continue  # the start's own files, and the metrics it appends to
         else:
-            assert after[f"step-000010.replaced-1/{rest}"] == digest, rel
-    assert [r["folder"] for r in checkpoint.summary(out) if r.get("set_aside")] == [
-        "step-000010.replaced-1"]
+            assert after.get(f"earlier/{earlier.name}/{rel}", after.get(rel)) == digest, rel
 
 
 @pytest.mark.slow
-def test_killed_mid_save_resumes_from_previous_good_checkpoint(tmp_path, uninterrupted):
+def test_killed_mid_save_resumes_from_previous_good_checkpoint(tmp_path, uninterrupted, capsys):
     out = tmp_path / "run"
     os.environ["KIT_FAIL_SAVE_STEP"] = "10"
     try:
@@ -85,8 +86,10 @@ def test_killed_mid_save_resumes_from_previous_good_checkpoint(tmp_path, uninter
     assert proc.returncode != 0
     complete, incomplete = checkpoint.scan(out)
     assert [s for s, _ in complete] == [5] and [f.name for f in incomplete] == ["step-000010.tmp"]
+    capsys.readouterr()
     proc = torchrun(out, *FP32, "checkpointing.save_every=5", "training.resume=auto")
-    assert "skipping" in proc.stdout and "step-000010.tmp: incomplete" in proc.stdout
+    said = capsys.readouterr().out  # the launcher's plan, before any rank started
+    assert "skipping" in said and "step-000010.tmp: incomplete" in said
     assert "step-000005" in proc.stdout.split("resumed from", 1)[1].splitlines()[0]
     assert losses(out) == uninterrupted
 
@@ -393,18 +396,6 @@ def test_merged_export_matches_adapter_on_base(tmp_path):
 
 
 @pytest.mark.slow
-def test_fresh_start_never_replaces_trained_results_unless_asked(tmp_path):
-    out = tmp_path / "run"
-    torchrun(out, "training.steps=2", "training.eval_every=0")
-    proc = torchrun(out, "training.steps=2", check=False)
-    assert proc.returncode != 0
-    assert "ConfigError: run.output_dir:" in proc.stderr and "run.overwrite=true" in proc.stderr
-    assert (out / "adapter" / "adapter_model.safetensors").is_file()  # still there
-    torchrun(out, "training.steps=3", "training.eval_every=0", "run.overwrite=true")
-    assert read_run(out)[0]["steps"] == 3
-
-
-@pytest.mark.slow
 def test_notebook_08_runs_under_papermill(tmp_path):
     from conftest import ROOT
 
@@ -425,3 +416,9 @@ def test_notebook_08_runs_under_papermill(tmp_path):
     assert "['step-000009', 'step-000012']" in text  # retention
     assert "step-000006.tmp: incomplete" in text and "step-000003 at step 3" in text
     assert "merged vs adapter-on-base: max |logit diff| 0.0000" in text
+    # A damaged newest checkpoint: named, kept aside, the previous one resumed (still exact).
+    assert "(truncated); using step-000003" in text and "why.txt" not in text
+    assert "'checkpoints/step-000006/COMPLETE.json'" in text  # kept in earlier/, not deleted
+    # A start over a finished run: refused, or said finished; nothing started.
+    assert "nb08-straight' holds an earlier run (adapter, result.json)" in text
+    assert "finished at step 12 of 12; nothing to do" in text and "completed 12" in text
