@@ -146,8 +146,13 @@ def check_adapter(folder: str | Path, expected: dict | None = None) -> list[Find
                 "save the adapter (checkpointing.save_adapter=true)",
             )
         ]
-    with safe_open(str(weights), "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(str(weights), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - truncated or not safetensors: one finding, the file named
+        return [Finding("error", "adapter_unreadable",
+                        f"{weights}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})",
+                        "save it again; an older verified copy is in checkpoints/step-N/adapter")]
     if not tensors:
         return [
             Finding(

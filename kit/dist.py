@@ -15,6 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from kit.config import ConfigError
+
 
 @dataclass
 class DistEnv:
@@ -41,6 +43,9 @@ def init(device: str = "auto", timeout_min: int = 30) -> DistEnv:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world = int(os.environ["WORLD_SIZE"])
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device: 'cuda' is not allowed; no GPU is visible here "
+                          "(torch.cuda.is_available() is False); use auto or cpu")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if use_cuda:
         dev = torch.device("cuda", local_rank)

@@ -20,9 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-import yaml
-
-from kit.config import Config, ConfigError, apply_overrides
+from kit.config import Config, ConfigError, apply_overrides, read_yaml
 from kit.findings import Finding
 
 
@@ -135,10 +133,9 @@ def read_config(cfg, overrides: list[str] | None = None) -> tuple[dict | None, l
             msg = f"config file {str(path)!r} does not exist"
             return None, [Finding("error", "config_missing", msg, "give the path of a YAML file")]
         try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            msg = f"{path}: not valid YAML ({str(e).splitlines()[0]})"
-            return None, [Finding("error", "config_invalid", msg, "fix the YAML syntax")]
+            tree = read_yaml(path)  # a syntax error names the file, line and column
+        except ConfigError as e:
+            return None, [Finding("error", "config_invalid", str(e), "fix the YAML syntax")]
     if not isinstance(tree, dict):
         msg = f"config: {tree!r} is not a mapping"
         return None, [Finding("error", "config_invalid", msg, "give a YAML mapping of sections")]

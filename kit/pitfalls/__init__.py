@@ -535,6 +535,15 @@ PITFALLS: list[Pitfall] = [
         error=r"no available devices",
     ),
     Pitfall(
+        "data_rows_invalid", "a data file with rows the recipe cannot train on",
+        "a row without text (or null, or not a string), a line that is not valid JSON, or no rows "
+        "at all: refused, with the file and the row, before anything trains on 'None'",
+        "fix or drop the rows named (or point data.text_field / data.messages_field at the right "
+        "column)",
+        fields=("data.path", "data.val_path"),
+        error=r"data\.(?:val_)?path: '[^']*' (?:row \d+|line \d+|holds no rows)",
+    ),
+    Pitfall(
         "config_invalid", "a config value the kit refuses", "the config was rejected at load",
         "fix that field", error=r"ConfigError: (.*)",
     ),
