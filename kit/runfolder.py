@@ -163,6 +163,12 @@ def plan(cfg: Config, world_size: int, folder: Path | None = None, ranks: bool =
         return Plan(None, checkpoint=ckpt, notes=notes, message=(
             f"{out}: its checkpoint is at step {step}, training.steps={steps}; nothing to do "
             f"(training.steps above {step} continues it)"))
+    if result and result.get("status") == "completed" and cfg.training.scheduler != "constant":
+        done = result.get("steps")
+        notes.append(f"continuing a run that completed at step {done} to {steps} steps: its "
+                     f"steps up to {done} followed a {done}-step {cfg.training.scheduler} LR "
+                     f"schedule, the steps from {step + 1} on follow a {steps}-step one (the LR "
+                     f"jumps there): not the same as a {steps}-step run from the start")
     trim = _metrics_past(out, step)
     moved = [n for n in END if (out / n).exists()] + (["metrics.jsonl"] if trim else [])
     # Checkpoints past the one resumed (damaged ones auto skipped, or a timeline an explicit
