@@ -35,7 +35,7 @@ class Refused(ConfigError):
 def inputs(cfg: Config) -> None:
     """What the config points at: the model (kit.sources) and the data, row by row (kit.datafile)."""
     sources.check_model(cfg.model.name)
-    datafile.check_file(cfg.data)
+    datafile.check_file(cfg.data, stdlib=True)
 
 
 def check(cfg: Config, nproc_per_node: int = 2, nnodes: int = 1,

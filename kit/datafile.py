@@ -235,10 +235,17 @@ def _short(value, limit: int = 60) -> str:
     return f"{text} ({type(value).__name__})"
 
 
-def read_checked(path: str, cfg: DataConfig, field: str = "data.path") -> list[dict]:
-    """The rows of data.path (or data.val_path: `field`), every one checked."""
+def read_checked(path: str, cfg: DataConfig, field: str = "data.path",
+                 stdlib: bool = False) -> list[dict]:
+    """The rows of data.path (or data.val_path: `field`), every one checked. stdlib: read
+    json/jsonl/csv with the standard library (the check step: no second of importing datasets
+    before every start; the ranks read with datasets)."""
+    resolved = resolve_path(path, field)
     try:
-        rows = read_rows(resolve_path(path, field), field, path)
+        if stdlib and resolved.suffix != ".parquet":
+            rows = read_rows_stdlib(resolved, field, path)
+        else:
+            rows = read_rows(resolved, field, path)
     except Unreadable as e:
         if e.rows:
             check_rows(path, e.rows, cfg, field)  # names the bad row, when a row is bad
@@ -247,8 +254,8 @@ def read_checked(path: str, cfg: DataConfig, field: str = "data.path") -> list[d
     return rows
 
 
-def check_file(cfg: DataConfig) -> None:
+def check_file(cfg: DataConfig, stdlib: bool = False) -> None:
     """Read data.path and data.val_path and check every row: a ConfigError (one line) or None."""
-    read_checked(cfg.path, cfg)
+    read_checked(cfg.path, cfg, stdlib=stdlib)
     if cfg.val_path:
-        read_checked(cfg.val_path, cfg, "data.val_path")
+        read_checked(cfg.val_path, cfg, "data.val_path", stdlib=stdlib)

@@ -324,7 +324,7 @@ def _data(c: Context) -> list[Finding]:
             out.append(Finding("error", "data_missing", str(e), fix, key))
             continue
         try:
-            rows = datafile.read_checked(str(path), cfg, key)
+            rows = datafile.read_checked(str(path), cfg, key, stdlib=True)
         except ConfigError as e:
             field = str(e).split(":", 1)[0]  # the file's key (a row, a line), or a data.*_field
             if field == key:
