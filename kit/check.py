@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kit import datafile, runfolder, sources
+from kit import datafile, pitfalls, runfolder, sources
 from kit.config import Config, ConfigError, load_config
 
 NOTHING_TO_DO = 3
@@ -47,10 +47,19 @@ def check(cfg: Config, nproc_per_node: int = 2, nnodes: int = 1,
 
     machine = doctor.detect_env(vars=env_vars, nproc_per_node=nproc_per_node)
     machine["nnodes"] = nnodes
-    errors = [f for f in doctor.preflight(cfg, machine) if f.level == "error"]
-    if errors:
-        raise Refused([f"{f.field or f.code}: {f.message}" + (f" (fix: {f.fix})" if f.fix else "")
-                       for f in errors])
+    gpu = bool(machine["gpus"]) and cfg.training.device != "cpu"
+    facts = {**machine, "ranks": nproc_per_node * nnodes, "device": "cuda" if gpu else "cpu"}
+    # The pitfalls this machine decides, in the registry's own line (as load_config says its
+    # config-only ones); then the pre-flight's other errors (GPUs, memory, the model's fit).
+    found = pitfalls.machine_violations(cfg, facts)
+    lines = [str(violation) for _, violation in found]
+    for f in doctor.preflight(cfg, machine):
+        if f.level == "error" and f.code not in {p.code for p, _ in found}:
+            named = f.message.startswith((f"{f.field}:", f"{f.field}=")) if f.field else False
+            lines.append((f.message if named else f"{f.field or f.code}: {f.message}")
+                         + (f" (fix: {f.fix})" if f.fix else ""))
+    if lines:
+        raise Refused(lines)
     return runfolder.plan(cfg, nproc_per_node * nnodes)
 
 

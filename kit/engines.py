@@ -151,12 +151,13 @@ class FSDP1(Engine):
         )
 
     def check(self, cfg, world_size):
-        if world_size == 1:  # the config cannot know the world size; a rank can
-            from kit.config import ConfigError
-            from kit.pitfalls import NO_SHARD_ALLOWED
+        # The config cannot know the world size; the check step and a rank can (kit.pitfalls).
+        from kit.config import ConfigError
+        from kit.pitfalls import get
 
-            raise ConfigError(f"sharding.engine: 'fsdp1' on 1 process is not allowed; "
-                              f"{NO_SHARD_ALLOWED}")
+        violation = get("fsdp1_no_shard").machine(cfg, {"ranks": world_size})
+        if violation:
+            raise ConfigError(str(violation))
 
     def clip_grad_norm(self, wrapped, max_norm):
         return wrapped.clip_grad_norm_(max_norm if max_norm > 0 else float("inf"))

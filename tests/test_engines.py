@@ -2,6 +2,8 @@
 Each engine wraps, trains and saves for real under torchrun in tests/test_train.py; here, the
 answers the recipe, kit.lora and kit.checkpoint get without a process group."""
 
+import re
+
 import pytest
 import torch
 
@@ -53,10 +55,18 @@ def test_every_config_engine_has_an_object():
 
 def test_fsdp1_on_one_process_is_refused_before_loading(tmp_path):
     """FSDP1 runs NO_SHARD on one process: its adapter gather fails at save, after every step
-    trained (CPU), and its 4-bit forward fails on a GPU (1x H100). Refused with one line first."""
-    from conftest import torchrun
+    trained (CPU), and its 4-bit forward fails on a GPU (1x H100). Refused with one line first:
+    by the launcher and the check step, which know the process count, and by the rank itself
+    (started by hand with torchrun) right after joining the process group."""
+    from kit.config import ConfigError, load_config
+    from kit.launch import run_to_end
 
-    run = torchrun(tmp_path / "run", "sharding.engine=fsdp1", nproc=1, check=False)
-    assert run.returncode != 0
-    assert "[rank 0] ConfigError: sharding.engine: 'fsdp1' on 1 process is not allowed" in run.stderr
-    assert "Loading weights" not in run.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
+    line = "sharding.engine: 'fsdp1' is not allowed; on 1 process: FSDP1's NO_SHARD"
+    with pytest.raises(ConfigError, match=re.escape(line)):
+        run_to_end("tiny-cpu", [f"run.output_dir={tmp_path / 'run'}", "sharding.engine=fsdp1"],
+                   nproc=1)
+    assert not (tmp_path / "run").exists()
+    cfg = load_config(None, ["sharding.engine=fsdp1"])
+    with pytest.raises(ConfigError, match=re.escape(line)):
+        engines.get("fsdp1").check(cfg, world_size=1)
+    engines.get("fsdp1").check(cfg, world_size=2)

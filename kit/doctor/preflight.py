@@ -45,7 +45,8 @@ def _pitfalls(c: Context) -> list[Finding]:
     machine = {**c.env, "ranks": c.ranks, "device": c.device}
     out = []
     for p in PITFALLS:
-        found = p.config(view) if p.config else p.machine(view, machine) if p.machine else None
+        found = (p.config(view) if p.config else None) or (
+            p.machine(view, machine) if p.machine else None)
         if found is not None:
             out.append(p.finding(f"{found.field}={found.value!r}", field=found.field))
     return out

@@ -132,6 +132,12 @@ def _no_shard(cfg) -> Violation | None:
     return None
 
 
+def _fsdp1_one_process(cfg, machine: dict) -> Violation | None:
+    if _is_fsdp1(cfg) and machine["ranks"] == 1:
+        return Violation("sharding.engine", "fsdp1", f"on 1 process: {NO_SHARD_ALLOWED}")
+    return None
+
+
 NO_SHARD_ALLOWED = ("FSDP1's NO_SHARD (also what it runs on one process) and HYBRID_SHARD cannot "
                     "save the adapter (NO_SHARD also fails with 4-bit weights); use FULL_SHARD "
                     "on 2+ processes, or engine fsdp2 or ddp")
@@ -393,6 +399,7 @@ PITFALLS: list[Pitfall] = [
         "NO_SHARD's first forward fails ('as_params=True')",
         "FULL_SHARD on 2+ processes, or FSDP2 (kit: sharding.engine=fsdp2) or DDP on one",
         fields=("sharding.strategy", "sharding.engine"), config=_no_shard,
+        machine=_fsdp1_one_process,
         error=r"FSDP assumes \S+ is in the state_dict|as_params=True type\(prim_param\)",
         overrides=("sharding.engine=fsdp1", "sharding.strategy=NO_SHARD"),
     ),
@@ -579,6 +586,7 @@ def machine_violations(cfg, machine: dict) -> list[tuple[Pitfall, Violation]]:
     """The error-level pitfalls the config walks into on `machine` (device, ranks, packages):
     what the pre-flight and the ranks refuse before loading anything."""
     found = ((p, p.machine(cfg, machine)) for p in PITFALLS if p.machine and p.level == "error")
+    # (a record may have both predicates: its config one is load_config's, this is the machine's)
     return [(p, v) for p, v in found if v is not None]
 
 
