@@ -58,7 +58,11 @@ def test_run_sh_builds_the_torchrun_command(tmp_path):
 
     proc, env = sh("training.steps=2", DIST_TIMEOUT_MIN="5")
     assert proc.returncode == 0, proc.stderr
-    args = next(line for line in proc.stdout.splitlines() if line.startswith("ARGS")).split()[1:]
+    check, args = [line.split()[1:] for line in proc.stdout.splitlines()
+                   if line.startswith("ARGS")]
+    # First the check step (kit.check), with the same arguments, in one process.
+    assert check == ["-m", "kit.check", f"{folder}/config.yaml", f"run.output_dir={folder}",
+                     "run.dist_timeout_min=5", "training.steps=2", "--nproc", "3", "--nnodes", "1"]
     assert args[:4] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"]
     assert args[4:8] == ["--log-dir", f"{folder}/logs", "--redirects", "3"]
     assert args[args.index("kit.train") + 1:] == [
@@ -73,16 +77,23 @@ def test_run_sh_builds_the_torchrun_command(tmp_path):
     assert (folder / "pid").read_text().strip().isdigit()
 
     proc, _ = sh(NNODES="2", NODE_RANK="1", MASTER_ADDR="10.1.2.3", MASTER_PORT="29999",
-                 NPROC_PER_NODE="8")
+                 NPROC_PER_NODE="8", KIT_CHECK="0")
     args = next(line for line in proc.stdout.splitlines() if line.startswith("ARGS")).split()
     assert "--standalone" not in args
     for flag in ("--nnodes=2", "--node_rank=1", "--master_addr=10.1.2.3", "--master_port=29999",
                  "--nproc_per_node=8"):
         assert flag in args
 
-    proc, _ = sh(STUB_EXIT="7")  # torchrun's failure is the script's, and is recorded
+    proc, _ = sh(STUB_EXIT="7", KIT_CHECK="0")  # torchrun's failure is the script's, recorded
     assert proc.returncode == 7 and (folder / "exit_code").read_text().strip() == "7"
     assert Run(folder).status == "failed"
+    (folder / "exit_code").unlink()
+    proc, _ = sh(STUB_EXIT="2")  # the check step refuses: run.sh stops before torchrun, and
+    assert proc.returncode == 2 and sum(line.startswith("ARGS") for line in  # writes nothing
+                                        proc.stdout.splitlines()) == 1
+    assert not (folder / "exit_code").exists()
+    proc, _ = sh(STUB_EXIT="3")  # the check step says the run is finished: nothing to do
+    assert proc.returncode == 0 and not (folder / "exit_code").exists()
 
 
 def test_preflight_error_refuses_to_start(tmp_path):

@@ -65,10 +65,3 @@ def test_chat_messages_with_gradient_accumulation(tmp_path):
     torchrun(out, "data.path=kit:sample-chat", "training.grad_accum=2", "training.batch_size=4",
              "training.recompute.enabled=false")
     check_trained_and_saved(out)
-
-
-def test_crash_on_bad_target_modules_names_the_field(tmp_path):
-    proc = torchrun(tmp_path / "run", "lora.target_modules=[nope_proj]", check=False)
-    assert proc.returncode != 0
-    assert "ConfigError: lora.target_modules: ['nope_proj'] matches no module" in proc.stderr
-    assert "Traceback" not in proc.stderr.split("ConfigError")[0]  # one line, not a traceback
