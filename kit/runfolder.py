@@ -138,10 +138,10 @@ def plan(cfg: Config, world_size: int, folder: Path | None = None, ranks: bool =
         if result and result.get("status") == "completed" and result.get("steps", 0) >= steps:
             done = result["steps"]
             more = (f"training.steps above {done} continues it from its checkpoint at step "
-                    f"{step}" if ckpt is not None else "it has no valid checkpoint to continue "
-                    "from (checkpointing.save_every)")
+                    f"{step}" if ckpt is not None else "it has no valid checkpoint, so it cannot "
+                    "be continued; runs keep them with checkpointing.save_every > 0")
             return Plan(None, notes=notes, message=f"{out}: finished at step {done} of "
-                        f"{steps}; nothing to do ({more})")
+                        f"{steps}; nothing to do; {more}")
         if ckpt is None:
             if trained:
                 why = f" ({'; '.join(notes)})" if notes else ""

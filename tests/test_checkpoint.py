@@ -403,8 +403,9 @@ def test_notebook_08_runs_under_papermill(tmp_path):
     assert "step-000006.tmp: incomplete" in text and "step-000003 at step 3" in text
     assert "merged vs adapter-on-base: max |logit diff| 0.0000" in text
     # A damaged newest checkpoint: named, kept aside, the previous one resumed (still exact).
-    assert "(truncated); using step-000003" in text and "why.txt" not in text
-    assert "'checkpoints/step-000006/COMPLETE.json'" in text  # kept in earlier/, not deleted
+    assert "(truncated); using step-000003" in text
+    assert "checkpoints: ['step-000006']" in text  # kept in earlier/, not deleted
+    assert "moved: adapter, result.json, probe.pt, metrics.jsonl, checkpoints/step-000006" in text
     # A start over a finished run: refused, or said finished; nothing started.
     assert "nb08-straight' holds an earlier run (adapter, result.json)" in text
     assert "finished at step 12 of 12; nothing to do" in text and "completed 12" in text
