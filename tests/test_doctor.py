@@ -629,6 +629,6 @@ def test_notebook_11_runs_under_papermill(tmp_path):
         assert s["fixed_clean"], (case, s)  # and the one-line fix works
     assert "RunFailed" in text and "loss_nonfinite" in text  # the NaN run, caught and diagnosed
     assert (tmp_path / "runs" / "nan" / "metrics.jsonl").is_file()  # out_dir reached the code
-    # The check step: one line each, exit 2 (the hub case needs no network to be refused here).
+    # The check step: one line each, exit 2.
     assert "exit 2: ConfigError: data.path:" in text and "row 2 (line 2): 'text' is missing" in text
     assert "exit 2: ConfigError: attention.implementation: 'flex_attention'" in text
