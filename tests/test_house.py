@@ -49,12 +49,14 @@ KERNEL_SIDE = [
     "kit.datafile",  # reading and checking data files, before any process starts
     "kit.manifest",  # checkpoint manifests: the torch-free check before torchrun reads them too
     "kit.check", "kit.runfolder", "kit.sources",  # what is known before any process starts
+    "kit.jobs", "kit.schemas",  # every way to launch a config on N nodes, and the CRDs it fits
 ]
 RANK_SIDE = [
     "kit.train", "kit.model", "kit.builtin", "kit.quantize", "kit.lora", "kit.recompute",
     "kit.layers", "kit.engines", "kit.sharding", "kit.checkpoint", "kit.data", "kit.loss",
     "kit.dist", "kit.faults", "kit.checks", "kit.article", "kit.bench_worker", "kit.memory",
     "kit.attention", "kit.attention_bench", "kit.pitfalls.reproduce", "kit.merge",
+    "kit.sft",  # TRL's SFTTrainer under accelerate launch
 ]
 KERNEL_HEAVY = ("torch", "transformers", "peft", "bitsandbytes", "ipywidgets")
 MAY_IMPORT_IPYWIDGETS = ("widgets", "__main__")  # relative to the package

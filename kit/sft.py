@@ -1,0 +1,395 @@
+"""The second article's recipe made correct: TRL's SFTTrainer under `accelerate launch`, on the
+kit's model, LoRA, data and adapter save.
+
+    accelerate launch --config_file accelerate.yaml -m kit.sft kit/configs/tiny-cpu.yaml \
+        sharding.engine=ddp training.steps=4
+
+What the article does, and what this does instead:
+- its SFTConfig is written by hand; here `sft_config(cfg)` maps the kit config (one line naming
+  the kit field for a value SFTConfig refuses, or one this path cannot honour);
+- its model is bf16 from_pretrained + get_peft_model; here the kit's own: kit.model.build
+  (NF4 with the packed bytes stored in model.dtype so FSDP can shard them, or
+  quantization.method=none; LoRA by kit.lora, seeded alike on every rank). TRL casts the
+  adapters of a quantized model to bf16; the kit's adapter dtype (kit.engines) is put back;
+- its data is a datasets.Dataset it never shows; here the rows kit.datafile reads and checks,
+  split as kit.data splits them, as texts (chat rows through the tokenizer's template);
+- its `trainer.save_model` is what the field reports keeping only rank 0's slice under FSDP;
+  here the adapter's layout (kit.checkpoint.AdapterLayout) is taken BEFORE the trainer wraps
+  the model, the full trainable state is gathered after training (FSDP: torch's
+  get_model_state_dict with full_state_dict; DDP or one process: the model itself), every
+  tensor's shape is compared with the unsharded LoRA shape, the ranks' checksums must agree,
+  then kit.checkpoint.save_adapter writes it and verify_adapter reads every tensor back. The
+  same gather runs after step 1, so a run that could not save fails there.
+- sharding.engine must be what accelerate runs (its config decides): FSDP1/FSDP2 from
+  ACCELERATE_USE_FSDP/FSDP_VERSION, else DDP. accelerate cannot run FSDP on CPU; on CPU this
+  path is accelerate's multi-process CPU DDP over gloo (SFTConfig(use_cpu=True)).
+- accelerate's own MULTI_CPU launch type starts ONE process on one machine (its simple launcher
+  needs mpirun for more), silently; that start is refused here (`launched_alone`).
+
+The run folder gets what kit.train writes (config.yaml, metrics.jsonl rows per logged step,
+result.json, adapter/), so the kit's readers work; the trainer's own checkpoints (save_every)
+go to <run>/trainer/. Rank side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from kit import builtin, checkpoint, checks, data, engines, lora, memory, model, runfolder
+from kit.config import Config, ConfigError, load_config
+
+SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
+
+
+def _refuse_unmapped(cfg: Config) -> None:
+    """Kit fields whose value this path cannot honour: one line naming the field."""
+    t, rc = cfg.training, cfg.training.recompute
+    rules = [  # (holds, field, value, why)
+        (t.resume == "", "training.resume", t.resume, "kit.sft starts fresh runs (kit.train "
+         "resumes exactly from its own checkpoints); allowed: ''"),
+        (t.stop_at_step == 0, "training.stop_at_step", t.stop_at_step, "allowed: 0"),
+        (t.loss == "hf", "training.loss", t.loss, "SFTTrainer computes its own loss (TRL's "
+         "fused LM head, no full logits); allowed: 'hf'"),
+        (not t.compile, "training.compile", t.compile, "kit.sft does not compile (kit.train "
+         "compiles each decoder layer after sharding); allowed: false"),
+        (rc.keeps == "inputs" and rc.every == 1, "training.recompute.keeps" if rc.keeps !=
+         "inputs" else "training.recompute.every", rc.keeps if rc.keeps != "inputs" else
+         rc.every, "SFTTrainer's gradient checkpointing recomputes every whole decoder layer; "
+         "allowed: keeps=inputs, every=1 (kit.train has the selective policies)"),
+    ]
+    for holds, name, value, why in rules:
+        if not holds:
+            raise ConfigError(f"{name}: {value!r} is not allowed with kit.sft; {why}")
+
+
+def sft_config(cfg: Config, use_cpu: bool):
+    """trl.SFTConfig from the kit config. A value SFTConfig refuses is one ConfigError line
+    naming the kit field it came from."""
+    from trl import SFTConfig
+
+    _refuse_unmapped(cfg)
+    t, d, c = cfg.training, cfg.data, cfg.checkpointing
+    names = {f.name for f in dataclasses.fields(SFTConfig)}
+    recompute = next(n for n in ("activation_checkpointing", "gradient_checkpointing") if n in names)
+    fields = {  # SFTConfig key: (value, kit field)
+        "output_dir": (str(cfg.output_dir / "trainer"), "run.output_dir"),
+        "max_steps": (t.steps, "training.steps"),
+        "per_device_train_batch_size": (t.batch_size, "training.batch_size"),
+        "per_device_eval_batch_size": (t.batch_size, "training.batch_size"),
+        "gradient_accumulation_steps": (t.grad_accum, "training.grad_accum"),
+        "learning_rate": (t.lr, "training.lr"),
+        "lr_scheduler_type": (SCHEDULERS[t.scheduler], "training.scheduler"),
+        "warmup_steps": (t.warmup_steps, "training.warmup_steps"),
+        "weight_decay": (t.weight_decay, "training.weight_decay"),
+        "max_grad_norm": (t.max_grad_norm, "training.max_grad_norm"),
+        "bf16": (cfg.model.dtype == "bfloat16", "model.dtype"),
+        "fp16": (cfg.model.dtype == "float16", "model.dtype"),
+        "logging_steps": (t.log_every, "training.log_every"),
+        "eval_strategy": ("steps" if t.eval_every else "no", "training.eval_every"),
+        "eval_steps": (t.eval_every or None, "training.eval_every"),
+        "save_strategy": ("steps" if c.save_every else "no", "checkpointing.save_every"),
+        "save_steps": (c.save_every or 500, "checkpointing.save_every"),
+        "save_total_limit": (c.keep_last or None, "checkpointing.keep_last"),
+        "seed": (t.seed, "training.seed"),
+        "data_seed": (t.seed, "training.seed"),
+        "max_length": (d.max_seq_len, "data.max_seq_len"),
+        "packing": (d.packing, "data.packing"),
+        "dataset_text_field": (d.text_field, "data.text_field"),
+        # transformers 5.23 renamed these activation_checkpointing*; 5.17 has only the old names
+        recompute: (t.recompute.enabled, "training.recompute.enabled"),
+        f"{recompute}_kwargs": ({"use_reentrant": False}, "training.recompute.enabled"),
+        "use_cpu": (use_cpu, "training.device"),
+    }
+    fixed = dict(report_to="none", optim="adamw_torch",  # the kit's optimizer: torch AdamW
+                 dataloader_drop_last=True, ddp_find_unused_parameters=False)
+    try:
+        return SFTConfig(**{k: v for k, (v, _) in fields.items()}, **fixed)
+    except (ValueError, TypeError) as e:
+        said = str(e).splitlines()[0] if str(e) else type(e).__name__
+        # The SFTConfig key the message names first (as a whole word) is the culprit.
+        at = {k: m.start() for k in fields
+              if (m := re.search(rf"(?<![\w]){k}(?![\w])", said))}
+        if not at:
+            raise ConfigError(f"kit.sft: SFTConfig refuses this config ({said})") from None
+        key = min(at, key=at.get)
+        value, field = fields[key]
+        kit_value = functools.reduce(getattr, field.split("."), cfg)
+        raise ConfigError(f"{field}: {kit_value!r} is not allowed here; it makes "
+                          f"SFTConfig({key}={value!r}), which refuses it: {said}") from None
+
+
+def launched_alone(environ) -> str | None:
+    """One line when `accelerate launch` was asked for several processes and started one:
+    its simple launcher (distributed_type MULTI_CPU, or --cpu) sets MASTER_ADDR for more than
+    one process but starts a single one without mpirun, which then trains alone."""
+    launcher_vars = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+    if "ACCELERATE_USE_CPU" in environ and "MASTER_ADDR" in environ and not any(
+            v in environ for v in launcher_vars):
+        return ("accelerate launch: started 1 process where several were asked for: its "
+                "MULTI_CPU (or --cpu) launch starts several only under mpirun; on one machine "
+                "use distributed_type: MULTI_GPU (accelerate then starts them through torchrun, "
+                "and without a GPU they run MULTI_CPU over gloo)")
+    return None
+
+
+def accelerate_engine(environ) -> str:
+    """What accelerate runs: fsdp1/fsdp2 under an FSDP config, else ddp (or one process)."""
+    if environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return "fsdp2" if environ.get("FSDP_VERSION", "1") == "2" else "fsdp1"
+    return "ddp"
+
+
+def check_launch(cfg: Config, environ, cuda: bool) -> torch.device:
+    """The device this rank trains on, or one line for a launch that cannot run as configured."""
+    if (why := launched_alone(environ)) is not None:
+        raise ConfigError(why)
+    device = cfg.training.device
+    if device == "cuda" and not cuda:
+        raise ConfigError("training.device: 'cuda' is not allowed; no GPU is visible here "
+                          "(torch.cuda.is_available() is False); use auto or cpu")
+    on_gpu = device == "cuda" or (device == "auto" and cuda)
+    runs = accelerate_engine(environ)
+    if runs.startswith("fsdp") and not on_gpu:
+        raise ConfigError("sharding.engine: accelerate cannot run FSDP on CPU (its FSDP launch "
+                          "wants a GPU); on CPU launch a DDP config (distributed_type: "
+                          "MULTI_GPU, run as MULTI_CPU over gloo) with sharding.engine=ddp")
+    if cfg.sharding.engine != runs:
+        raise ConfigError(f"sharding.engine: {cfg.sharding.engine!r} is not allowed here; the "
+                          f"accelerate config runs {runs} (ACCELERATE_USE_FSDP="
+                          f"{environ.get('ACCELERATE_USE_FSDP', 'unset')}, FSDP_VERSION="
+                          f"{environ.get('FSDP_VERSION', 'unset')}); set sharding.engine={runs} "
+                          "or launch with the accelerate config that runs it")
+    return torch.device("cuda", int(environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
+
+
+def text_datasets(cfg: Config, tokenizer, world: int):
+    """(train, eval) datasets.Dataset of texts: kit.datafile's checked rows, split as kit.data
+    splits them (seeded, the same on every rank), chat rows through the chat template; eval
+    keeps the training.eval_batches batches of every rank that kit.train evaluates."""
+    from datasets import Dataset
+
+    d, t = cfg.data, cfg.training
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    rows = data.read_checked(d.path, d)
+    if d.val_path:
+        train, val = rows, data.read_checked(d.val_path, d, "data.val_path")
+    elif d.val_fraction > 0:  # as kit.data.build_datasets
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(t.seed)).tolist()
+        n_val = max(1, round(len(rows) * d.val_fraction))
+        val, train = [rows[i] for i in order[:n_val]], [rows[i] for i in order[n_val:]]
+    else:
+        train, val = rows, rows[:64]
+    for part, name in ((train, "training"), (val, "validation")):
+        if len(part) < t.batch_size * world:
+            raise ConfigError(f"training.batch_size: {t.batch_size} is not allowed; {len(part)} "
+                              f"{name} rows cannot fill {world} ranks x {t.batch_size}")
+    val = val[: t.eval_batches * t.batch_size * world]
+    as_text = lambda part, name: Dataset.from_dict(  # noqa: E731
+        {d.text_field: data._texts(part, d, tokenizer, name)})
+    return as_text(train, d.path), as_text(val, d.val_path or d.path)
+
+
+def gather_adapter(trainer) -> dict[str, torch.Tensor]:
+    """The full trainable state on every rank (a collective under FSDP): torch's
+    get_model_state_dict(full_state_dict) of the wrapped model, or DDP's / one process's model
+    itself, whose parameters are whole on every rank."""
+    if trainer.is_fsdp_enabled:
+        return checkpoint.gather_trainable(trainer.model_wrapped)
+    own = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    return {n: p.detach().cpu() for n, p in own.named_parameters() if p.requires_grad}
+
+
+def whole(layout, state: dict, when: str) -> dict[str, torch.Tensor]:
+    """The adapter's tensors, each of its unsharded LoRA shape, or CheckpointError naming one."""
+    tensors = layout.select(state)
+    for key, t in tensors.items():
+        if tuple(t.shape) != tuple(layout.shapes[key]):
+            raise checkpoint.CheckpointError(
+                f"the adapter is not whole {when}: {key} gathers as {tuple(t.shape)}, expected "
+                f"{tuple(layout.shapes[key])} (a rank's slice)")
+    return tensors
+
+
+def _all_gather(obj, world: int) -> list:
+    import torch.distributed as dist
+
+    if world == 1 or not dist.is_initialized():
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class Recorder:
+    """A TrainerCallback (built by `recorder`): metrics.jsonl rows as kit.train writes them, the
+    in-run checks, and the adapter gathered and checked after step 1."""
+
+    def __init__(self, out: Path, device, is_main: bool, world: int, layout):
+        self.out, self.device, self.is_main, self.world, self.layout = out, device, is_main, world, layout
+        self.history: list[dict] = []
+        self.trainer = None
+        self.started = self._last = time.perf_counter()
+        self._tokens = 0
+
+    def on_train_begin(self, args, state, control, **kw):
+        self.started = self._last = time.perf_counter()
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        if state.global_step >= state.max_steps:  # kit.train logs the last step too
+            control.should_log = True
+        if state.global_step == 1:  # the Trainer sets train mode in its training step
+            for finding in checks.check_checkpointing_active(model):
+                raise RuntimeError(str(finding))
+            whole(self.layout, gather_adapter(self.trainer), "after step 1")
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        logs, now = logs or {}, time.perf_counter()
+        if "loss" in logs:
+            tokens = logs.get("num_tokens") or 0  # TRL: tokens of every rank so far
+            row = {"split": "train", "step": state.global_step, "loss": logs["loss"],
+                   "lr": logs.get("learning_rate"), "grad_norm": logs.get("grad_norm"),
+                   "tokens_per_s": (tokens - self._tokens) / max(now - self._last, 1e-9) / self.world,
+                   "mean_token_accuracy": logs.get("mean_token_accuracy")}
+            self._tokens, self._last = tokens, now
+        elif "eval_loss" in logs:
+            row = {"split": "val", "step": state.global_step, "loss": logs["eval_loss"]}
+        else:
+            return
+        row.update(peak_mem_gib=round(memory.peak_gib(self.device), 4),
+                   elapsed_s=round(now - self.started, 3))
+        for finding in checks.check_step(row):
+            raise FloatingPointError(str(finding))
+        self.history.append(row)
+        if self.is_main:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def recorder(*a, **kw):
+    from transformers import TrainerCallback
+
+    return type("KitRecorder", (Recorder, TrainerCallback), {})(*a, **kw)
+
+
+def _plan(cfg: Config, world: int, is_main: bool) -> runfolder.Plan:
+    box: list = [None]
+    if is_main:
+        try:
+            box[0] = runfolder.plan(cfg, world, ranks=True)
+        except ConfigError as e:
+            box[0] = e
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], ConfigError):
+        raise ConfigError(str(box[0]))
+    return box[0]
+
+
+def run(cfg: Config) -> dict:
+    import trl
+    from trl import SFTTrainer
+
+    device = check_launch(cfg, os.environ, torch.cuda.is_available())
+    args = sft_config(cfg, use_cpu=device.type == "cpu")
+    state = args.distributed_state  # joins the process group (gloo on CPU, nccl on GPUs)
+    world, is_main, out = args.world_size, args.process_index == 0, cfg.output_dir
+    say = (lambda line: print(line, flush=True)) if is_main else (lambda line: None)
+    plan = _plan(cfg, world, is_main)  # never replaces a run (kit.runfolder)
+    if is_main:
+        plan.keep_earlier(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(cfg.to_yaml())
+    with state.main_process_first():  # rank 0 builds kit models / fills caches first
+        builtin.resolve(cfg.model.name)
+        data.warm_cache(cfg.data)
+    built = model.build(cfg, device, train=False)  # load (NF4 or none) -> LoRA, seeded
+    peft_model, tokenizer = built.model, built.tokenizer
+    if cfg.lora.recompute:
+        lora.recompute_adapters(peft_model)
+    layout = checkpoint.AdapterLayout(peft_model)  # before the trainer wraps the model
+    params = lora.trainable_summary(peft_model)
+    train_ds, eval_ds = text_datasets(cfg, tokenizer, world)
+    rec = recorder(out, device, is_main, world, layout)
+    trainer = SFTTrainer(model=peft_model, args=args, train_dataset=train_ds,
+                         eval_dataset=eval_ds, processing_class=tokenizer, callbacks=[rec])
+    rec.trainer = trainer
+    want = engines.get(cfg.sharding.engine).adapter_dtype(cfg)
+    cast = [p for p in peft_model.parameters() if p.requires_grad and p.dtype != want]
+    for p in cast:  # TRL casts a quantized model's adapters to bf16: the kit's dtype back
+        p.data = p.data.to(want)
+    say(f"{cfg.model.name}: {params['trainable']:,} trainable of {params['total']:,} params; "
+        f"trl {trl.__version__} SFTTrainer, accelerate {state.distributed_type.value} "
+        f"world={world} device={device.type} engine={cfg.sharding.engine} "
+        f"adapters {str(want).removeprefix('torch.')}"
+        + (f" (TRL had cast {len(cast)} to bf16)" if cast else ""))
+    trainer.train()
+    steps, t = trainer.state.global_step, cfg.training
+    if not t.eval_every:  # kit.train evaluates at the last step (the Trainer does with steps)
+        trainer.evaluate()
+    state_dict = gather_adapter(trainer)
+    whole(layout, state_dict, "after training")
+    sums = _all_gather(checkpoint.checksum(layout.select(state_dict)), world)
+    if len(set(sums)) != 1:
+        raise checkpoint.CheckpointError(f"the ranks' adapters differ (checksums {sums})")
+    result = {"lora_checksums": sums, "params": params}
+    if cfg.checkpointing.save_adapter and is_main:
+        folder = checkpoint.save_adapter(layout, state_dict, out / "adapter", tokenizer)
+        info = checkpoint.verify_adapter(folder, layout.shapes)  # reads every tensor back
+        result["adapter"] = {"path": str(folder), **info}
+        say(f"adapter: {folder} ({info['tensors']} tensors, {info['bytes']:,} bytes, whole)")
+    train = [r["loss"] for r in rec.history if r["split"] == "train"] or [None]
+    val = [r["loss"] for r in rec.history if r["split"] == "val"] or [None]
+    result = {"status": "completed" if steps == t.steps else "stopped", "steps": steps,
+              "first_loss": train[0], "final_loss": train[-1], "final_val_loss": val[-1],
+              "world_size": world, "device": device.type,
+              "elapsed_s": round(time.perf_counter() - rec.started, 3),
+              "trainer": f"trl {trl.__version__} SFTTrainer",
+              "distributed_type": state.distributed_type.value,
+              "engine": cfg.sharding.engine, "adapter_dtype": str(want).removeprefix("torch."),
+              **result}
+    if is_main:
+        (out / "result.json").write_text(json.dumps(result, indent=2))
+        say(f"{result['status']} at step {steps}: loss {train[0]} -> {train[-1]} (val {val[-1]})")
+    state.wait_for_everyone()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
+    rank = os.environ.get("RANK", "0")
+    try:
+        run(load_config(path, overrides))
+    except ConfigError as e:  # bad input: one line, no traceback
+        sys.stderr.write(f"[rank {rank}] ConfigError: {e}\n")
+        return 2
+    except BaseException:
+        lines = traceback.format_exc().rstrip().splitlines()
+        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+        sys.stderr.flush()
+        raise
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
