@@ -3,6 +3,7 @@
     python -m kit tour                        # run notebooks/NN-*.ipynb in order, headless
     python -m kit tour -p model kit:llama-1b -p device cuda --only 01 04
     python -m kit strip notebooks/*.ipynb     # clear outputs, except cells tagged keep_output
+    python -m kit jobs tiny-cpu --nnodes 2 --nproc-per-node 8 --out launch/big   # runs nothing
 
 Add a command: write `_command_<name>(args)` and register its arguments in `_parser`.
 """
@@ -26,6 +27,19 @@ def _parser() -> argparse.ArgumentParser:
     tour.add_argument("--notebooks", default=None, help="folder of notebooks (default: notebooks/)")
     strip = commands.add_parser("strip", help="clear outputs except in cells tagged keep_output")
     strip.add_argument("paths", nargs="+", type=Path)
+    jobs = commands.add_parser(
+        "jobs", help="write every way to launch a config on N nodes x M GPUs (run.sh, "
+        "accelerate.yaml, job.sbatch, trainjob.yaml, pytorchjob.yaml); runs nothing")
+    jobs.add_argument("config", help="a kit YAML, or a bundled config's name (tiny-cpu)")
+    jobs.add_argument("overrides", nargs="*", help="key=value, e.g. training.steps=200")
+    jobs.add_argument("--nnodes", default="1", help="nodes (default 1)")
+    jobs.add_argument("--nproc-per-node", default="8", help="processes (GPUs) per node (default 8)")
+    jobs.add_argument("--out", help="the folder (default: the config's run folder, launch/<run.name>)")
+    jobs.add_argument("--image", help="the container image of the Kubernetes manifests "
+                      "(default: a placeholder, registry.example.com/kit:latest)")
+    jobs.add_argument("--pvc", help="the PersistentVolumeClaim holding the checkout, data and "
+                      "outputs (default: kit-workspace)")
+    jobs.add_argument("--time", help="Slurm's time limit (default 01:00:00)")
     return parser
 
 
@@ -52,6 +66,24 @@ def _command_strip(args) -> int:
 
     for path in args.paths:
         print(f"{path}: {tour.strip_outputs(path)} cell(s) cleared")
+    return 0
+
+
+def _command_jobs(args) -> int:
+    from kit import jobs
+    from kit.config import ConfigError
+
+    given = {k: getattr(args, k) for k in ("image", "pvc", "time") if getattr(args, k) is not None}
+    try:
+        folder = jobs.write(args.config, args.overrides, nnodes=args.nnodes,
+                            nproc_per_node=args.nproc_per_node, out=args.out, **given)
+    except ConfigError as e:
+        for line in str(e).splitlines():
+            print(f"jobs: {line}", file=sys.stderr)
+        return 2
+    print(f"{folder}: {args.nnodes} node(s) x {args.nproc_per_node} processes, nothing started")
+    for file, how in jobs.USES.items():
+        print(f"  {file:16} {how.format(folder=folder)}")
     return 0
 
 
