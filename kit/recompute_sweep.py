@@ -22,6 +22,7 @@ import statistics
 from pathlib import Path
 
 from kit import launch
+from kit.check import check
 
 # What every run of the sweep gets, before its setting: a short run that writes nothing but
 # metrics (no adapter, no probe logits, no validation until the end) and may start over
@@ -65,6 +66,7 @@ def sweep(settings, model: str = "kit:tiny-llama", nproc: int = 1, steps: int = 
         name = folder_name(setting)
         cfg = launch.resolve(config, [*common, f"run.output_dir={Path(out_dir) / name}",
                                       *setting.split()], name=name)  # fmt: skip
+        check(cfg, nproc)  # the check step: model, data, machine, run folder; nothing written
         runs.append((setting, cfg))
     return [_row(setting, cfg, nproc, timeout) for setting, cfg in runs]
 

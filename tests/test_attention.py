@@ -186,7 +186,7 @@ def test_recompute_sweep_runs_the_recipe_once_per_setting(tmp_path):
     assert rows[0]["final_loss"] == pytest.approx(rows[1]["final_loss"], rel=1e-5)
 
 
-def test_recompute_sweep_checks_every_setting_first_and_rows_failed_runs(tmp_path):
+def test_recompute_sweep_checks_every_setting_first_and_rows_failed_runs(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="training.recompute.keeps: 'mlp' is not allowed"):
         recompute_sweep.sweep(["training.recompute.enabled=false", "training.recompute.keeps=mlp"],
                               out_dir=tmp_path)  # fmt: skip
@@ -195,7 +195,11 @@ def test_recompute_sweep_checks_every_setting_first_and_rows_failed_runs(tmp_pat
         recompute_sweep.sweep([" "], out_dir=tmp_path)
     with pytest.raises(ValueError, match="nproc: 0 is not allowed"):
         recompute_sweep.sweep(["training.recompute.every=2"], nproc=0, out_dir=tmp_path)
-    rows = recompute_sweep.sweep(["training.recompute.every=2"], model="kit:no-such-model",
-                                 out_dir=tmp_path)  # fmt: skip
-    assert rows[0]["peak_mem_gib"] is None and "kit:no-such-model" in rows[0]["error"], rows
+    with pytest.raises(ConfigError, match="model.name: 'kit:no-such-model' is not a kit model"):
+        recompute_sweep.sweep(["training.recompute.every=2"], model="kit:no-such-model",
+                              out_dir=tmp_path)  # the check step, before any run
+    assert not any(tmp_path.iterdir())
+    monkeypatch.setenv("KIT_FAIL_RANK", "0")  # what no check can know: a rank that crashes
+    rows = recompute_sweep.sweep(["training.recompute.every=2"], out_dir=tmp_path)
+    assert rows[0]["peak_mem_gib"] is None and "InjectedFailure" in rows[0]["error"], rows
     assert rows[0]["error"].startswith("rank 0: ") and "\n" not in rows[0]["error"]
