@@ -56,3 +56,16 @@ def read_run(out: Path) -> tuple[dict, list[dict]]:
     from kit import jsonl
 
     return json.loads((out / "result.json").read_text()), jsonl.read(out / "metrics.jsonl")
+
+
+# A finished 4-step run with checkpoints at steps 2 and 4 (all kept): what tests that read a real
+# run folder share, so that CI trains it once (tests that change it copy it first).
+TINY_RUN = ["training.steps=4", "training.eval_every=0", "checkpointing.save_every=2",
+            "checkpointing.keep_last=0"]
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny_run") / "run"
+    torchrun(out, *TINY_RUN)
+    return out

@@ -16,14 +16,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY, torchrun
+from conftest import ROOT, TINY, TINY_RUN, torchrun
 
 from kit import doctor, runfolder
 from kit.config import ConfigError, load_config
 from kit.launch import run_to_end
 
-SHORT = ["training.steps=4", "training.eval_every=0", "checkpointing.save_every=2",
-         "checkpointing.keep_last=0"]
+SHORT = TINY_RUN
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -44,12 +43,11 @@ def one_line(text: str) -> str:
     return lines[0]
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """A finished run: 4 steps, checkpoints at 2 and 4, adapter, result, metrics, probe."""
-    out = tmp_path_factory.mktemp("check") / "run"
-    torchrun(out, *SHORT)
-    return out
+@pytest.fixture
+def trained(tiny_run) -> Path:
+    """A finished run: 4 steps, checkpoints at 2 and 4, adapter, result, metrics, probe (the
+    session's shared run: tests here copy it before changing anything)."""
+    return tiny_run
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY, torchrun
+from conftest import ROOT, TINY
 from safetensors.torch import save_file
 
 from kit import doctor
@@ -523,9 +523,8 @@ def test_diagnose_diverged_ranks_slow_rank_and_a_crash(tmp_path):
 
 
 @pytest.mark.slow
-def test_diagnose_a_real_tiny_run_finds_nothing_wrong(tmp_path):
-    out = tmp_path / "run"
-    torchrun(out, "training.steps=4", "training.eval_every=0")
+def test_diagnose_a_real_tiny_run_finds_nothing_wrong(tiny_run):
+    out = tiny_run  # the session's shared run (conftest): read, not changed
     found = doctor.diagnose_run(out)
     assert doctor.errors(found) == [], doctor.report(found)
     assert doctor.check_adapter(out / "adapter") == []

@@ -20,7 +20,6 @@ from kit.config import ConfigError
 from kit.launch import PreflightFailed, Run, RunFailed, launch, preflight, prepare, resolve
 from kit.widgets import Dashboard
 
-SHORT = ["training.steps=6", "training.eval_every=3"]
 ENV = {"OMP_NUM_THREADS": "1"}
 # run.sh honours KIT_ROOT: where the ranks' `python -m kit.train` runs (default: this checkout).
 RANK_ROOT = Path(os.environ.get("KIT_ROOT", ROOT))
@@ -112,31 +111,6 @@ def test_preflight_error_refuses_to_start(tmp_path):
 
 
 @pytest.mark.slow
-def test_launch_completes_with_metrics_result_and_rank_logs(tmp_path):
-    run = launch("tiny-cpu", [*SHORT, f"run.output_dir={tmp_path / 'ok'}"], nproc=2, env=ENV)
-    assert run.status == "running"
-    assert run.wait(timeout=600) == "completed"
-    metrics = run.metrics()
-    assert [m["step"] for m in metrics if m["split"] == "train"] == [1, 2, 3, 4, 5, 6]
-    assert [m["step"] for m in metrics if m["split"] == "val"] == [3, 6]
-    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_gib", "elapsed_s"):
-        assert key in metrics[0], key
-    result = run.result()
-    assert result["status"] == "completed" and result["world_size"] == 2
-    assert result["final_loss"] < result["first_loss"]
-    assert (run.folder / "adapter" / "adapter_model.safetensors").is_file()
-    assert run.exit_code == 0 and run.processes() == []
-    # Both ranks' output is kept: interleaved in run.log, and one folder per rank under logs/.
-    log = "\n".join(run.tail(10_000))
-    assert "[default0]:" in log and "[default1]:" in log
-    for rank in (0, 1):
-        assert run.tail(1000, rank=rank), f"no log for rank {rank}"
-    # A new handle (a new kernel) on the same folder sees the same run.
-    again = Run.attach(run.folder)
-    assert (again.status, again.metrics(), again.result()) == ("completed", metrics, result)
-
-
-@pytest.mark.slow
 def test_stop_from_another_process_leaves_no_process_alive(tmp_path):
     run = launch("tiny-cpu", ["training.steps=100000", f"run.output_dir={tmp_path / 'stop'}"],
                  nproc=2, env=ENV)
@@ -187,16 +161,24 @@ def test_crash_on_one_rank_raises_with_its_rank_and_traceback(tmp_path):
     assert "failed on rank 1" in dash.error.value and "InjectedFailure" in dash.error.value
 
 
-@pytest.mark.slow
 def test_rank_side_config_error_names_the_field(tmp_path):
-    """A failure without error.json (the recipe exits 2 on ConfigError, on every rank)."""
-    # force: kit.doctor (when present) already refuses this config in the kernel.
-    run = launch("tiny-cpu", ["lora.target_modules=[nope_proj]",
-                              f"run.output_dir={tmp_path / 'bad'}"], nproc=2, env=ENV, force=True)
-    with pytest.raises(RunFailed, match=r"ConfigError: lora.target_modules") as e:
-        run.wait(timeout=600)
-    assert e.value.rank in (0, 1)
-    assert run.exit_code not in (None, 0)
+    """A failure without error.json: the recipe exits 2 on a ConfigError on every rank (started
+    by hand, past the check step), each printing one "[rank N] ConfigError: ..." line; and a
+    refusal of run.sh's check step, before any rank. (kit.lora's own line: tests/test_lora.py.)"""
+    folder = prepare("tiny-cpu", [f"run.output_dir={tmp_path / 'bad'}"], nproc=2)
+    (folder / "pid").write_text("999999999\n")
+    (folder / "exit_code").write_text("1\n")
+    line = "lora.target_modules: 'nope_proj' matches no module of kit:tiny-llama"
+    (folder / "run.log").write_text(f"[default1]:[rank 1] ConfigError: {line}\n"
+                                    f"[default0]:[rank 0] ConfigError: {line}\n"
+                                    "torch.distributed.elastic.multiprocessing.errors."
+                                    "ChildFailedError:\n")
+    failure = Run(folder).failure()
+    assert (failure.rank, failure.message) == (1, f"ConfigError: {line}")
+    (folder / "run.log").write_text(f"ConfigError: {line}\n")  # the check step's refusal
+    failure = Run(folder).failure()
+    assert failure.rank is None and failure.message == f"ConfigError: {line}"
+    assert "failed on its check step (no rank started)" in str(failure)
 
 
 @pytest.mark.slow
@@ -228,6 +210,20 @@ def test_notebook_07_runs_under_papermill(tmp_path, monkeypatch):
         assert "stopped | processes left: 0" in text
         assert "image/png" in mimes  # compare()
         assert "rank 1 failed: InjectedFailure" in text
+        # The notebook's first run, read again from its folder: what a launch leaves.
+        run = Run.attach(ROOT / "launch" / name)
+        metrics, result = run.metrics(), run.result()
+        assert [m["step"] for m in metrics if m["split"] == "train"] == [1, 2, 3, 4, 5, 6]
+        assert [m["step"] for m in metrics if m["split"] == "val"] == [3, 6]
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_gib", "elapsed_s"):
+            assert key in metrics[0], key
+        assert result["status"] == "completed" and result["world_size"] == 2
+        assert result["final_loss"] < result["first_loss"]
+        assert run.exit_code == 0 and run.processes() == []
+        log = "\n".join(run.tail(10_000))  # both ranks, interleaved; and one log per rank
+        assert "[default0]:" in log and "[default1]:" in log
+        for rank in (0, 1):
+            assert run.tail(1000, rank=rank), f"no log for rank {rank}"
     finally:
         for suffix in ("", "-ddp", "-crash"):
             folder = ROOT / "launch" / f"{name}{suffix}"

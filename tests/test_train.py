@@ -41,12 +41,19 @@ def check_trained_and_saved(out, steps: int = 20) -> dict:
     return result
 
 
+# Chat messages (the chat template) with gradient accumulation, in one of the cases.
+CHAT_ACCUM = ("data.path=kit:sample-chat", "training.grad_accum=2", "training.batch_size=4",
+              "training.recompute.enabled=false")
+
+
 # Every engine with NF4 (the recipe), and unquantized once (CI time: each case is a torchrun).
-@pytest.mark.parametrize("engine,quant", [("fsdp2", "nf4"), ("fsdp1", "nf4"), ("ddp", "nf4"),
-                                          ("fsdp2", "none")])
-def test_engine_trains_and_saves_reloadable_adapter(tmp_path, engine, quant):
+@pytest.mark.parametrize("engine,quant,extra", [
+    ("fsdp2", "nf4", ()), ("fsdp1", "nf4", ()), ("ddp", "nf4", ()),
+    ("fsdp2", "none", CHAT_ACCUM),
+], ids=["fsdp2-nf4", "fsdp1-nf4", "ddp-nf4", "fsdp2-none-chat-accum"])  # fmt: skip
+def test_engine_trains_and_saves_reloadable_adapter(tmp_path, engine, quant, extra):
     out = tmp_path / "run"
-    torchrun(out, f"sharding.engine={engine}", f"quantization.method={quant}")
+    torchrun(out, f"sharding.engine={engine}", f"quantization.method={quant}", *extra)
     result = check_trained_and_saved(out)
     assert result["world_size"] == 2
 
@@ -58,10 +65,3 @@ def test_second_architecture_qwen2(tmp_path, engine):
     check_trained_and_saved(out)
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert "tiny-qwen2" in config["base_model_name_or_path"]
-
-
-def test_chat_messages_with_gradient_accumulation(tmp_path):
-    out = tmp_path / "run"
-    torchrun(out, "data.path=kit:sample-chat", "training.grad_accum=2", "training.batch_size=4",
-             "training.recompute.enabled=false")
-    check_trained_and_saved(out)
