@@ -43,6 +43,7 @@ SHM = "16Gi"  # /dev/shm in a pod: NCCL's intra-node buffers and data loader wor
 # The torch-distributed runtime's trainer job and container (kit/schemas' runtime example).
 TRAINER_JOB, TRAINER_CONTAINER = "trainer-node", "trainer"
 FILES = ("accelerate.yaml", "job.sbatch", "trainjob.yaml", "pytorchjob.yaml")  # and run.sh
+assert set(FILES) == runfolder.LAUNCHERS  # a start never moves them (kit.runfolder)
 # What each file is for, as the command line prints it.
 USES = {
     "run.sh": "bash {folder}/run.sh, on each node (NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT)",
@@ -88,12 +89,7 @@ def write(config: Config | str | Path, overrides: list[str] | None = None, nnode
                                         cfg, pod_dir, pvc),
              "pytorchjob.yaml": _manifest(pytorchjob(cfg, pod_dir, nnodes, nproc, image, pvc),
                                           cfg, pod_dir, pvc)}
-    run_sh = launch.prepare(cfg, nproc=nproc, plan=plan) / "run.sh"
-    try:
-        run_sh.write_text(multinode(run_sh.read_text(), nnodes, _k8s_name(cfg.run.name)))
-    except RuntimeError:
-        run_sh.unlink()  # no one-node run.sh in a folder of launchers for several nodes
-        raise
+    launch.prepare(cfg, nproc=nproc, plan=plan, nnodes=nnodes)  # run.sh: c10d across nodes
     for file, text in texts.items():
         (folder / file).write_text(text)
     (folder / "logs").mkdir(exist_ok=True)  # Slurm opens its output there before run.sh starts
@@ -131,69 +127,6 @@ def _pod_dir(folder: Path) -> str:
         return f"{WORKSPACE}/kit/{folder.relative_to(ROOT).as_posix()}"
     except ValueError:
         return f"{WORKSPACE}/{folder.name}"
-
-
-# --------------------------------------------------------------------------- run.sh across nodes
-
-RDZV = """\
-if [ "$NNODES" = 1 ]; then
-  RDZV=(--standalone)                   # one node: torchrun picks a free port itself
-else
-  # c10d rendezvous: every node's torchrun meets at the store node 0 hosts (is_host) on
-  # MASTER_ADDR:MASTER_PORT; ranks are numbered in the order nodes join.
-  IS_HOST=0
-  if [ "$NODE_RANK" = 0 ]; then IS_HOST=1; fi
-  RDZV=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
-        --rdzv-id="$RDZV_ID" --rdzv-conf=is_host="$IS_HOST")
-fi"""
-NCCL = """\
-# Across nodes NCCL reads these; export them before run.sh (job.sbatch, a manifest's env):
-#   NCCL_SOCKET_IFNAME=eth0  the interface the nodes reach each other on, for NCCL's bootstrap
-#                            and socket transport (unset: NCCL picks one, skipping lo, docker*)
-#   GLOO_SOCKET_IFNAME=eth0  the same for gloo (CPU runs)
-#   NCCL_IB_DISABLE=1        no InfiniBand/RoCE, TCP sockets only: slow; rules IB out of a hang
-#   NCCL_DEBUG=INFO          every rank says which transport NCCL chose (NET/IB, NET/Socket, P2P)
-# A collective stuck past DIST_TIMEOUT_MIN (run.dist_timeout_min, the process group's timeout)
-# fails its rank, and torchrun stops every node; NCCL_TIMEOUT is not a variable PyTorch reads.
-export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
-"""
-
-
-def multinode(script: str, nnodes: int, rdzv_id: str) -> str:
-    """kit.launch.prepare's run.sh with c10d rendezvous across nodes, the PET_* variables as
-    fallbacks, NNODES defaulting to `nnodes` and the NCCL notes. Each edit replaces exactly one
-    place, and gives the same text when run.sh already has it: a run.sh whose lines moved is
-    an error here (and in tests/test_jobs.py), never a silently different script."""
-    def variable(text: str, var: str, default: str, after: str = "") -> str:
-        line = f'{var}="${{{var}:-${{PET_{var}:-{default}}}}}"'
-        return _once(text, rf'^{var}="\$\{{{var}:-.*\n', line + after + "\n")
-
-    nproc = re.search(r'^NPROC_PER_NODE="\$\{NPROC_PER_NODE:-(?:\$\{PET_NPROC_PER_NODE:-)?(\d+)',
-                      script, re.M)
-    if nproc is None:
-        raise RuntimeError("kit.jobs: run.sh has no NPROC_PER_NODE line; update kit.jobs.multinode")
-    script = re.sub(r"^RDZV_ID=.*\n", "", script, flags=re.M)
-    script = variable(script, "NNODES", str(nnodes),
-                      "  # the kit's variables win; Kubeflow's PET_* fill in the rest")
-    script = variable(script, "NODE_RANK", "0")
-    script = variable(script, "NPROC_PER_NODE", nproc.group(1))
-    script = variable(script, "MASTER_ADDR", "127.0.0.1",
-                      "   # multi-node only: node 0's address, reachable by all")
-    script = variable(script, "MASTER_PORT", str(PORT), f'\nRDZV_ID="${{RDZV_ID:-{rdzv_id}}}"'
-                      "  # multi-node: one id per job, the same on every node")
-    script = _once(script, r'^if \[ "\$NNODES" = 1 \]; then\n  RDZV=\(--standalone\).*?^fi\n',
-                   RDZV + "\n", re.S)
-    if "NCCL_SOCKET_IFNAME" not in script:
-        script = _once(script, r"^(?=export TOKENIZERS_PARALLELISM=)", NCCL)
-    return script
-
-
-def _once(text: str, pattern: str, new: str, flags: int = 0) -> str:
-    out, n = re.subn(pattern, lambda _: new, text, count=2, flags=re.M | flags)
-    if n != 1:
-        raise RuntimeError(f"kit.jobs: run.sh has {n} places matching {pattern!r}, expected 1; "
-                           "kit.launch.RUN_SH changed: update kit.jobs.multinode")
-    return out
 
 
 # --------------------------------------------------------------------------- accelerate

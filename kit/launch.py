@@ -114,7 +114,7 @@ RUN_SH = """\
 # {nproc} processes on this machine; key=value arguments override config.yaml:
 #   bash {rel}/run.sh
 #   NPROC_PER_NODE=8 bash {rel}/run.sh training.steps=100
-# Two nodes: on node 0, then on node 1 with NODE_RANK=1:
+# Two nodes: on node 0, then on node 1 with NODE_RANK=1 (Kubeflow's PET_* variables work too):
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 bash {rel}/run.sh
 # Outputs land next to this script: run.log (every rank, lines prefixed [defaultN]:), logs/ (per
 # rank stdout.log, stderr.log, error.json with a failed rank's traceback), metrics.jsonl,
@@ -123,11 +123,12 @@ set -euo pipefail
 RUN_DIR="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd -P)"
 KIT_ROOT="${{KIT_ROOT:-{root}}}"  # ranks run here: -m kit.train, relative data paths
 PYTHON="${{PYTHON:-{python}}}"  # on a cluster: PYTHON=python3
-NNODES="${{NNODES:-1}}"
-NODE_RANK="${{NODE_RANK:-0}}"
-NPROC_PER_NODE="${{NPROC_PER_NODE:-{nproc}}}"
-MASTER_ADDR="${{MASTER_ADDR:-127.0.0.1}}"   # multi-node only: node 0's address, reachable by all
-MASTER_PORT="${{MASTER_PORT:-29500}}"
+NNODES="${{NNODES:-${{PET_NNODES:-{nnodes}}}}}"  # the kit's variables win; Kubeflow's PET_* fill in
+NODE_RANK="${{NODE_RANK:-${{PET_NODE_RANK:-0}}}}"
+NPROC_PER_NODE="${{NPROC_PER_NODE:-${{PET_NPROC_PER_NODE:-{nproc}}}}}"
+MASTER_ADDR="${{MASTER_ADDR:-${{PET_MASTER_ADDR:-127.0.0.1}}}}"   # multi-node: node 0's address
+MASTER_PORT="${{MASTER_PORT:-${{PET_MASTER_PORT:-29500}}}}"
+RDZV_ID="${{RDZV_ID:-{rdzv_id}}}"  # multi-node: one id per job, the same on every node
 DIST_TIMEOUT_MIN="${{DIST_TIMEOUT_MIN:-{timeout}}}"  # collective timeout (run.dist_timeout_min)
 {check}
 echo $$ > "$RUN_DIR/pid"               # lets kit.launch.Run.attach find a terminal-started run
@@ -136,6 +137,15 @@ trap 'echo $? > "$RUN_DIR/exit_code"' EXIT
 trap 'exit 143' TERM                   # after torchrun has stopped its ranks: exit_code 143
 if [ -t 1 ]; then exec > >(tee -a "$RUN_DIR/run.log") 2>&1; fi   # the notebook redirects itself
 
+# Across nodes NCCL reads these; export them before run.sh (job.sbatch, a manifest's env):
+#   NCCL_SOCKET_IFNAME=eth0  the interface the nodes reach each other on, for NCCL's bootstrap
+#                            and socket transport (unset: NCCL picks one, skipping lo, docker*)
+#   GLOO_SOCKET_IFNAME=eth0  the same for gloo (CPU runs)
+#   NCCL_IB_DISABLE=1        no InfiniBand/RoCE, TCP sockets only: slow; rules IB out of a hang
+#   NCCL_DEBUG=INFO          every rank says which transport NCCL chose (NET/IB, NET/Socket, P2P)
+# A collective stuck past DIST_TIMEOUT_MIN (run.dist_timeout_min, the process group's timeout)
+# fails its rank, and torchrun stops every node; NCCL_TIMEOUT is not a variable PyTorch reads.
+export NCCL_DEBUG="${{NCCL_DEBUG:-WARN}}"
 export TOKENIZERS_PARALLELISM={TOKENIZERS_PARALLELISM}                     # fast tokenizers + forked ranks deadlock
 export PYTORCH_CUDA_ALLOC_CONF={PYTORCH_CUDA_ALLOC_CONF}  # fewer fragmentation OOMs on GPUs
 # A collective stuck past DIST_TIMEOUT_MIN tears its rank down (torchrun then reports it) rather
@@ -159,7 +169,12 @@ fi
 if [ "$NNODES" = 1 ]; then
   RDZV=(--standalone)                   # one node: torchrun picks a free port itself
 else
-  RDZV=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT")
+  # c10d rendezvous: every node's torchrun meets at the store node 0 hosts (is_host) on
+  # MASTER_ADDR:MASTER_PORT; ranks are numbered in the order nodes join.
+  IS_HOST=0
+  if [ "$NODE_RANK" = 0 ]; then IS_HOST=1; fi
+  RDZV=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"
+        --rdzv-id="$RDZV_ID" --rdzv-conf=is_host="$IS_HOST")
 fi
 cd "$KIT_ROOT"
 # torchrun: --log-dir keeps each rank's output and error.json (a failed rank's traceback, written
@@ -187,7 +202,7 @@ fi"""
 def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None,
             nproc: int = 2, name: str | None = None, module: str = "kit.train",
             args: tuple[str, ...] | list[str] = TRAIN_ARGS,
-            plan: runfolder.Plan | None = None) -> Path:
+            plan: runfolder.Plan | None = None, nnodes: int = 1) -> Path:
     """Write config.yaml and run.sh into the run folder; return the folder. A resolved Config is
     used as it is (launch and run_to_end resolve once); a path or name is resolved here.
 
@@ -198,7 +213,8 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
     into earlier/, a resume keeps what it replaces there).
 
     plan: for the recipe, what kit.runfolder decided (launch and run_to_end plan before they
-    call this); planned here when not given. Its earlier files move into earlier/ first."""
+    call this); planned here when not given. Its earlier files move into earlier/ first.
+    nnodes: the nodes run.sh starts on when neither NNODES nor PET_NNODES says (kit.jobs)."""
     cfg = cfg_or_path
     if not isinstance(cfg, Config) or overrides or name:
         cfg = resolve(cfg_or_path, overrides, name)
@@ -227,7 +243,8 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
     check = CHECK_STEP.format(args=words) if module == "kit.train" else ""
     script = RUN_SH.format(
         name=cfg.run.name, what=what, date=datetime.now().strftime("%F %T"),
-        rel=rel, root=ROOT, python=sys.executable, nproc=int(nproc),
+        rel=rel, root=ROOT, python=sys.executable, nproc=int(nproc), nnodes=int(nnodes),
+        rdzv_id=cfg.run.name,
         timeout=cfg.run.dist_timeout_min, module=module, args=words,
         device=cfg.training.device, on_cpu=int(cfg.training.device == "cpu"), check=check,
         **RUN_ENV,

@@ -96,8 +96,10 @@ def _config_changed(folder: Path, cfg: Config) -> bool:
         return False
 
 
-# Files every start writes anew (kit.launch.prepare, run.sh): never kept.
-PLUMBING = {"run.sh", "pid", "exit_code", "stop_requested"}
+# What kit.jobs writes beside run.sh: the other ways to start this run, not a record of one.
+LAUNCHERS = {"accelerate.yaml", "job.sbatch", "trainjob.yaml", "pytorchjob.yaml"}
+# Files every start writes anew (kit.launch.prepare, run.sh), and the launchers: never moved.
+PLUMBING = {"run.sh", "pid", "exit_code", "stop_requested"} | LAUNCHERS
 # What the running start itself is writing when the ranks plan (run.sh's log, torchrun's logs/).
 LIVE = ("run.log", "logs")
 

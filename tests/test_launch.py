@@ -79,8 +79,8 @@ def test_run_sh_builds_the_torchrun_command(tmp_path):
                  NPROC_PER_NODE="8", KIT_CHECK="0")
     args = next(line for line in proc.stdout.splitlines() if line.startswith("ARGS")).split()
     assert "--standalone" not in args
-    for flag in ("--nnodes=2", "--node_rank=1", "--master_addr=10.1.2.3", "--master_port=29999",
-                 "--nproc_per_node=8"):
+    for flag in ("--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.1.2.3:29999",
+                 "--rdzv-id=tiny-cpu", "--rdzv-conf=is_host=0", "--nproc_per_node=8"):
         assert flag in args
 
     proc, _ = sh(STUB_EXIT="7", KIT_CHECK="0")  # torchrun's failure is the script's, recorded
