@@ -407,3 +407,26 @@ def test_a_start_leaves_the_launchers_in_place(folders):
 
     plan = runfolder.plan(config_from_dict(cfg), 8, folders[2], ranks=True)
     assert not set(plan.displaced) & set(jobs.FILES), plan.displaced
+
+
+# --------------------------------------------------------------------------- two nodes, for real
+
+@pytest.mark.slow
+def test_two_nodes_through_run_sh_train_as_one_node_does(tiny_run, tmp_path):
+    """Two torchrun agents on this machine (one process each, c10d on localhost), started through
+    the generated run.sh as two nodes would start it: the same loss at every step as the
+    single-node two-process run (conftest.tiny_run, the same config)."""
+    from conftest import TINY, TINY_RUN
+
+    from kit import jsonl
+
+    folder = jobs.write(TINY, TINY_RUN, nnodes=2, nproc_per_node=1, out=tmp_path / "two")
+    env = {**os.environ, "MASTER_PORT": str(29400 + os.getpid() % 500), "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(["bash", str(folder / "run.sh")], env={**env, "NODE_RANK": str(n)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for n in (0, 1)]
+    logs = [p.communicate(timeout=300)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(logs)[-4000:]
+    losses = [(m["split"], m["step"], m["loss"]) for m in jsonl.read(folder / "metrics.jsonl")]
+    single = [(m["split"], m["step"], m["loss"]) for m in jsonl.read(tiny_run / "metrics.jsonl")]
+    assert losses == single and [s for s, _, _ in losses].count("train") == 4
