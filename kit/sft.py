@@ -23,6 +23,13 @@ What the article does, and what this does instead:
 - sharding.engine must be what accelerate runs (its config decides): FSDP1/FSDP2 from
   ACCELERATE_USE_FSDP/FSDP_VERSION, else DDP. accelerate cannot run FSDP on CPU; on CPU this
   path is accelerate's multi-process CPU DDP over gloo (SFTConfig(use_cpu=True)).
+- under FSDP, recompute is accelerate's (fsdp_activation_checkpointing, which kit.jobs writes
+  from training.recompute.enabled): SFTConfig's gradient_checkpointing is then off, as the
+  Trainer refuses both at once;
+- with data.packing TRL packs the texts into fewer rows: each split must still fill a batch on
+  every rank (`fit_packed`), or the Trainer's evaluation reports no loss, silently;
+- what kit.train refuses on the machine (kit.pitfalls.machine_violations) is refused here
+  too, before loading anything: FSDP1 on one process trains, then cannot gather the adapter;
 - accelerate's own MULTI_CPU launch type starts ONE process on one machine (its simple launcher
   needs mpirun for more), silently; that start is refused here (`launched_alone`).
 
@@ -45,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from kit import builtin, checkpoint, checks, data, engines, lora, memory, model, runfolder
+from kit import builtin, checkpoint, checks, data, engines, lora, memory, model, pitfalls, runfolder
 from kit.config import Config, ConfigError, load_config
 
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
@@ -72,9 +79,9 @@ def _refuse_unmapped(cfg: Config) -> None:
             raise ConfigError(f"{name}: {value!r} is not allowed with kit.sft; {why}")
 
 
-def sft_config(cfg: Config, use_cpu: bool):
+def sft_config(cfg: Config, use_cpu: bool, environ=None):
     """trl.SFTConfig from the kit config. A value SFTConfig refuses is one ConfigError line
-    naming the kit field it came from."""
+    naming the kit field it came from. environ: the launch's (accelerate's variables)."""
     from trl import SFTConfig
 
     _refuse_unmapped(cfg)
@@ -105,8 +112,11 @@ def sft_config(cfg: Config, use_cpu: bool):
         "max_length": (d.max_seq_len, "data.max_seq_len"),
         "packing": (d.packing, "data.packing"),
         "dataset_text_field": (d.text_field, "data.text_field"),
-        # transformers 5.23 renamed these activation_checkpointing*; 5.17 has only the old names
-        recompute: (t.recompute.enabled, "training.recompute.enabled"),
+        # transformers 5.23 renamed these activation_checkpointing*; 5.17 has only the old names.
+        # Under FSDP with fsdp_activation_checkpointing (kit.jobs writes it from the same field)
+        # accelerate wraps every decoder layer itself, and the Trainer refuses both at once.
+        recompute: (t.recompute.enabled and not fsdp_recomputes(
+            os.environ if environ is None else environ), "training.recompute.enabled"),
         f"{recompute}_kwargs": ({"use_reentrant": False}, "training.recompute.enabled"),
         "use_cpu": (use_cpu, "training.device"),
     }
@@ -149,6 +159,13 @@ def accelerate_engine(environ) -> str:
     return "ddp"
 
 
+def fsdp_recomputes(environ) -> bool:
+    """Whether accelerate's FSDP recomputes every decoder layer itself (its config's
+    fsdp_activation_checkpointing: FSDP_ACTIVATION_CHECKPOINTING in the launch's environment)."""
+    return (accelerate_engine(environ).startswith("fsdp")
+            and environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true")
+
+
 def check_launch(cfg: Config, environ, cuda: bool) -> torch.device:
     """The device this rank trains on, or one line for a launch that cannot run as configured."""
     if (why := launched_alone(environ)) is not None:
@@ -169,6 +186,18 @@ def check_launch(cfg: Config, environ, cuda: bool) -> torch.device:
                           f"{environ.get('ACCELERATE_USE_FSDP', 'unset')}, FSDP_VERSION="
                           f"{environ.get('FSDP_VERSION', 'unset')}); set sharding.engine={runs} "
                           "or launch with the accelerate config that runs it")
+    if fsdp_recomputes(environ) and not cfg.training.recompute.enabled:
+        raise ConfigError("training.recompute.enabled: False is not allowed here; the accelerate "
+                          "config recomputes every decoder layer (fsdp_activation_checkpointing: "
+                          "true); set training.recompute.enabled=true or launch with "
+                          "fsdp_activation_checkpointing: false")
+    # What kit.train refuses on this machine before loading anything, e.g. FSDP1 on one
+    # process (pitfall fsdp1_no_shard): under accelerate on one H100 it trained step 1, then
+    # the adapter's gather failed ('FSDP assumes ... is in the state_dict').
+    machine = {"device": "cuda" if on_gpu else "cpu", "ranks": int(environ.get("WORLD_SIZE", 1)),
+               "packages": {}}
+    for _, violation in pitfalls.machine_violations(cfg, machine):
+        raise ConfigError(str(violation))
     return torch.device("cuda", int(environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
 
 
@@ -194,10 +223,31 @@ def text_datasets(cfg: Config, tokenizer, world: int):
         if len(part) < t.batch_size * world:
             raise ConfigError(f"training.batch_size: {t.batch_size} is not allowed; {len(part)} "
                               f"{name} rows cannot fill {world} ranks x {t.batch_size}")
-    val = val[: t.eval_batches * t.batch_size * world]
+    if not d.packing:  # packed, TRL makes fewer rows of these: `fit_packed` cuts them after
+        val = val[: t.eval_batches * t.batch_size * world]
     as_text = lambda part, name: Dataset.from_dict(  # noqa: E731
         {d.text_field: data._texts(part, d, tokenizer, name)})
     return as_text(train, d.path), as_text(val, d.val_path or d.path)
+
+
+def fit_packed(trainer, cfg: Config, world: int) -> None:
+    """With data.packing, TRL packs the texts into fewer rows of up to data.max_seq_len: each
+    split must still fill a batch on every rank (the Trainer's loaders drop an incomplete batch,
+    and an evaluation with none reports no loss, silently), as kit.data.loader refuses for
+    kit.train; eval then keeps kit.train's training.eval_batches batches."""
+    if not cfg.data.packing:
+        return
+    t = cfg.training
+    for attr, name in (("train_dataset", "training"), ("eval_dataset", "validation")):
+        rows = len(getattr(trainer, attr))
+        if rows < t.batch_size * world:
+            raise ConfigError(
+                f"training.batch_size: {t.batch_size} is not allowed; {rows} packed {name} rows "
+                f"(data.packing, data.max_seq_len={cfg.data.max_seq_len}) cannot fill {world} "
+                f"ranks x {t.batch_size}; use a smaller batch or more data")
+    keep = t.eval_batches * t.batch_size * world
+    if len(trainer.eval_dataset) > keep:
+        trainer.eval_dataset = trainer.eval_dataset.select(range(keep))
 
 
 def gather_adapter(trainer) -> dict[str, torch.Tensor]:
@@ -303,7 +353,7 @@ def run(cfg: Config) -> dict:
     from trl import SFTTrainer
 
     device = check_launch(cfg, os.environ, torch.cuda.is_available())
-    args = sft_config(cfg, use_cpu=device.type == "cpu")
+    args = sft_config(cfg, use_cpu=device.type == "cpu", environ=os.environ)
     state = args.distributed_state  # joins the process group (gloo on CPU, nccl on GPUs)
     world, is_main, out = args.world_size, args.process_index == 0, cfg.output_dir
     say = (lambda line: print(line, flush=True)) if is_main else (lambda line: None)
@@ -326,6 +376,7 @@ def run(cfg: Config) -> dict:
     trainer = SFTTrainer(model=peft_model, args=args, train_dataset=train_ds,
                          eval_dataset=eval_ds, processing_class=tokenizer, callbacks=[rec])
     rec.trainer = trainer
+    fit_packed(trainer, cfg, world)
     want = engines.get(cfg.sharding.engine).adapter_dtype(cfg)
     cast = [p for p in peft_model.parameters() if p.requires_grad and p.dtype != want]
     for p in cast:  # TRL casts a quantized model's adapters to bf16: the kit's dtype back

@@ -84,6 +84,15 @@ def test_sft_config_carries_the_kit_values(fresh_accelerate_state):
     assert (args.eval_strategy.value, args.save_strategy.value) == ("no", "no")
     assert (args.bf16, args.fp16, args.gradient_checkpointing) == (False, False, False)
 
+    # Under FSDP with fsdp_activation_checkpointing accelerate wraps every decoder layer itself,
+    # and the Trainer refuses gradient_checkpointing beside it (ValueError, transformers 5.17).
+    fsdp = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+    cfg = _cfg("sharding.engine=fsdp2")
+    assert sft.sft_config(cfg, True, {**fsdp, "FSDP_ACTIVATION_CHECKPOINTING": "true"}
+                          ).gradient_checkpointing is False
+    assert sft.sft_config(cfg, True, {**fsdp, "FSDP_ACTIVATION_CHECKPOINTING": "false"}
+                          ).gradient_checkpointing is True
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a bf16 GPU")
 def test_a_value_sftconfig_refuses_is_one_line_naming_the_kit_field(fresh_accelerate_state):
@@ -130,6 +139,46 @@ def test_the_launch_checks():
                                           "accelerate config runs ddp"):
         sft.check_launch(_cfg("sharding.engine=fsdp2"), {"WORLD_SIZE": "2"}, cuda=False)
     assert sft.check_launch(_cfg(), {"WORLD_SIZE": "2"}, cuda=False) == torch.device("cpu")
+    # accelerate's FSDP recomputes every layer (fsdp_activation_checkpointing) where the kit
+    # config says no recompute: refused (checked as on a GPU; nothing touches one here)
+    recomputes = {**fsdp, "FSDP_ACTIVATION_CHECKPOINTING": "true", "LOCAL_RANK": "0"}
+    gpu = ["sharding.engine=fsdp2", "training.device=cuda"]
+    with pytest.raises(ConfigError, match="^training.recompute.enabled: False is not allowed here; "
+                                          "the accelerate config recomputes every decoder layer"):
+        sft.check_launch(_cfg(*gpu, "training.recompute.enabled=false"), recomputes, cuda=True)
+    assert sft.check_launch(_cfg(*gpu), recomputes, cuda=True) == torch.device("cuda", 0)
+    # FSDP1 on one process (accelerate --num_processes 1): what kit.train and kit.jobs refuse
+    # (pitfall fsdp1_no_shard); on one H100 it trained step 1, then the adapter's gather failed
+    one = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    with pytest.raises(ConfigError, match="^sharding.engine: 'fsdp1' is not allowed; on 1 process"):
+        sft.check_launch(_cfg("sharding.engine=fsdp1", "training.device=cuda"), one, cuda=True)
+    two = {**one, "WORLD_SIZE": "2"}
+    assert sft.check_launch(_cfg("sharding.engine=fsdp1", "training.device=cuda"), two,
+                            cuda=True) == torch.device("cuda", 0)
+
+
+def test_packed_rows_must_fill_a_batch_and_eval_keeps_eval_batches():
+    """TRL packs the texts into fewer rows; the Trainer's loaders drop an incomplete batch, so
+    an evaluation on fewer packed rows than a batch reported no loss, silently."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    from kit import sft
+
+    rows = lambda n: Dataset.from_dict({"input_ids": [[1, 2]] * n})  # noqa: E731
+    cfg = _cfg("data.packing=true", "training.batch_size=4", "training.eval_batches=2")
+    trainer = SimpleNamespace(train_dataset=rows(12), eval_dataset=rows(11))
+    sft.fit_packed(trainer, cfg, world=1)
+    assert len(trainer.eval_dataset) == 8  # eval_batches x batch_size x world, as kit.train
+    with pytest.raises(ConfigError, match=r"^training.batch_size: 4 is not allowed; 3 packed "
+                                          r"validation rows \(data.packing, data.max_seq_len="):
+        sft.fit_packed(SimpleNamespace(train_dataset=rows(12), eval_dataset=rows(3)), cfg, 1)
+    with pytest.raises(ConfigError, match="^training.batch_size: 4 is not allowed; 7 packed training"):
+        sft.fit_packed(SimpleNamespace(train_dataset=rows(7), eval_dataset=rows(8)), cfg, 2)
+    unpacked = SimpleNamespace(train_dataset=rows(1), eval_dataset=rows(1))
+    sft.fit_packed(unpacked, _cfg("training.batch_size=4"), 1)  # rows checked before (texts)
+    assert len(unpacked.eval_dataset) == 1
 
 
 def _free_port() -> int:
