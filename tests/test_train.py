@@ -41,16 +41,18 @@ def check_trained_and_saved(out, steps: int = 20) -> dict:
     return result
 
 
-# Chat messages (the chat template) with gradient accumulation, in one of the cases.
+# Chat messages (the chat template) with gradient accumulation, and packing (64-token rows hold
+# ~3.5 samples; the validation split packs to 14 rows), each in one of the cases.
 CHAT_ACCUM = ("data.path=kit:sample-chat", "training.grad_accum=2", "training.batch_size=4",
               "training.recompute.enabled=false")
+PACKED = ("data.packing=true", "data.max_seq_len=64", "training.batch_size=4")
 
 
 # Every engine with NF4 (the recipe), and unquantized once (CI time: each case is a torchrun).
 @pytest.mark.parametrize("engine,quant,extra", [
-    ("fsdp2", "nf4", ()), ("fsdp1", "nf4", ()), ("ddp", "nf4", ()),
+    ("fsdp2", "nf4", ()), ("fsdp1", "nf4", ()), ("ddp", "nf4", PACKED),
     ("fsdp2", "none", CHAT_ACCUM),
-], ids=["fsdp2-nf4", "fsdp1-nf4", "ddp-nf4", "fsdp2-none-chat-accum"])  # fmt: skip
+], ids=["fsdp2-nf4", "fsdp1-nf4", "ddp-nf4-packed", "fsdp2-none-chat-accum"])  # fmt: skip
 def test_engine_trains_and_saves_reloadable_adapter(tmp_path, engine, quant, extra):
     out = tmp_path / "run"
     torchrun(out, f"sharding.engine={engine}", f"quantization.method={quant}", *extra)
