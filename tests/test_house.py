@@ -56,7 +56,7 @@ RANK_SIDE = [
     "kit.layers", "kit.engines", "kit.sharding", "kit.checkpoint", "kit.data", "kit.loss",
     "kit.dist", "kit.faults", "kit.checks", "kit.article", "kit.bench_worker", "kit.memory",
     "kit.attention", "kit.attention_bench", "kit.pitfalls.reproduce", "kit.merge",
-    "kit.sft",  # TRL's SFTTrainer under accelerate launch
+    "kit.sft", "kit.sft_setup",  # TRL's SFTTrainer under accelerate launch
 ]
 KERNEL_HEAVY = ("torch", "transformers", "peft", "bitsandbytes", "ipywidgets")
 MAY_IMPORT_IPYWIDGETS = ("widgets", "__main__")  # relative to the package
