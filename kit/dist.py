@@ -81,3 +81,26 @@ def mean(value: float, env: DistEnv) -> float:
 def cleanup() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def entry(body) -> int:
+    """A rank's entry point around `body()` (kit.train, kit.sft): a ConfigError is one line and
+    exit 2; any other exception has each traceback line prefixed with the rank, then re-raised
+    (torchrun's @record writes it to the rank's error file)."""
+    import sys
+    import traceback
+
+    from kit.config import ConfigError
+
+    rank = os.environ.get("RANK", "0")
+    try:
+        body()
+    except ConfigError as e:  # bad input: one line, no traceback
+        sys.stderr.write(f"[rank {rank}] ConfigError: {e}\n")
+        return 2
+    except BaseException:
+        lines = traceback.format_exc().rstrip().splitlines()
+        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+        sys.stderr.flush()
+        raise
+    return 0

@@ -44,12 +44,12 @@ import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
 from kit import builtin, checkpoint, checks, data, engines, lora, memory, model, pitfalls, runfolder
+from kit import dist as kdist
 from kit.config import Config, ConfigError, load_config
 from kit.sft_setup import (  # noqa: F401 - the names tests and callers use here
     SCHEDULERS,
@@ -318,17 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
-    rank = os.environ.get("RANK", "0")
-    try:
-        run(load_config(path, overrides))
-    except ConfigError as e:  # bad input: one line, no traceback
-        sys.stderr.write(f"[rank {rank}] ConfigError: {e}\n")
-        return 2
-    except BaseException:
-        lines = traceback.format_exc().rstrip().splitlines()
-        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
-        sys.stderr.flush()
-        raise
+    code = kdist.entry(lambda: run(load_config(path, overrides)))
+    if code:
+        return code
     import torch.distributed as dist
 
     if dist.is_initialized():

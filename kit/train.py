@@ -12,10 +12,8 @@ an exception on any rank is printed with its rank before torchrun stops the othe
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -379,18 +377,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return check.main(argv[1:])
     path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
-    rank = os.environ.get("RANK", "0")
-    try:
-        run(load_config(path, overrides))
-    except ConfigError as e:  # bad input: one line, no traceback
-        sys.stderr.write(f"[rank {rank}] ConfigError: {e}\n")
-        return 2
-    except BaseException:
-        lines = traceback.format_exc().rstrip().splitlines()
-        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
-        sys.stderr.flush()
-        raise
-    return 0
+    return kdist.entry(lambda: run(load_config(path, overrides)))
 
 
 if __name__ == "__main__":
