@@ -59,6 +59,20 @@ SPECS: dict[str, dict] = {
         rope_theta=500000.0,
         tie_word_embeddings=True,
     ),
+    # SmolLM2-135M's shape (a Llama, 134.5M params, tied embeddings): big enough on a CPU that the
+    # weights, not the libraries, dominate a rank's host memory (kit.loading's measurements).
+    "llama-135m": dict(
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    ),
     # Llama-3-8B's shape (8.03B params).
     "llama-8b": dict(
         model_type="llama",

@@ -43,6 +43,10 @@ class ModelConfig:
     # no bf16 instructions, so above ~40M params prefer float32 when running on CPU.
     dtype: DType = "bfloat16"
     trust_remote_code: bool = False
+    # How each rank gets the weights (kit/loading.py). full: every rank reads the checkpoint and
+    # quantizes it (N copies in host memory on an N-GPU node); rank0: rank 0 does, the others
+    # build the model on the meta device and receive it by broadcast (host memory of one copy).
+    loading: Literal["full", "rank0"] = "full"
 
 
 @dataclass

@@ -5,9 +5,9 @@
 
 The recipe (kit.train), notebook 04's per-rank report (kit.sharding), the memory measurements
 (kit.memory), the pitfall reproductions' fixed side and the benchmarks/ scripts all call this, so
-the order of operations lives in one place. Each step is its own module: kit.quantize (load),
-kit.lora, kit.recompute, kit.loss. Sharding comes after, and is the caller's: what it wraps
-depends on the engine (kit.sharding).
+the order of operations lives in one place. Each step is its own module: kit.loading and
+kit.quantize (load), kit.lora, kit.recompute, kit.loss. Sharding comes after, and is the
+caller's: what it wraps depends on the engine (kit.sharding).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kit import lora, quantize, recompute
+from kit import loading, lora, quantize, recompute
 from kit import loss as kloss
 from kit.checks import check_checkpointing_active
 from kit.config import Config, ConfigError
@@ -38,7 +38,7 @@ def build(cfg: Config, device: torch.device, *, train: bool = True) -> Built:
     does nothing). train=False stops after LoRA: the model as loaded, for looking inside.
     A data.max_seq_len past the model's max_position_embeddings is refused (ConfigError)."""
     attn, warning = quantize.attention_implementation(cfg.attention.implementation)
-    model, tokenizer = quantize.load_model(cfg, device, attn)
+    model, tokenizer = loading.load(cfg, device, attn)  # model.loading: full | rank0
     most = getattr(model.config, "max_position_embeddings", None)
     if isinstance(most, int) and cfg.data.max_seq_len > most:  # the doctor's pre-flight says it too
         raise ConfigError(f"data.max_seq_len: {cfg.data.max_seq_len} is not allowed; "

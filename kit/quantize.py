@@ -63,7 +63,8 @@ def load_model(cfg: Config, device: torch.device, attn: str | None = None):
     # Each rank loads (and quantizes) onto its own device; never device_map="auto" under FSDP.
     # Named on CPU too: without a device_map, transformers puts a 4-bit model on the current GPU
     # whenever there is one, even for a CPU run (or a notebook kernel looking at a layer).
-    kwargs["device_map"] = {"": device.index if device.type == "cuda" else "cpu"}
+    # On "meta" (kit.loading's rank0 mode, ranks other than 0): the same modules, nothing read.
+    kwargs["device_map"] = {"": device.index if device.type == "cuda" else device.type}
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     keep_packing(model)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)

@@ -26,6 +26,7 @@ from kit import (
     data,
     engines,
     faults,
+    loading,
     lora,
     memory,
     model,
@@ -67,7 +68,12 @@ class Recipe:
         with kdist.main_process_first(env):  # rank 0 builds kit models / fills caches first
             builtin.resolve(cfg.model.name)
             data.warm_cache(cfg.data)
-        built = model.build(cfg, env.device)
+        loaded = time.perf_counter()
+        built = model.build(cfg, env.device)  # model.loading: full | rank0 (kit.loading)
+        peaks: list = [None] * env.world_size  # each rank's peak host memory (MiB), after loading
+        dist.all_gather_object(peaks, round(loading.peak_rss_mib(), 1))
+        self.load = {"mode": cfg.model.loading, "peak_host_mib": peaks,
+                     "seconds": round(time.perf_counter() - loaded, 2)}
         if built.attention_warning:
             self.say(built.attention_warning)
         self.peft_model, self.tokenizer = built.model, built.tokenizer
@@ -332,6 +338,7 @@ class Recipe:
             "world_size": self.env.world_size,
             "device": self.env.device.type,
             "elapsed_s": round(time.perf_counter() - self.started, 3),
+            "load": self.load,
             **saved,
         }
         if self.env.is_main:

@@ -50,6 +50,7 @@ KERNEL_SIDE = [
     "kit.manifest",  # checkpoint manifests: the torch-free check before torchrun reads them too
     "kit.check", "kit.runfolder", "kit.sources",  # what is known before any process starts
     "kit.jobs", "kit.schemas",  # every way to launch a config on N nodes, and the CRDs it fits
+    "kit.loading_report",  # notebook 10's load-only runs, started and read
 ]
 RANK_SIDE = [
     "kit.train", "kit.model", "kit.builtin", "kit.quantize", "kit.lora", "kit.recompute",
@@ -57,6 +58,7 @@ RANK_SIDE = [
     "kit.dist", "kit.faults", "kit.checks", "kit.article", "kit.bench_worker", "kit.memory",
     "kit.attention", "kit.attention_bench", "kit.pitfalls.reproduce", "kit.merge",
     "kit.sft", "kit.sft_setup",  # TRL's SFTTrainer under accelerate launch
+    "kit.loading",  # model.loading: full | rank0
 ]
 KERNEL_HEAVY = ("torch", "transformers", "peft", "bitsandbytes", "ipywidgets")
 MAY_IMPORT_IPYWIDGETS = ("widgets", "__main__")  # relative to the package

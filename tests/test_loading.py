@@ -1,0 +1,46 @@
+"""kit.loading: model.loading = full | rank0.
+
+Where the two modes run for real on 2 processes (each its own check, not repeated here):
+- tests/test_train.py's fsdp2-nf4 and fsdp1-nf4 cases train with model.loading=rank0 (rank 1
+  receives every tensor, the 4-bit ones with their quantization state) and reload the adapter;
+- notebook 10's section 3 (run once, in tests/test_jobs.py) loads kit:llama-135m both ways: the
+  same digest on every rank in both modes, and rank 1's host memory under rank0 well below full's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kit import loading, loading_report
+from kit.config import ConfigError, load_config
+
+
+def test_an_unknown_mode_is_one_line():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.loading=stream"])
+    assert str(err.value) == "model.loading: 'stream' is not allowed; expected one of 'full', 'rank0'"
+
+
+def test_a_group_of_one_loads_fully_and_the_digest_sees_every_byte():
+    """Without a process group there is no rank 0 to receive from: rank0 loads as full does, the
+    same bytes (digest); and one flipped bit of a 4-bit constant changes the digest."""
+    cfg = {mode: load_config(None, [f"model.loading={mode}"]) for mode in ("full", "rank0")}
+    models = {mode: loading.load(c, torch.device("cpu"))[0] for mode, c in cfg.items()}
+    digests = {mode: loading.state_digest(m) for mode, m in models.items()}
+    assert digests["full"] == digests["rank0"]
+    absmax = models["full"].model.layers[0].self_attn.q_proj.weight.quant_state.absmax
+    absmax[0] ^= 1
+    assert loading.state_digest(models["full"]) != digests["rank0"]
+
+
+def test_report_rows_read_in_rank_order(tmp_path):
+    import json
+
+    for rank in (10, 2, 0):
+        row = {"mode": "rank0", "rank": rank, "read_checkpoint": rank == 0, "seconds": 1.0,
+               "rss_before_mib": 100.0, "peak_rss_mib": 150.5, "digest": "ab" * 32}
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(row))
+    rows = loading_report.table(loading_report.read(tmp_path))
+    assert [r["rank"] for r in rows] == [0, 2, 10]
+    assert rows[0]["load's MiB"] == 50.5 and rows[0]["digest"] == "ab" * 6
