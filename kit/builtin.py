@@ -86,6 +86,21 @@ SPECS: dict[str, dict] = {
         rope_theta=500000.0,
         tie_word_embeddings=False,
     ),
+    # Llama-2-70B's shape (68.98B params; the first article's model). Never written to disk:
+    # its folder holds the config and tokenizer, and each rank initialises the weights at load,
+    # tensor by tensor on its device, quantizing as it goes (kit.loading): no 138 GB file.
+    "llama-70b": dict(
+        model_type="llama",
+        vocab_size=32000,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
     # Tiny, with Llama-3-8B's ratios (MLP 3.5x hidden, a quarter as many key/value heads): what
     # a decoder layer keeps for backward, counted on CPU, scales to the 8B shape by hidden size.
     "tiny-llama-8b-ratios": dict(
@@ -100,6 +115,12 @@ SPECS: dict[str, dict] = {
         tie_word_embeddings=False,
     ),
 }
+
+# Shapes whose weights are initialised at load (kit.loading.initialise) instead of written: their
+# folder's INIT_FILE says how. Tiny ones too, so that path runs on a CPU.
+AT_LOAD = {"llama-70b": 0, "tiny-llama-at-load": 0}  # name -> seed
+SPECS["tiny-llama-at-load"] = dict(SPECS["tiny-llama"])
+INIT_FILE = "kit-init-at-load.json"
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 CHAT_TEMPLATE = (
@@ -173,15 +194,21 @@ def build(name: str, seed: int = 0) -> Path:
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )
-        # Large shapes are initialised on a GPU when there is one: minutes faster than CPU.
-        device = "cuda" if torch.cuda.is_available() and config.hidden_size >= 1024 else "cpu"
-        # fork_rng: building must not move the caller's RNG (rank 0 builds, the others do not).
-        with torch.random.fork_rng(devices=[0] if device == "cuda" else []), torch.device(device):
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        model.save_pretrained(tmp)
+        if name in AT_LOAD:  # the config and tokenizer only; weights at load (kit.loading)
+            config.save_pretrained(tmp)
+            (tmp / INIT_FILE).write_text(json.dumps(
+                {"seed": AT_LOAD[name], "std": config.initializer_range}))
+        else:
+            # Large shapes are initialised on a GPU when there is one: minutes faster than CPU.
+            device = "cuda" if torch.cuda.is_available() and config.hidden_size >= 1024 else "cpu"
+            # fork_rng: building must not move the caller's RNG (rank 0 builds, the others not).
+            with (torch.random.fork_rng(devices=[0] if device == "cuda" else []),
+                  torch.device(device)):  # fmt: skip
+                torch.manual_seed(seed)
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+            model.save_pretrained(tmp)
+            del model
         tokenizer.save_pretrained(tmp)
-        del model
         try:
             os.rename(tmp, folder)
         except OSError:  # another process finished first: theirs is identical
@@ -190,6 +217,12 @@ def build(name: str, seed: int = 0) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return folder
+
+
+def init_at_load(path) -> dict | None:
+    """How to initialise a model whose folder holds no weights ({"seed", "std"}), else None."""
+    marker = Path(path) / INIT_FILE
+    return json.loads(marker.read_text()) if marker.is_file() else None
 
 
 def resolve(name: str) -> str:

@@ -27,18 +27,73 @@ import time
 import torch
 import torch.distributed as dist
 
-from kit import quantize
+from kit import builtin, quantize
 from kit.config import Config
 
 
 def load(cfg: Config, device: torch.device, attn: str | None = None):
-    """(model, tokenizer) on `device`, by cfg.model.loading; a group of one always loads fully."""
-    if cfg.model.loading == "full" or not dist.is_initialized() or dist.get_world_size() == 1:
-        return quantize.load_model(cfg, device, attn)
-    main = dist.get_rank() == 0
-    model, tokenizer = quantize.load_model(cfg, device if main else torch.device("meta"), attn)
-    receive_from_rank0(model, device)
+    """(model, tokenizer) on `device`, by cfg.model.loading; a group of one always loads fully.
+    A model whose folder holds no weights (kit.builtin.AT_LOAD, e.g. kit:llama-70b) is
+    initialised where it would be read (kit.loading.initialise)."""
+    single = not dist.is_initialized() or dist.get_world_size() == 1
+    reads = cfg.model.loading == "full" or single or dist.get_rank() == 0
+    init = builtin.init_at_load(builtin.resolve(cfg.model.name))
+    if init is not None:
+        model, tokenizer = quantize.load_model(cfg, torch.device("meta"), attn, weights=False)
+        if reads:
+            initialise(model, device, **init, quant=quantize.params4bit_kwargs(cfg))
+    else:
+        model, tokenizer = quantize.load_model(cfg, device if reads else torch.device("meta"),
+                                               attn)
+    if not (cfg.model.loading == "full" or single):
+        receive_from_rank0(model, device)
     return model, tokenizer
+
+
+def initialise(model: torch.nn.Module, device: torch.device, seed: int, std: float,
+               quant: dict) -> None:  # fmt: skip
+    """Random weights for a model built on the meta device, one tensor at a time on `device`:
+    matrices N(0, std) (4-bit ones quantized right away, as from_pretrained quantizes what it
+    reads), vectors of norms 1, biases 0, buffers (rotary frequencies) rebuilt by their module.
+    At most one full-precision tensor exists at a time: a 70B model needs neither its 138 GB of
+    bf16 weights on disk nor in memory. The same seed gives the same bytes on the same kind of
+    device (GPU and CPU generators differ). quant: Params4bit's settings (kit.quantize)."""
+    import bitsandbytes as bnb
+
+    generator = torch.Generator(device).manual_seed(seed)
+    done: dict[int, torch.Tensor] = {}
+    rebuilt: dict[int, torch.nn.Module] = {}
+    for module, kind, name, meta in list(_slots(model)):
+        if id(meta) in done:  # tied: already made
+            getattr(module, kind)[name] = done[id(meta)]
+            continue
+        if kind == "_buffers":
+            fresh = rebuilt.get(id(module))
+            if fresh is None:  # e.g. the rotary embedding: its __init__ computes its buffers
+                with torch.device(device):
+                    fresh = rebuilt[id(module)] = type(module)(config=model.config)
+            tensor = getattr(fresh, name).to(device)
+        elif isinstance(module, bnb.nn.Linear4bit) and name == "weight":
+            weight = torch.empty(meta.shape, dtype=_compute_dtype(module), device=device)
+            weight.normal_(0.0, std, generator=generator)
+            tensor = bnb.nn.Params4bit(weight, requires_grad=False, module=module,
+                                       **quant).to(device)  # quantizes, as transformers does
+        else:
+            tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            if meta.dim() > 1:
+                tensor.normal_(0.0, std, generator=generator)
+            elif name == "bias":
+                tensor.zero_()
+            else:
+                tensor.fill_(1.0)
+            tensor = torch.nn.Parameter(tensor, requires_grad=meta.requires_grad)
+        getattr(module, kind)[name] = done[id(meta)] = tensor
+    quantize.keep_packing(model)
+
+
+def _compute_dtype(module) -> torch.dtype:
+    """The dtype a 4-bit layer's weight has before quantization: its compute dtype."""
+    return getattr(module, "compute_dtype", None) or torch.bfloat16
 
 
 def _slots(model: torch.nn.Module):
@@ -112,9 +167,49 @@ def receive_from_rank0(model: torch.nn.Module, device: torch.device) -> int:
 
 # --------------------------------------------------------------------------- the load-only report
 
+class HostMemory:
+    """Peak host memory of this process while the block runs, split as the kernel counts it:
+    anonymous (this process's own; what the OOM killer frees by killing it) and file-backed
+    (pages of memory-mapped checkpoint files: the page cache, shared by every rank that maps
+    the same file and reclaimable). Sampled from /proc/self/status every `every_s` seconds.
+    Gap filled: getrusage and psutil give one peak for both, or none."""
+
+    def __init__(self, every_s: float = 0.01):
+        self.every_s, self.peak = every_s, {"RssAnon": 0.0, "RssFile": 0.0, "VmRSS": 0.0}
+
+    def sample(self) -> None:
+        for line in open("/proc/self/status"):
+            key, _, value = line.partition(":")
+            if key in self.peak:
+                self.peak[key] = max(self.peak[key], int(value.split()[0]) / 1024)
+
+    def __enter__(self):
+        import threading
+
+        self._stop = threading.Event()
+        self.sample()
+
+        def run():
+            while not self._stop.wait(self.every_s):
+                self.sample()
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
 def peak_rss_mib() -> float:
-    """This process's peak resident host memory so far (Linux reports KiB). It counts pages of
-    memory-mapped checkpoint files a rank has touched, as the kernel's OOM accounting does."""
+    """This process's peak resident host memory so far (VmHWM; not ru_maxrss, which on Linux
+    carries the launching parent's peak over exec). It counts pages of memory-mapped checkpoint
+    files a rank has touched (HostMemory splits them out)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024  # KiB -> MiB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -142,13 +237,16 @@ def report(cfg: Config, env) -> dict:
 
     before = peak_rss_mib()
     start = time.perf_counter()
-    model, _ = load(cfg, env.device)
+    with HostMemory() as mem:
+        model, _ = load(cfg, env.device)
     seconds = time.perf_counter() - start
     dist.barrier()
     packed = quantize.quantized_bytes(model) if cfg.quantization.method != "none" else {}
     return {"mode": cfg.model.loading, "rank": env.rank, "world_size": env.world_size,
             "seconds": round(seconds, 2), "rss_before_mib": round(before, 1),
             "peak_rss_mib": round(peak_rss_mib(), 1),
+            "peak_anon_mib": round(mem.peak["RssAnon"], 1),
+            "peak_file_mib": round(mem.peak["RssFile"], 1),
             "read_checkpoint": cfg.model.loading == "full" or env.rank == 0,
             "model_bytes": packed.get("total") or sum(
                 p.numel() * p.element_size() for p in model.parameters()),

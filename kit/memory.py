@@ -92,6 +92,18 @@ def runtime_baseline_gib() -> float:
     return int(out.stdout.split()[-1]) / 2**20  # KiB -> GiB
 
 
+def allocated_gib(device) -> float:
+    """What tensors hold on `device` now: allocated CUDA memory on a GPU, the resident set on CPU."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**30
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 2**20  # KiB -> GiB
+    return 0.0
+
+
 def peak_gib(device) -> float:
     """Peak memory of this process on `device` so far: allocated CUDA memory on a GPU, the peak
     resident set on CPU (each rank's own: every row of metrics.jsonl carries it)."""

@@ -96,8 +96,12 @@ def load_for_inference(run_dir, adapter: str | Path | None = None, merged: bool 
 
     cfg = load_config(Path(run_dir) / "config.yaml")
     adapter = Path(adapter or Path(run_dir) / "adapter")
+    base = builtin.resolve(cfg.model.name)
+    if builtin.init_at_load(base) is not None:  # random weights made at load, never written
+        raise CheckpointError(f"model.name: {cfg.model.name} has no weights on disk (its weights "
+                              "are initialised at each load); nothing to load the adapter onto")
     model = AutoModelForCausalLM.from_pretrained(
-        builtin.resolve(cfg.model.name),
+        base,
         dtype=quantize.DTYPES[cfg.model.dtype],
         quantization_config=quantize.bnb_config(cfg),
         **({"device_map": {"": 0}} if torch.cuda.is_available() else {}),

@@ -40,6 +40,13 @@ def bnb_config(cfg: Config):
     )
 
 
+def params4bit_kwargs(cfg: Config) -> dict:
+    """How bitsandbytes' Params4bit quantizes a weight for cfg (what BitsAndBytesConfig sets)."""
+    q = cfg.quantization
+    return dict(blocksize=64, compress_statistics=q.double_quant, quant_type=q.method,
+                quant_storage=storage_dtype(cfg))
+
+
 def attention_implementation(requested: str) -> tuple[str, str | None]:
     """(implementation to use, warning or None), through kit.attention.resolve: flash_attention_2
     falls back to sdpa without the flash-attn package (sdpa carries a FlashAttention-2 kernel of
@@ -49,9 +56,12 @@ def attention_implementation(requested: str) -> tuple[str, str | None]:
     return attention.resolve(requested)
 
 
-def load_model(cfg: Config, device: torch.device, attn: str | None = None):
-    """from_pretrained the base model onto `device`, quantized per cfg; returns (model, tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(cfg: Config, device: torch.device, attn: str | None = None,
+               weights: bool = True):  # fmt: skip
+    """from_pretrained the base model onto `device`, quantized per cfg; returns (model, tokenizer).
+    weights=False: the same model on the meta device from the folder's config alone (a folder
+    without weights: kit.builtin.AT_LOAD), for kit.loading to fill."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = builtin.resolve(cfg.model.name)
     kwargs = dict(
@@ -65,7 +75,21 @@ def load_model(cfg: Config, device: torch.device, attn: str | None = None):
     # whenever there is one, even for a CPU run (or a notebook kernel looking at a layer).
     # On "meta" (kit.loading's rank0 mode, ranks other than 0): the same modules, nothing read.
     kwargs["device_map"] = {"": device.index if device.type == "cuda" else device.type}
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if weights:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    else:  # the model class's from_pretrained with an empty state dict: every weight on meta
+        from transformers.utils import logging
+
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+        kwargs.update(config=config, state_dict={}, device_map={"": "meta"})
+        kwargs.pop("trust_remote_code")
+        before = logging.get_verbosity()
+        logging.set_verbosity_error()  # its report lists every weight as missing: all are
+        try:
+            cls = AutoModelForCausalLM._model_mapping[type(config)]
+            model = cls.from_pretrained(None, **kwargs)
+        finally:
+            logging.set_verbosity(before)
     keep_packing(model)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
     return model, tokenizer

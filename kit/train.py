@@ -73,7 +73,8 @@ class Recipe:
         peaks: list = [None] * env.world_size  # each rank's peak host memory (MiB), after loading
         dist.all_gather_object(peaks, round(loading.peak_rss_mib(), 1))
         self.load = {"mode": cfg.model.loading, "peak_host_mib": peaks,
-                     "seconds": round(time.perf_counter() - loaded, 2)}
+                     "seconds": round(time.perf_counter() - loaded, 2),
+                     "device_gib": round(memory.allocated_gib(env.device), 3)}  # before sharding
         if built.attention_warning:
             self.say(built.attention_warning)
         self.peft_model, self.tokenizer = built.model, built.tokenizer

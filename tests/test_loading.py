@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kit import loading, loading_report
+from kit import builtin, loading, loading_report
 from kit.config import ConfigError, load_config
 
 
@@ -44,3 +44,33 @@ def test_report_rows_read_in_rank_order(tmp_path):
     rows = loading_report.table(loading_report.read(tmp_path))
     assert [r["rank"] for r in rows] == [0, 2, 10]
     assert rows[0]["load's MiB"] == 50.5 and rows[0]["digest"] == "ab" * 6
+
+
+def test_a_model_without_weights_on_disk_is_initialised_at_load():
+    """kit.builtin.AT_LOAD (kit:llama-70b; its tiny twin here): the folder holds no weights; the
+    model is built on meta and filled tensor by tensor, 4-bit weights quantized as they are made,
+    and it runs: a loss near log(vocabulary) for random weights."""
+    cfg = load_config(None, ["model.name=kit:tiny-llama-at-load"])
+    folder = builtin.resolve(cfg.model.name)
+    assert not [p.name for p in builtin.Path(folder).glob("*.safetensors")]
+    model, tokenizer = loading.load(cfg, torch.device("cpu"))
+    q_proj = model.model.layers[0].self_attn.q_proj.weight
+    assert tuple(q_proj.shape) == (128 * 128 // 2 // 2, 1) and q_proj.quant_state.quant_type == "nf4"
+    assert not any(t.is_meta for t in model.state_dict().values())
+    ids = tokenizer("the model learns", return_tensors="pt").input_ids
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss.item()
+    assert abs(loss - torch.log(torch.tensor(1024.0)).item()) < 0.5, loss
+
+
+@pytest.mark.slow
+def test_rank0_loading_on_two_processes_gives_every_rank_the_same_bytes(tmp_path):
+    """One load-only torchrun (kit.loading_report.measure), model.loading=rank0, of the model
+    initialised at load: rank 0 makes it, rank 1 receives every tensor. Both hold exactly what one
+    process makes alone with model.loading=full (the digest of every byte)."""
+    rows = loading_report.measure("tiny-cpu", ["model.name=kit:tiny-llama-at-load"],
+                                  modes=("rank0",), out=tmp_path)
+    alone = loading.load(load_config(None, ["model.name=kit:tiny-llama-at-load"]),
+                         torch.device("cpu"))[0]
+    assert [(r["rank"], r["read_checkpoint"]) for r in rows] == [(0, True), (1, False)]
+    assert {r["digest"] for r in rows} == {loading.state_digest(alone)}
