@@ -69,3 +69,20 @@ def tiny_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_run") / "run"
     torchrun(out, *TINY_RUN)
     return out
+
+
+# Notebook 11 run once under papermill (its defaults; out_dir in a temporary folder): its test in
+# test_doctor.py reads what it printed, test_pitfalls.py the reproductions it ran (every pitfall,
+# both sides, one torchrun launch: kit.doctor.cases.read(out=<folder>/runs)), so CI runs that
+# launch once.
+@pytest.fixture(scope="session")
+def notebook_11(tmp_path_factory) -> Path:
+    """The folder holding the executed notebook (11.ipynb) and its run folders (runs/)."""
+    papermill = pytest.importorskip("papermill")
+    folder = tmp_path_factory.mktemp("notebook_11")
+    papermill.execute_notebook(
+        str(ROOT / "notebooks" / "11-troubleshooting.ipynb"), str(folder / "11.ipynb"),
+        parameters={"out_dir": str(folder / "runs"), "cases": []},  # cases=[]: every pitfall
+        cwd=str(ROOT / "notebooks"), kernel_name="python3", progress_bar=False,
+    )  # fmt: skip
+    return folder

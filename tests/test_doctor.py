@@ -603,14 +603,9 @@ def test_notebook_11_is_committed_clean_with_a_literal_parameters_cell():
 
 
 @pytest.mark.slow
-def test_notebook_11_runs_under_papermill(tmp_path):
-    papermill = pytest.importorskip("papermill")
-    out = tmp_path / "11.ipynb"
-    papermill.execute_notebook(
-        str(NOTEBOOK), str(out), parameters={"out_dir": str(tmp_path / "runs")},
-        cwd=str(ROOT / "notebooks"), kernel_name="python3", progress_bar=False,
-    )  # fmt: skip
-    nb = json.loads(out.read_text())
+def test_notebook_11_runs_under_papermill(notebook_11):
+    """Run once per session (conftest.notebook_11); test_pitfalls reads its reproductions."""
+    nb = json.loads((notebook_11 / "11.ipynb").read_text())
     # What nbval --nbval-lax would compare: the stored deterministic outputs reproduce.
     assert checked_outputs(nb) == checked_outputs(json.loads(NOTEBOOK.read_text()))
     text = ""
@@ -627,7 +622,7 @@ def test_notebook_11_runs_under_papermill(tmp_path):
         assert s["raw_failed"] and s["expect"] in s["raw_codes"], (case, s)  # and explained it
         assert s["fixed_clean"], (case, s)  # and the one-line fix works
     assert "RunFailed" in text and "loss_nonfinite" in text  # the NaN run, caught and diagnosed
-    assert (tmp_path / "runs" / "nan" / "metrics.jsonl").is_file()  # out_dir reached the code
+    assert (notebook_11 / "runs" / "nan" / "metrics.jsonl").is_file()  # out_dir reached the code
     # The check step: one line each, exit 2.
     assert "exit 2: ConfigError: data.path:" in text and "row 2 (line 2): 'text' is missing" in text
     assert "exit 2: ConfigError: attention.implementation: 'flex_attention'" in text

@@ -16,7 +16,7 @@ from conftest import TINY
 
 from kit import doctor, pitfalls
 from kit.config import Config, ConfigError, apply_overrides, load_config
-from kit.doctor.cases import CPU, describe, launches, repro_table, reproduce
+from kit.doctor.cases import CPU, describe, launches, read, repro_table
 from kit.doctor.context import namespace
 from kit.doctor.script import script_line
 from kit.findings import LEVELS
@@ -207,13 +207,21 @@ def test_launches_run_the_crashing_step_last():
         launches(["cuda_oom"])
 
 
+def test_read_names_a_launch_folder_that_was_never_run(tmp_path):
+    (tmp_path / "launch-0").mkdir()  # written, not run: no exit_code, no reports
+    with pytest.raises(FileNotFoundError, match=f"^{tmp_path / 'launch-0'}: no finished launch"):
+        read(out=tmp_path)
+
+
 # --------------------------------------------------------------------------- run for real
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every reproduction, both sides, in one torchrun launch of 2 CPU ranks."""
-    return reproduce(out=tmp_path_factory.mktemp("pitfalls"))
+def runs(notebook_11):
+    """Every reproduction, both sides, in one torchrun launch of 2 CPU ranks: the launch notebook
+    11 made with reproduce() (conftest.notebook_11, run once per session), read back from its
+    folder as reproduce() itself reads it."""
+    return read(out=notebook_11 / "runs")
 
 
 @pytest.mark.slow

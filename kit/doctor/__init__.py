@@ -14,7 +14,8 @@ its ranks are kit/checks.py). One file per moment, read top to bottom:
     script.py     scan_script(path_or_text): article patterns in a user's script
     run.py        diagnose_run(run_dir): a finished or failed run folder
     explain.py    explain(text): raw error strings -> cause and fix
-    cases.py      reproduce(codes): the pitfalls' reproductions under torchrun (notebooks 05, 11)
+    cases.py      reproduce(codes): the pitfalls' reproductions under torchrun (notebooks 05, 11);
+                  read(codes): the same, read again from the launch folders they left
 
 What each pitfall is, how each moment recognises it and its fix are one record per pitfall in
 kit/pitfalls; these modules only read them. Every pitfall was reproduced on this stack

@@ -4,6 +4,7 @@ torchrun, each rank's outcome read back with what the doctor makes of it.
     runs = reproduce(["prepare_kbit_fsdp1", "fsdp1_int_storage"])   # one torchrun launch
     print(repro_table(runs["wrong"]))                                # and runs["fixed"]
     print(describe(runs, "prepare_kbit_fsdp1"))
+    runs = read(["prepare_kbit_fsdp1", "fsdp1_int_storage"])        # the same, read back later
 
 The ranks run kit/pitfalls/reproduce.py from a run folder written and started by
 kit.launch.run_to_end (config.yaml, run.sh, run.log), like every other run of the kit.
@@ -64,20 +65,37 @@ def reproduce(codes=(), sides=SIDES, nproc: int = 2, out: str | Path = "",
     {side: {code: Repro}}. Each launch is a run folder under `out` (default launch/pitfalls)."""
     from kit.launch import run_to_end
 
-    out = Path(out or ROOT / "launch" / "pitfalls").resolve()
-    runs: dict[str, dict] = {side: {} for side in sides}
+    out = _out(out)
     for i, steps in enumerate(launches(codes, sides)):
         folder = out / f"launch-{i}"
         shutil.rmtree(folder, ignore_errors=True)  # no report of an earlier launch is read
-        run = run_to_end(TINY, [*overrides, f"run.output_dir={folder}", "run.dist_timeout_min=2"],
-                         nproc=nproc, name=f"pitfalls-{i}", module="kit.pitfalls.reproduce",
-                         args=["{config}", "{run_dir}", *steps], timeout=timeout, check=False)
-        console = run.output()
+        run_to_end(TINY, [*overrides, f"run.output_dir={folder}", "run.dist_timeout_min=2"],
+                   nproc=nproc, name=f"pitfalls-{i}", module="kit.pitfalls.reproduce",
+                   args=["{config}", "{run_dir}", *steps], timeout=timeout, check=False)
+    return read(codes, sides, nproc, out)
+
+
+def read(codes=(), sides=SIDES, nproc: int = 2, out: str | Path = "") -> dict[str, dict]:
+    """What reproduce(codes, sides, nproc, out) returned, read again from the launch folders it
+    left under `out` (each rank's reports and run.log), starting nothing: a notebook's
+    reproductions, read by a test or another kernel. A launch folder that is missing or was
+    never run raises FileNotFoundError, naming it."""
+    out = _out(out)
+    runs: dict[str, dict] = {side: {} for side in sides}
+    for i, steps in enumerate(launches(codes, sides)):
+        folder = out / f"launch-{i}"
+        if not (folder / "exit_code").is_file():  # run.sh writes it when torchrun has ended
+            raise FileNotFoundError(f"{folder}: no finished launch of reproduce() here")
+        console = (folder / "run.log").read_text(errors="replace")
         for step in steps:
             code, side = step.split(":")
             runs[side][code] = _read(folder, code, side, nproc, console)
     order = [p.code for p in pitfalls.reproduced(codes)]
     return {side: {c: got[c] for c in order if c in got} for side, got in runs.items()}
+
+
+def _out(out: str | Path) -> Path:
+    return Path(out or ROOT / "launch" / "pitfalls").resolve()
 
 
 def _read(folder: Path, code: str, side: str, nproc: int, console: str) -> Repro:
