@@ -44,9 +44,11 @@ class ModelConfig:
     dtype: DType = "bfloat16"
     trust_remote_code: bool = False
     # How each rank gets the weights (kit/loading.py). full: every rank reads the checkpoint and
-    # quantizes it (N copies in host memory on an N-GPU node); rank0: rank 0 does, the others
-    # build the model on the meta device and receive it by broadcast (host memory of one copy).
-    loading: Literal["full", "rank0"] = "full"
+    # quantizes it, then holds the whole model until sharding; rank0: rank 0 does, the others
+    # build the model on the meta device and receive it by broadcast; stream (FSDP2): each rank
+    # reads one tensor at a time, quantizes it on its device and keeps only its shard: no rank
+    # ever holds the whole model (what a 70B model on 24 GB GPUs needs).
+    loading: Literal["full", "rank0", "stream"] = "full"
 
 
 @dataclass
@@ -381,6 +383,9 @@ def _check(cfg: Config) -> None:
     need(t.max_grad_norm >= 0, "training.max_grad_norm", t.max_grad_norm, "expected >= 0 (0: off)")
     need(d.max_seq_len >= 2, "data.max_seq_len", d.max_seq_len, "expected an integer >= 2")
     need(0 <= d.val_fraction < 1, "data.val_fraction", d.val_fraction, "expected 0 <= x < 1")
+    need(m.loading != "stream" or cfg.sharding.engine == "fsdp2", "model.loading", m.loading,
+         f"only with sharding.engine=fsdp2 (it shards as it loads); with "
+         f"{cfg.sharding.engine}: full or rank0")
     need(lo.r >= 1, "lora.r", lo.r, "expected an integer >= 1")
     need(lo.alpha >= 1, "lora.alpha", lo.alpha, "expected an integer >= 1")
     need(0 <= lo.dropout < 1, "lora.dropout", lo.dropout, "expected 0 <= x < 1")

@@ -20,6 +20,7 @@ import functools
 import torch
 from torch import nn
 
+from kit import loading
 from kit.config import Config
 from kit.layers import decoder_layer_classes, decoder_layers
 from kit.quantize import DTYPES
@@ -84,7 +85,11 @@ class FSDP2(Engine):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         if s.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
+        # model.loading=stream: the model is still on the meta device; each unit is read (or
+        # initialised) just before it is sharded, so a rank holds its shards plus one unit.
+        fill = getattr(loading.streamer_of(model), "fill", lambda unit: None)
         for layer in decoder_layers(model):
+            fill(layer)
             fully_shard(layer, **kwargs)
             keep_quant_state(layer)
         embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -93,7 +98,9 @@ class FSDP2(Engine):
             # gathered until the end of backward (FSDP2 never reshards the root after forward),
             # at the peak of memory: 1 GiB for a 128k x 4,096 vocabulary. Tied to the head, it
             # stays there.
+            fill(embeddings)
             fully_shard(embeddings, **kwargs)
+        fill(model)
         fully_shard(model, **kwargs)  # the root: final norm, output head (and tied embeddings)
         return model
 

@@ -18,7 +18,10 @@ The folder is the run folder (the run's outputs land there too) and holds:
 
 Both Kubernetes manifests are checked against their CRDs (kit.schemas) before anything is
 written: an invalid one is never written. No secret is written anywhere: a pod's HF_TOKEN comes
-from the Kubernetes Secret `hf-token` by name, when it exists. Kernel side: no torch.
+from the Kubernetes Secret `hf-token` by name, when it exists.
+
+The folder's run.sh started as two nodes would start it, on one machine: kit.nodes.start_nodes
+(notebook 10). Kernel side: no torch.
 """
 
 from __future__ import annotations
@@ -146,7 +149,8 @@ def accelerate_config(cfg: Config, nnodes: int, nproc: int) -> dict:
     fsdp = {"fsdp_version": 2 if s.engine == "fsdp2" else 1,
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
             "fsdp_offload_params": s.cpu_offload,
-            "fsdp_cpu_ram_efficient_loading": False,  # every rank loads, as kit.train does
+            # The kit loads itself (model.loading: rank0 is this flag's intent, for 4-bit weights)
+            "fsdp_cpu_ram_efficient_loading": False,
             "fsdp_state_dict_type": STATE_DICT[cfg.checkpointing.format],
             "fsdp_activation_checkpointing": cfg.training.recompute.enabled}
     if s.engine == "fsdp2":
@@ -178,8 +182,9 @@ def accelerate_yaml(cfg: Config, nnodes: int, nproc: int) -> str:
         lines += [
             "# The FSDP unit is the decoder layer the model names in _no_split_modules, as in",
             "# kit/layers.py: accelerate reads it itself when fsdp_transformer_layer_cls_to_wrap is",
-            "# left out. cpu_ram_efficient_loading is off: every rank loads the model itself, as the",
-            "# kit's ranks do (on a GPU straight onto it).",
+            "# left out. cpu_ram_efficient_loading is off: the kit loads the model itself, as",
+            "# model.loading says (rank0: rank 0 reads, the others receive every tensor, 4-bit",
+            "# ones with their quantization state, before accelerate wraps it).",
         ]
         if cfg.training.recompute.enabled and cfg.training.recompute.keeps != "inputs":
             lines.append(f"# training.recompute.keeps={cfg.training.recompute.keeps} has no "

@@ -118,7 +118,7 @@ RUN_SH = """\
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 bash {rel}/run.sh
 # Outputs land next to this script: run.log (every rank, lines prefixed [defaultN]:), logs/ (per
 # rank stdout.log, stderr.log, error.json with a failed rank's traceback), metrics.jsonl,
-# result.json, adapter/, exit_code.
+# result.json, adapter/, exit_code (node 0's; node N's pid and exit_code: logs/node-N/).
 set -euo pipefail
 RUN_DIR="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd -P)"
 KIT_ROOT="${{KIT_ROOT:-{root}}}"  # ranks run here: -m kit.train, relative data paths
@@ -131,11 +131,21 @@ MASTER_PORT="${{MASTER_PORT:-${{PET_MASTER_PORT:-29500}}}}"
 RDZV_ID="${{RDZV_ID:-{rdzv_id}}}"  # multi-node: one id per job, the same on every node
 DIST_TIMEOUT_MIN="${{DIST_TIMEOUT_MIN:-{timeout}}}"  # collective timeout (run.dist_timeout_min)
 {check}
-echo $$ > "$RUN_DIR/pid"               # lets kit.launch.Run.attach find a terminal-started run
-rm -f "$RUN_DIR/exit_code"
-trap 'echo $? > "$RUN_DIR/exit_code"' EXIT
+# This node's pid, exit_code and terminal log: node 0 (and a lone node) keeps them in the run
+# folder, where kit.launch.Run reads them; another node in logs/node-<rank>/, so that nodes
+# sharing one folder (Slurm, a Kubernetes volume) each keep their own.
+NODE_DIR="$RUN_DIR"
+if [ "$NNODES" != 1 ] && [ "$NODE_RANK" != 0 ]; then
+  NODE_DIR="$RUN_DIR/logs/node-$NODE_RANK"
+  mkdir -p "$NODE_DIR"
+fi
+# The pid lets kit.launch.Run.attach find a terminal-started run; written whole by a rename, as
+# a watcher (kit.launch started this with the same pid written) may read it at any moment.
+echo $$ > "$NODE_DIR/pid.$$" && mv -f "$NODE_DIR/pid.$$" "$NODE_DIR/pid"
+rm -f "$NODE_DIR/exit_code"
+trap 'echo $? > "$NODE_DIR/exit_code"' EXIT
 trap 'exit 143' TERM                   # after torchrun has stopped its ranks: exit_code 143
-if [ -t 1 ]; then exec > >(tee -a "$RUN_DIR/run.log") 2>&1; fi   # the notebook redirects itself
+if [ -t 1 ]; then exec > >(tee -a "$NODE_DIR/run.log") 2>&1; fi   # the notebook redirects itself
 
 # Across nodes NCCL reads these; export them before run.sh (job.sbatch, a manifest's env):
 #   NCCL_SOCKET_IFNAME=eth0  the interface the nodes reach each other on, for NCCL's bootstrap

@@ -1,7 +1,8 @@
-"""How each rank gets the base model: `model.loading` = full | rank0 (rank side).
+"""How each rank gets the base model: `model.loading` = full | rank0 | stream (rank side).
 
-- full: every rank runs from_pretrained (kit.quantize.load_model): each reads the whole checkpoint
-  into host memory and quantizes it. What both articles do; N ranks on a node hold N copies.
+- full: every rank runs from_pretrained (kit.quantize.load_model): each reads the whole
+  checkpoint and quantizes it, and holds the whole 4-bit model until it is sharded. What both
+  articles do.
 - rank0: rank 0 runs from_pretrained; every other rank builds the same model on the meta device
   (from_pretrained with device_map "meta": the same modules, 4-bit layers and quantizer, no weight
   read) and receives each tensor from rank 0 by broadcast, the 4-bit ones already packed with
@@ -9,20 +10,27 @@
   `fsdp_sync_module_states` intend; done here before LoRA and wrapping, so it is the same for
   FSDP2, FSDP1 and DDP and works with 4-bit weights, which FSDP1's own sync_module_states would
   broadcast as bare bytes without their quantization state.
+- stream (FSDP2 only): the model stays on the meta device through LoRA; the FSDP2 engine fills
+  each unit (a decoder layer, the embeddings, the root) from the checkpoint one tensor at a time,
+  quantizing on the device, and shards it at once: a rank holds its shards plus one unit, never
+  the whole model, in host or device memory.
 
-Both give every rank the same bytes (tests/test_loading.py: bit-exact, and the same logits under
-FSDP2 and FSDP1). `python -m kit.loading CONFIG --report FILE` loads only and writes each rank's
-load time and peak host memory (kit.loading_report starts it from a notebook).
+Every mode gives every rank the same bytes and the same logits (tests/test_loading.py: the
+digest of each rank's shards after FSDP2 and of a forward's logits). `python -m kit.loading_rank
+CONFIG --report DIR` loads, shards and measures (kit.loading_report starts it from a notebook).
 
-Gap filled by hand: transformers loads a 4-bit model on meta and materialises a full checkpoint,
-but has no "receive a quantized model from rank 0" path (accelerate's is for FSDP1 wrapping and
-skips 4-bit layers' quantization state), and torch.distributed has no broadcast of a module tree.
+Gaps filled by hand: transformers loads a 4-bit model on meta or whole, but has no "receive a
+quantized model from rank 0" path (accelerate's is for FSDP1 wrapping and skips 4-bit layers'
+quantization state) nor a "this unit now" one; torch.distributed has no broadcast of a module
+tree, and its meta-device initialisation cannot quantize.
 """
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import time
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -32,68 +40,205 @@ from kit.config import Config
 
 
 def load(cfg: Config, device: torch.device, attn: str | None = None):
-    """(model, tokenizer) on `device`, by cfg.model.loading; a group of one always loads fully.
+    """(model, tokenizer) on `device`, by cfg.model.loading; with a group of one, rank0 is full.
     A model whose folder holds no weights (kit.builtin.AT_LOAD, e.g. kit:llama-70b) is
-    initialised where it would be read (kit.loading.initialise)."""
+    initialised where it would be read (Source). With stream, the model is returned on the meta
+    device with a Streamer attached: the FSDP2 engine fills each unit just before it shards it."""
+    mode = cfg.model.loading
     single = not dist.is_initialized() or dist.get_world_size() == 1
-    reads = cfg.model.loading == "full" or single or dist.get_rank() == 0
     init = builtin.init_at_load(builtin.resolve(cfg.model.name))
-    if init is not None:
-        model, tokenizer = quantize.load_model(cfg, torch.device("meta"), attn, weights=False)
-        if reads:
-            initialise(model, device, **init, quant=quantize.params4bit_kwargs(cfg))
+    if mode == "stream" or init is not None:
+        model, tokenizer = quantize.load_model(cfg, torch.device("meta"), attn,
+                                               weights=init is None)
+        source = Source(cfg, model, device, init)
+        if mode == "stream":
+            model._kit_stream = source  # filled by kit.engines.FSDP2.wrap, unit by unit
+            return model, tokenizer
+        if mode == "full" or single or dist.get_rank() == 0:
+            source.fill(model)
     else:
+        reads = mode == "full" or single or dist.get_rank() == 0
         model, tokenizer = quantize.load_model(cfg, device if reads else torch.device("meta"),
                                                attn)
-    if not (cfg.model.loading == "full" or single):
+    if mode == "rank0" and not single:
         receive_from_rank0(model, device)
     return model, tokenizer
 
 
-def initialise(model: torch.nn.Module, device: torch.device, seed: int, std: float,
-               quant: dict) -> None:  # fmt: skip
-    """Random weights for a model built on the meta device, one tensor at a time on `device`:
-    matrices N(0, std) (4-bit ones quantized right away, as from_pretrained quantizes what it
-    reads), vectors of norms 1, biases 0, buffers (rotary frequencies) rebuilt by their module.
+class Source:
+    """Where each tensor of a model built on the meta device comes from, one tensor at a time:
+    the checkpoint's safetensors files (memory-mapped; a tensor is read when it is needed), or,
+    for a folder without weights (`init`: {"seed", "std"}), a generator seeded by the tensor's
+    name: matrices N(0, std), norms 1, biases 0. 4-bit weights are quantized on `device` as they
+    arrive, as from_pretrained does; buffers (rotary frequencies) are rebuilt by their module.
     At most one full-precision tensor exists at a time: a 70B model needs neither its 138 GB of
-    bf16 weights on disk nor in memory. The same seed gives the same bytes on the same kind of
-    device (GPU and CPU generators differ). quant: Params4bit's settings (kit.quantize)."""
-    import bitsandbytes as bnb
+    bf16 weights on disk (init) nor in memory. Random weights are the same for the same seed on
+    the same kind of device (CPU and GPU generators differ)."""
 
-    generator = torch.Generator(device).manual_seed(seed)
-    done: dict[int, torch.Tensor] = {}
-    rebuilt: dict[int, torch.nn.Module] = {}
-    for module, kind, name, meta in list(_slots(model)):
-        if id(meta) in done:  # tied: already made
-            getattr(module, kind)[name] = done[id(meta)]
-            continue
-        if kind == "_buffers":
-            fresh = rebuilt.get(id(module))
-            if fresh is None:  # e.g. the rotary embedding: its __init__ computes its buffers
-                with torch.device(device):
-                    fresh = rebuilt[id(module)] = type(module)(config=model.config)
-            tensor = getattr(fresh, name).to(device)
-        elif isinstance(module, bnb.nn.Linear4bit) and name == "weight":
-            weight = torch.empty(meta.shape, dtype=_compute_dtype(module), device=device)
-            weight.normal_(0.0, std, generator=generator)
-            tensor = bnb.nn.Params4bit(weight, requires_grad=False, module=module,
-                                       **quant).to(device)  # quantizes, as transformers does
-        else:
-            tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-            if meta.dim() > 1:
-                tensor.normal_(0.0, std, generator=generator)
-            elif name == "bias":
-                tensor.zero_()
+    def __init__(self, cfg: Config, model: torch.nn.Module, device: torch.device,
+                 init: dict | None):  # fmt: skip
+        self.device, self.init = device, init
+        self.quant = quantize.params4bit_kwargs(cfg)
+        # Checkpoint names, fixed now: PEFT will nest the 4-bit layers under `base_layer`.
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.config, self.model = model.config, model
+        self.files = {} if init else _checkpoint_files(builtin.resolve(cfg.model.name))
+        self.open: dict = {}
+        self.most_held = 0  # the most bytes the model held on this rank after a fill
+
+    def fill(self, module: torch.nn.Module) -> int:
+        """Replace every meta parameter and buffer under `module`; returns how many."""
+        import bitsandbytes as bnb
+
+        made: dict[int, torch.Tensor] = {}
+        rebuilt: dict[int, torch.nn.Module] = {}
+        for owner, kind, name, meta in list(_slots(module)):
+            if not meta.is_meta:
+                continue
+            if id(meta) in made:  # tied: the same tensor
+                getattr(owner, kind)[name] = made[id(meta)]
+                continue
+            key = f"{self.names[id(owner)]}.{name}".lstrip(".")
+            if kind == "_buffers" and (self.init or key not in self.files):
+                fresh = rebuilt.get(id(owner))
+                if fresh is None:  # e.g. the rotary embedding: its __init__ computes them
+                    with torch.device(self.device):
+                        fresh = rebuilt[id(owner)] = type(owner)(config=self.config)
+                tensor = getattr(fresh, name).to(self.device)
+            elif isinstance(owner, bnb.nn.Linear4bit) and name == "weight":
+                value = self._value(key, meta.shape, meta.dtype, "matrix")
+                tensor = bnb.nn.Params4bit(value, requires_grad=False, module=owner,
+                                           **self.quant).to(self.device)  # quantizes
             else:
-                tensor.fill_(1.0)
-            tensor = torch.nn.Parameter(tensor, requires_grad=meta.requires_grad)
-        getattr(module, kind)[name] = done[id(meta)] = tensor
-    quantize.keep_packing(model)
+                value = self._value(key, meta.shape, meta.dtype,
+                                    "matrix" if meta.dim() > 1 else name)
+                tensor = (torch.nn.Parameter(value, requires_grad=meta.requires_grad)
+                          if kind == "_parameters" else value)  # fmt: skip
+            getattr(owner, kind)[name] = made[id(meta)] = tensor
+        quantize.keep_packing(module)
+        self.most_held = max(self.most_held, held_bytes(self.model))
+        return len(made)
+
+    def _value(self, key: str, shape, dtype, what: str) -> torch.Tensor:
+        if self.init is None:
+            return self._read(key).to(self.device, dtype)
+        tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        if what == "matrix":
+            seed = (self.init["seed"] * 1_000_003 + zlib.crc32(key.encode())) % 2**63
+            generator = torch.Generator(self.device).manual_seed(seed)
+            return tensor.normal_(0.0, self.init["std"], generator=generator)
+        return tensor.zero_() if what == "bias" else tensor.fill_(1.0)
+
+    def _read(self, key: str) -> torch.Tensor:
+        """One tensor, read into a buffer of its own size with a plain read. Gap filled:
+        safetensors' safe_open memory-maps the whole file, and every page a rank touches then
+        counts in its resident memory; a read leaves them in the kernel's page cache (shared,
+        reclaimable) instead. The format is an 8-byte header length, a JSON header (dtype, shape,
+        byte range of each tensor) and the bytes."""
+        if key not in self.files:
+            raise RuntimeError(f"model.loading: {key} is not in the checkpoint's safetensors "
+                               "files (renamed weights); use model.loading=full")
+        path = self.files[key]
+        if path not in self.open:
+            self.open[path] = _header(path)
+        start, header = self.open[path]
+        entry = header[key]
+        begin, end = entry["data_offsets"]
+        with open(path, "rb") as f:
+            f.seek(start + begin)
+            data = bytearray(f.read(end - begin))
+        dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+        return torch.frombuffer(data, dtype=dtype).reshape(entry["shape"]) if data else \
+            torch.empty(entry["shape"], dtype=dtype)  # fmt: skip
 
 
-def _compute_dtype(module) -> torch.dtype:
-    """The dtype a 4-bit layer's weight has before quantization: its compute dtype."""
-    return getattr(module, "compute_dtype", None) or torch.bfloat16
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+                       "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}  # fmt: skip
+
+
+def _header(path: str) -> tuple[int, dict]:
+    """(where the tensor bytes start, the header's entries) of a safetensors file."""
+    import json
+    import struct
+
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return 8 + length, header
+
+
+def _checkpoint_files(folder) -> dict[str, str]:
+    """Tensor name -> the safetensors file that holds it (one file, or an index of shards)."""
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: str(folder / v) for k, v in json.loads(index.read_text())["weight_map"].items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise RuntimeError(f"model.loading: {folder} holds no model.safetensors (nor an index); "
+                           "use model.loading=full")
+    return {k: str(single) for k in _header(str(single))[1]}
+
+
+def held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters and buffers this rank holds (a sharded one: its shard; one still
+    on the meta device: none), 4-bit ones as packed."""
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if not t.is_meta:
+            total += t.numel() * t.element_size()
+    return total
+
+
+def streamer_of(model: torch.nn.Module) -> Source | None:
+    """The Source a model loaded with model.loading=stream still has to fill, or None."""
+    for module in model.modules():
+        source = getattr(module, "_kit_stream", None)
+        if source is not None:
+            return source
+    return None
+
+
+@contextlib.contextmanager
+def adapters_stay_put(model: torch.nn.Module):
+    """While PEFT adds adapters to a model on the meta device (stream), keep them where PEFT made
+    them, on the CPU with the values its seeded initialisation gave, cast to the base layer's
+    dtype as PEFT casts them. Gap filled: PEFT moves each new adapter to its base layer's device,
+    which here is meta, and the initial values would be lost."""
+    if streamer_of(model) is None:
+        yield
+        return
+    from peft.tuners.lora.model import LoraModel
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    move, replace = (BaseTunerLayer._move_adapter_to_device_of_base_layer,
+                     LoraModel._replace_module)  # fmt: skip
+
+    def move_to_cpu(self, adapter_name, device=None):  # casts to the base dtype, as PEFT does
+        return move(self, adapter_name, device=torch.device("cpu") if device is None else device)
+
+    def replace_keeping_values(self, parent, child_name, new_module, child):
+        adapters = [m for n, m in new_module.named_modules() if self.prefix in n]
+        kept = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in adapters]
+        replace(self, parent, child_name, new_module, child)  # moves them to the base's device
+        for m, values in zip(adapters, kept, strict=True):
+            m.to_empty(device="cpu")
+            m.load_state_dict(values)
+
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = move_to_cpu
+    LoraModel._replace_module = replace_keeping_values
+    try:
+        yield
+    finally:
+        BaseTunerLayer._move_adapter_to_device_of_base_layer = move
+        LoraModel._replace_module = replace
 
 
 def _slots(model: torch.nn.Module):
@@ -228,62 +373,3 @@ def state_digest(model: torch.nn.Module) -> str:
             digest.update(name.encode())
             digest.update(x.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
-
-
-def report(cfg: Config, env) -> dict:
-    """Load (only) as cfg says on this rank; what it cost."""
-    import bitsandbytes  # noqa: F401  (the libraries' own memory is not the load's)
-    import transformers  # noqa: F401
-
-    before = peak_rss_mib()
-    start = time.perf_counter()
-    with HostMemory() as mem:
-        model, _ = load(cfg, env.device)
-    seconds = time.perf_counter() - start
-    dist.barrier()
-    packed = quantize.quantized_bytes(model) if cfg.quantization.method != "none" else {}
-    return {"mode": cfg.model.loading, "rank": env.rank, "world_size": env.world_size,
-            "seconds": round(seconds, 2), "rss_before_mib": round(before, 1),
-            "peak_rss_mib": round(peak_rss_mib(), 1),
-            "peak_anon_mib": round(mem.peak["RssAnon"], 1),
-            "peak_file_mib": round(mem.peak["RssFile"], 1),
-            "read_checkpoint": cfg.model.loading == "full" or env.rank == 0,
-            "model_bytes": packed.get("total") or sum(
-                p.numel() * p.element_size() for p in model.parameters()),
-            "device": env.device.type, "digest": state_digest(model)}  # fmt: skip
-
-
-def _main(argv: list[str]) -> int:
-    import argparse
-    import json
-    from pathlib import Path
-
-    from kit import builtin
-    from kit import dist as kdist
-    from kit.config import load_config
-
-    parser = argparse.ArgumentParser(prog="python -m kit.loading")
-    parser.add_argument("config", help="the run's config.yaml")
-    parser.add_argument("--report", required=True, help="folder for rank<R>.json")
-    parser.add_argument("overrides", nargs="*", help="config key=value")
-    args = parser.parse_intermixed_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    env = kdist.init(cfg.training.device, cfg.run.dist_timeout_min)
-    try:
-        with kdist.main_process_first(env):
-            builtin.resolve(cfg.model.name)
-        row = report(cfg, env)
-        out = Path(args.report)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"rank{env.rank}.json").write_text(json.dumps(row, indent=1))
-    finally:
-        kdist.cleanup()
-    return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    from kit import dist as _kdist
-
-    sys.exit(_kdist.entry(lambda: _main(sys.argv[1:])))

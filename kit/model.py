@@ -46,7 +46,8 @@ def build(cfg: Config, device: torch.device, *, train: bool = True) -> Built:
     if cfg.data.packing:  # with a KV cache, transformers ignores packing (kit.data)
         model.config.use_cache = False
     torch.manual_seed(cfg.training.seed)  # the same LoRA init on every rank
-    peft_model = lora.apply_lora(model, cfg)
+    with loading.adapters_stay_put(model):  # stream: the base is on meta until FSDP2 shards it
+        peft_model = lora.apply_lora(model, cfg)
     if not train:
         return Built(peft_model, tokenizer, attn, warning, [])
     if cfg.lora.recompute:

@@ -90,6 +90,13 @@ def load_model(cfg: Config, device: torch.device, attn: str | None = None,
             model = cls.from_pretrained(None, **kwargs)
         finally:
             logging.set_verbosity(before)
+        if cfg.quantization.method != "none":  # 4-bit weights as from_pretrained leaves them
+            import bitsandbytes as bnb  # on meta: Params4bit, not yet quantized (PEFT reads it)
+
+            for m in model.modules():
+                if isinstance(m, bnb.nn.Linear4bit) and not isinstance(m.weight, bnb.nn.Params4bit):
+                    m.weight = bnb.nn.Params4bit(m.weight.data, requires_grad=False, module=m,
+                                                 **params4bit_kwargs(cfg))
     keep_packing(model)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
     return model, tokenizer

@@ -50,6 +50,7 @@ KERNEL_SIDE = [
     "kit.manifest",  # checkpoint manifests: the torch-free check before torchrun reads them too
     "kit.check", "kit.runfolder", "kit.sources",  # what is known before any process starts
     "kit.jobs", "kit.schemas",  # every way to launch a config on N nodes, and the CRDs it fits
+    "kit.nodes", "kit.second_article",  # notebook 10: N nodes on this machine; the article's numbers
     "kit.loading_report",  # notebook 10's load-only runs, started and read
 ]
 RANK_SIDE = [

@@ -1,15 +1,18 @@
-"""kit.jobs: every way to launch one config on N nodes, written and checked, nothing trained.
+"""kit.jobs: every way to launch one config on N nodes, written and checked; and notebook 10.
 
 The Kubernetes manifests against their CRDs (kit/schemas), accelerate.yaml through accelerate's
 own loader and launcher, run.sh and job.sbatch through bash -n, shellcheck and a stand-in python
-(the torchrun arguments each node gets), the command line end to end. A planted error in each
-file must be caught by the same check, so no checker here can pass by seeing nothing.
+(the torchrun arguments each node gets, each node's own record in a shared folder), the command
+line end to end. A planted error in each file must be caught by the same check, so no checker
+here can pass by seeing nothing. Notebook 10 runs once, in the last test: the only place where two
+"nodes" (kit.nodes) train, against one node with two processes.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -22,8 +25,10 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from kit import jobs, runfolder, schemas
+from kit import jobs, jsonl, loading_report, runfolder, schemas
 from kit.config import ConfigError
+from kit.nodes import node_dir
+from kit.runs import Run
 
 SHORT = ["training.steps=3"]
 
@@ -258,11 +263,14 @@ CLEAN = ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", 
 
 
 def run_sh(folder: Path, tmp: Path, **env) -> list[list[str]]:
-    """run.sh with a stand-in python: the argument lists it was called with (check, torchrun)."""
+    """run.sh with a stand-in python: the argument lists it was called with (check, torchrun).
+    It runs in a copy of the folder (tmp/<name>): a node's own records (logs/node-N/) stay out of
+    the shared fixture."""
     python = stub(tmp, "python", 'echo "ARGS $*"\n')
     base = {k: v for k, v in os.environ.items() if k not in CLEAN and not k.startswith("PET_")}
-    proc = subprocess.run(["bash", str(folder / "run.sh")], capture_output=True, text=True,
-                          env={**base, "PYTHON": str(python), **env}, cwd=tmp)
+    shutil.copytree(folder, tmp / folder.name, dirs_exist_ok=True)
+    proc = subprocess.run(["bash", str(tmp / folder.name / "run.sh")], capture_output=True,
+                          text=True, env={**base, "PYTHON": str(python), **env}, cwd=tmp)
     assert proc.returncode == 0, proc.stderr
     return [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("ARGS")]
 
@@ -279,7 +287,7 @@ def test_run_sh_two_nodes_from_pet_or_kit_variables(folders, tmp_path):
     pet = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "3",
            "PET_MASTER_ADDR": "trainer-node-0-0.job", "PET_MASTER_PORT": "29400"}
     check, torchrun = run_sh(folder, tmp_path, **pet)
-    assert check[:3] == ["-m", "kit.check", f"{folder}/config.yaml"]
+    assert check[:3] == ["-m", "kit.check", f"{tmp_path / folder.name}/config.yaml"]
     assert check[-4:] == ["--nproc", "3", "--nnodes", "2"]
     assert torchrun[:2] == ["-m", "torch.distributed.run"]
     assert rendezvous(torchrun) == {
@@ -409,24 +417,104 @@ def test_a_start_leaves_the_launchers_in_place(folders):
     assert not set(plan.displaced) & set(jobs.FILES), plan.displaced
 
 
-# --------------------------------------------------------------------------- two nodes, for real
+# --------------------------------------------------------------------------- nodes sharing a folder
+
+
+def test_each_node_keeps_its_own_pid_and_exit_code(tmp_path):
+    """Nodes sharing one run folder (Slurm, a Kubernetes volume): node 0 keeps pid and exit_code
+    in the folder, where kit.launch.Run reads them, node N in logs/node-N/; one node never
+    removes or overwrites another's. A lone node writes exactly what it always did."""
+    folder = make(tmp_path, 2, 1)
+    stub(tmp_path, "python", 'echo "ARGS $*"\n'
+                             'if [ "$2" = torch.distributed.run ]; then exit "${RC:-0}"; fi\n')
+    base = {k: v for k, v in os.environ.items() if k not in CLEAN and not k.startswith("PET_")}
+    base.update(PYTHON=str(tmp_path / "bin" / "python"), KIT_CHECK="0", NNODES="2")
+
+    def node(rank: int, rc: int = 0) -> subprocess.CompletedProcess:
+        env = {**base, "NODE_RANK": str(rank), "RC": str(rc)}
+        return subprocess.run(["bash", str(folder / "run.sh")], capture_output=True, text=True,
+                              env=env, cwd=tmp_path)
+
+    assert node(0).returncode == 0
+    assert (folder / "exit_code").read_text() == "0\n" and (folder / "pid").read_text().strip()
+    assert node(1, rc=3).returncode == 3  # a later node that fails
+    assert (node_dir(folder, 1) / "exit_code").read_text() == "3\n"
+    assert (node_dir(folder, 1) / "pid").read_text().strip().isdigit()
+    assert (folder / "exit_code").read_text() == "0\n"  # node 0's record is untouched
+    assert not list(folder.glob("pid.*")) and not list(node_dir(folder, 1).glob("pid.*"))
+    assert Run(folder).status == "completed" and Run(node_dir(folder, 1)).status == "failed"
+
+    alone = make(tmp_path, 1, 2)  # one node: the folder only, whatever NODE_RANK says
+    env = {**base, "NNODES": "1", "NODE_RANK": "1"}
+    proc = subprocess.run(["bash", str(alone / "run.sh")], capture_output=True, text=True,
+                          env=env, cwd=tmp_path)
+    assert proc.returncode == 0 and (alone / "exit_code").read_text() == "0\n"
+    assert not (alone / "logs" / "node-1").exists()
+
+
+# --------------------------------------------------------------------------- notebook 10
+
+NOTEBOOK = ROOT / "notebooks" / "10-scale-out.ipynb"
+
+
+def cell_texts(nb: dict, checked: bool = False) -> dict[str, str]:
+    """Source -> text output of every code cell (checked: only those nbval compares)."""
+    out = {}
+    for c in nb["cells"]:
+        source = "".join(c["source"])
+        if c["cell_type"] != "code" or (checked and "# NBVAL_CHECK_OUTPUT" not in source):
+            continue
+        text = ""
+        for o in c.get("outputs", []):
+            got = o.get("text", o.get("data", {}).get("text/plain", ""))
+            text += got if isinstance(got, str) else "".join(got)
+        out[source] = text
+    return out
+
 
 @pytest.mark.slow
-def test_two_nodes_through_run_sh_train_as_one_node_does(tiny_run, tmp_path):
-    """Two torchrun agents on this machine (one process each, c10d on localhost), started through
-    the generated run.sh as two nodes would start it: the same loss at every step as the
-    single-node two-process run (conftest.tiny_run, the same config)."""
-    from conftest import TINY, TINY_RUN
+def test_notebook_10_runs_under_papermill(tmp_path):
+    """Notebook 10 once, headless: its checked cells reproduce what is stored (nbval --nbval-lax),
+    and its own two runs agree: two torchrun agents on this machine started through the
+    generated run.sh (two nodes, one process each, c10d on 127.0.0.1) log the same loss at every
+    step as one node with two processes, each node keeping its own record in the shared folder."""
+    papermill = pytest.importorskip("papermill")
+    out = tmp_path / "runs"
+    papermill.execute_notebook(
+        str(NOTEBOOK), str(tmp_path / "10.ipynb"), parameters={"out_dir": str(out)},
+        cwd=str(ROOT / "notebooks"), kernel_name="python3", progress_bar=False,
+    )  # fmt: skip
+    nb = json.loads((tmp_path / "10.ipynb").read_text())
+    stored = json.loads(NOTEBOOK.read_text())
+    assert cell_texts(nb, checked=True) == cell_texts(stored, checked=True)
 
-    from kit import jsonl
-
-    folder = jobs.write(TINY, TINY_RUN, nnodes=2, nproc_per_node=1, out=tmp_path / "two")
-    env = {**os.environ, "MASTER_PORT": str(29400 + os.getpid() % 500), "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen(["bash", str(folder / "run.sh")], env={**env, "NODE_RANK": str(n)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for n in (0, 1)]
-    logs = [p.communicate(timeout=300)[0] for p in nodes]
-    assert [p.returncode for p in nodes] == [0, 0], "\n".join(logs)[-4000:]
-    losses = [(m["split"], m["step"], m["loss"]) for m in jsonl.read(folder / "metrics.jsonl")]
-    single = [(m["split"], m["step"], m["loss"]) for m in jsonl.read(tiny_run / "metrics.jsonl")]
+    two, one = out / "two-nodes", out / "one-node"
+    losses = [(m["split"], m["step"], m["loss"]) for m in jsonl.read(two / "metrics.jsonl")]
+    single = [(m["split"], m["step"], m["loss"]) for m in jsonl.read(one / "metrics.jsonl")]
     assert losses == single and [s for s, _, _ in losses].count("train") == 4
+    for folder in (two, one):
+        assert json.loads((folder / "result.json").read_text())["world_size"] == 2
+    assert "2 node(s) x 1 processes" in (two / "run.log").read_text()
+    assert (two / "exit_code").read_text() == "0\n"
+    assert (node_dir(two, 1) / "exit_code").read_text() == "0\n"
+    assert not (two / "earlier").exists()  # the second node's record is the start's own
+    text = "\n".join(cell_texts(nb).values())
+    assert "exit codes: [0, 0]" in text and "identical at every step: True" in text
+    gloo = next(line for line in text.splitlines() if line.startswith("rank -> rank (gloo's pair)"))
+    assert "127.0.0.1 (lo) -> 127.0.0.1 (lo)" in gloo
+    # Section 3: full, rank0 and stream leave each rank the same shards and logits from the
+    # checkpoint; rank 1 reads nothing under rank0; stream maps no file and holds less.
+    rows = {(r["mode"], r["rank"]): r for mode in ("full", "rank0", "stream")
+            for r in loading_report.read(out / "loading" / "together" / "report" / mode)}
+    assert len(rows) == 6 and len({r["logits_digest"] for r in rows.values()}) == 1
+    for rank in (0, 1):
+        assert len({rows[m, rank]["digest"] for m in ("full", "rank0", "stream")}) == 1
+    assert not rows["rank0", 1]["read_checkpoint"]
+    for rank in (0, 1):  # the 270 MB checkpoint: mapped under full, not read into a map by stream
+        assert rows["full", rank]["peak_file_mib"] > rows["stream", rank]["peak_file_mib"] + 150
+        assert rows["stream", rank]["model_most_mib"] < 0.8 * rows["full", rank]["model_most_mib"]
+    assert rows["full", 1]["peak_file_mib"] > rows["rank0", 1]["peak_file_mib"] + 150
+    # NCCL_TIMEOUT: no hit anywhere torch was searched; what torch does declare, found.
+    row = next(line for line in text.splitlines() if line.startswith("NCCL_TIMEOUT "))
+    assert row.split()[3:] == ["0", "0", "0"], row
+    assert "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC: Control the watchdog heartbeat" in text

@@ -1,10 +1,10 @@
-"""kit.loading: model.loading = full | rank0.
+"""kit.loading: model.loading = full | rank0 | stream.
 
 Where the two modes run for real on 2 processes (each its own check, not repeated here):
 - tests/test_train.py's fsdp2-nf4 and fsdp1-nf4 cases train with model.loading=rank0 (rank 1
   receives every tensor, the 4-bit ones with their quantization state) and reload the adapter;
-- notebook 10's section 3 (run once, in tests/test_jobs.py) loads kit:llama-135m both ways: the
-  same digest on every rank in both modes, and rank 1's host memory under rank0 well below full's.
+- notebook 10's section 3 (run once, in tests/test_jobs.py) loads kit:llama-135m in the three modes
+  from its checkpoint: the same shards and logits, and what each rank mapped of the file.
 """
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ from kit.config import ConfigError, load_config
 
 def test_an_unknown_mode_is_one_line():
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["model.loading=stream"])
-    assert str(err.value) == "model.loading: 'stream' is not allowed; expected one of 'full', 'rank0'"
+        load_config(None, ["model.loading=shard"])
+    assert str(err.value) == ("model.loading: 'shard' is not allowed; expected one of 'full', "
+                              "'rank0', 'stream'")
+    with pytest.raises(ConfigError, match="only with sharding.engine=fsdp2"):
+        load_config(None, ["model.loading=stream", "sharding.engine=fsdp1"])
 
 
 def test_a_group_of_one_loads_fully_and_the_digest_sees_every_byte():
@@ -64,13 +67,17 @@ def test_a_model_without_weights_on_disk_is_initialised_at_load():
 
 
 @pytest.mark.slow
-def test_rank0_loading_on_two_processes_gives_every_rank_the_same_bytes(tmp_path):
-    """One load-only torchrun (kit.loading_report.measure), model.loading=rank0, of the model
-    initialised at load: rank 0 makes it, rank 1 receives every tensor. Both hold exactly what one
-    process makes alone with model.loading=full (the digest of every byte)."""
+def test_every_mode_gives_every_rank_the_same_shards_and_logits(tmp_path):
+    """One torchrun of 2 processes loading the model initialised at load (no checkpoint) in each
+    mode in turn, adding LoRA and sharding with FSDP2: full (each rank makes it), rank0 (rank 1
+    receives every tensor) and stream (each unit made and sharded in turn) leave each rank the
+    same bytes and give the same logits. Notebook 10 does the same from a checkpoint."""
     rows = loading_report.measure("tiny-cpu", ["model.name=kit:tiny-llama-at-load"],
-                                  modes=("rank0",), out=tmp_path)
-    alone = loading.load(load_config(None, ["model.name=kit:tiny-llama-at-load"]),
-                         torch.device("cpu"))[0]
-    assert [(r["rank"], r["read_checkpoint"]) for r in rows] == [(0, True), (1, False)]
-    assert {r["digest"] for r in rows} == {loading.state_digest(alone)}
+                                  out=tmp_path, together=True)
+    assert [(r["mode"], r["rank"]) for r in rows] == [
+        (m, r) for m in ("full", "rank0", "stream") for r in (0, 1)]
+    assert [r["read_checkpoint"] for r in rows] == [True, True, True, False, True, True]
+    for rank in (0, 1):
+        assert len({r["digest"] for r in rows if r["rank"] == rank}) == 1, rows
+    assert rows[0]["digest"] != rows[1]["digest"]  # each rank holds its own shards
+    assert len({r["logits_digest"] for r in rows}) == 1

@@ -48,23 +48,25 @@ CHAT_ACCUM = ("data.path=kit:sample-chat", "training.grad_accum=2", "training.ba
 PACKED = ("data.packing=true", "data.max_seq_len=64", "training.batch_size=4")
 
 
-# Rank-0 loading (kit.loading: rank 1 builds on meta and receives every tensor, the 4-bit ones
-# with their quantization state) under both FSDP engines; every other run loads on every rank.
-RANK0 = ("model.loading=rank0",)
+# The loading modes (kit.loading) train: rank0 under FSDP1 (rank 1 builds on meta and receives
+# every tensor, the 4-bit ones with their quantization state), stream under FSDP2 (each unit read,
+# quantized and sharded in turn); every other run loads fully on every rank.
+RANK0, STREAM = ("model.loading=rank0",), ("model.loading=stream",)
 
 
 # Every engine with NF4 (the recipe), and unquantized once (CI time: each case is a torchrun).
 @pytest.mark.parametrize("engine,quant,extra", [
-    ("fsdp2", "nf4", RANK0), ("fsdp1", "nf4", RANK0), ("ddp", "nf4", PACKED),
+    ("fsdp2", "nf4", STREAM), ("fsdp1", "nf4", RANK0), ("ddp", "nf4", PACKED),
     ("fsdp2", "none", CHAT_ACCUM),
-], ids=["fsdp2-nf4-rank0-loading", "fsdp1-nf4-rank0-loading", "ddp-nf4-packed",
+], ids=["fsdp2-nf4-stream-loading", "fsdp1-nf4-rank0-loading", "ddp-nf4-packed",
         "fsdp2-none-chat-accum"])  # fmt: skip
 def test_engine_trains_and_saves_reloadable_adapter(tmp_path, engine, quant, extra):
     out = tmp_path / "run"
     torchrun(out, f"sharding.engine={engine}", f"quantization.method={quant}", *extra)
     result = check_trained_and_saved(out)
     assert result["world_size"] == 2
-    assert result["load"]["mode"] == ("rank0" if RANK0[0] in extra else "full")
+    assert result["load"]["mode"] == next((o.split("=")[1] for o in extra if "loading" in o),
+                                          "full")
 
 
 @pytest.mark.parametrize("engine", ["fsdp1"])  # FSDP1's one-dtype-per-unit rules are the strict case
