@@ -101,9 +101,9 @@ class Source:
             key = f"{self.names[id(owner)]}.{name}".lstrip(".")
             if kind == "_buffers" and (self.init or key not in self.files):
                 fresh = rebuilt.get(id(owner))
-                if fresh is None:  # e.g. the rotary embedding: its __init__ computes them
-                    with torch.device(self.device):
-                        fresh = rebuilt[id(owner)] = type(owner)(config=self.config)
+                if fresh is None:  # e.g. the rotary embedding: its __init__ computes them,
+                    with torch.device("cpu"):  # on the CPU, as from_pretrained's do (a GPU's
+                        fresh = rebuilt[id(owner)] = type(owner)(config=self.config)  # differ)
                 tensor = getattr(fresh, name).to(self.device)
             elif isinstance(owner, bnb.nn.Linear4bit) and name == "weight":
                 value = self._value(key, meta.shape, meta.dtype, "matrix")
