@@ -10,13 +10,8 @@
 #   python3 benchmarks/big_table.py /tmp/big/runs/70b-b1 /tmp/big/runs/70b-b2  # the table
 set -uo pipefail
 OUT=${1:-/tmp/big}; mkdir -p "$OUT/runs"
-python3 -m pip install -q --no-index --no-deps --no-cache-dir --find-links .whl/gpu \
-  bitsandbytes 2>&1 | grep -v WARNING
-export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_DISABLE_PROGRESS_BARS=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
-python3 -c "import importlib.metadata as md; print(', '.join(f'{n} {md.version(n)}' for n in
-  ['torch', 'transformers', 'peft', 'bitsandbytes']))" | tee -a "$OUT/device.txt"
+# shellcheck source=benchmarks/gpu_env.sh
+source benchmarks/gpu_env.sh
 for batch in ${BATCHES:-1 2}; do
   run=$OUT/runs/70b-b$batch
   start=$(date +%s)

@@ -8,11 +8,8 @@
 #   setsid nohup bash benchmarks/gpu_loading.sh /tmp/load > /tmp/load.log 2>&1 &   # there
 set -uo pipefail
 OUT=${1:-/tmp/load}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-cache-dir --find-links .whl/gpu \
-  bitsandbytes 2>&1 | grep -v WARNING
-export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_DISABLE_PROGRESS_BARS=1
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+# shellcheck source=benchmarks/gpu_env.sh
+source benchmarks/gpu_env.sh
 start=$(date +%s)
 python3 -c "from kit import builtin; print(builtin.build('llama-8b'))" > "$OUT/build.log" 2>&1
 echo "build: rc=$? in $(( $(date +%s) - start ))s" | tee -a "$OUT/progress.txt"
