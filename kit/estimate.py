@@ -55,6 +55,7 @@ class Setup:
     cpu_offload: bool = False  # FSDP: shards, grads and optimizer state live in CPU memory
     reshard_after_forward: bool = True  # FSDP2: False keeps every layer gathered until backward
     prefetch_layers: int = 1  # FSDP gathers the next layer while computing this one
+    loading: str = "full"  # model.loading: full | rank0 hold the whole model before sharding
 
     @classmethod
     def from_config(cls, cfg, world_size: int = 2) -> Setup:
@@ -76,6 +77,7 @@ class Setup:
             recompute_keeps=cfg.training.recompute.keeps,
             attention=cfg.attention.implementation,
             cpu_offload=cfg.sharding.cpu_offload,
+            loading=cfg.model.loading,
             reshard_after_forward=cfg.sharding.reshard_after_forward,
         )
 
@@ -152,6 +154,12 @@ class Estimate:
     parts: dict[str, float] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
     cpu_bytes: float = 0.0  # per rank, in host memory (cpu_offload)
+    load_bytes: float = 0.0  # per GPU while loading, before the first step (model.loading)
+    load_note: str = ""
+
+    @property
+    def load_gib(self) -> float:
+        return self.load_bytes / GiB
 
     @property
     def total(self) -> float:
@@ -185,6 +193,8 @@ class Estimate:
         lines.append(f"  {'total (allocated peak)':<28} {self.total / unit:8.2f} {name}")
         if unit == GiB:
             lines.append(f"  {'with headroom':<28} {self.needed_gib():8.2f} GiB")
+        lines.append(f"  {'while loading':<28} {self.load_bytes / unit:8.2f} {name}  "
+                     f"{self.load_note}")
         return "\n".join(lines)
 
 
@@ -229,6 +239,18 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
             name, note = name + " [CPU]", "offloaded to host memory: 0 on the GPU"
             value = 0.0
         parts[name], notes[name] = value, note
+
+    # Loading (kit.loading): full and rank0 put the whole model on every GPU before sharding;
+    # stream only this rank's shards plus the unit being filled (a decoder layer, or the
+    # embeddings table: the largest unit of a small model).
+    whole = base + adapter * lb
+    if sharded and setup.loading == "stream":
+        unit = max(layer_bytes + 2 * shape.hidden * a, shape.vocab * shape.hidden * a)
+        est.load_bytes = whole / world + unit * (1 - 1 / world)  # that unit unsharded, yet
+        est.load_note = f"model.loading=stream: 1/{world} of the model + its largest unit whole"
+    else:
+        est.load_bytes = whole
+        est.load_note = f"model.loading={setup.loading}: the whole model, before sharding"
 
     # Communication: FSDP all-gathers a layer before use (plus the prefetched next one) and
     # keeps the root unit (embeddings, head, final norm) gathered from forward into backward.

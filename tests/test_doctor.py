@@ -36,6 +36,10 @@ def env(base: dict, **changes) -> dict:
     return out
 
 
+# Two 24 GB cards: the first article's machine.
+TWO_24GB = env(H100, gpus=[{"name": "RTX 4090", "memory_gib": 23.6}] * 2)
+
+
 def codes(overrides=(), on=CPU, cfg=TINY) -> list[str]:
     findings = doctor.preflight(cfg, env=on, overrides=list(overrides))
     for f in findings:  # the launcher's contract: four one-line fields, a known level
@@ -76,6 +80,8 @@ CHECKS = [
     ("memory_over_gpu", [*LLAMA_8B_LONG, "training.batch_size=16",
                          "training.recompute.enabled=false"], H100,
      [*LLAMA_8B_LONG, "training.batch_size=1"], H100),
+    ("memory_over_gpu_loading", ["model.name=kit:llama-70b", "data.max_seq_len=256"], TWO_24GB,
+     ["model.name=kit:llama-70b", "data.max_seq_len=256", "model.loading=stream"], TWO_24GB),
     ("target_modules_unmatched", ["lora.target_modules=[query_key_value]"], CPU,
      ["lora.target_modules=[q_proj,v_proj]"], CPU),
     ("target_modules_partial", ["lora.target_modules=[q_proj,nope_proj]"], CPU,

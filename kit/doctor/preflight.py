@@ -85,7 +85,7 @@ def _host_ram(c: Context) -> list[Finding]:
         msg = f"{what}: up to {peak:.1f} GiB (unquantized) while loading, {ram:.1f} GiB free"
     else:
         return []
-    fix = "fewer processes per node, a smaller model, or GPUs (each rank loads onto its GPU)"
+    fix = "model.loading=stream (FSDP2: a shard + one unit per rank), fewer ranks, or GPUs"
     return [Finding(level, "host_ram_full_load", msg, fix)]
 
 
@@ -207,6 +207,7 @@ def _gpu_memory(c: Context) -> list[Finding]:
                 "install the full kit",
             )
         ]
+    from dataclasses import replace  # noqa: I001  (kit.estimate may be absent: checked above)
     from kit.estimate import Setup, estimate
 
     try:
@@ -222,10 +223,19 @@ def _gpu_memory(c: Context) -> list[Finding]:
         ]
     gpu = min(g["memory_gib"] for g in c.env["gpus"])
     total, needed = est.total_gib, est.needed_gib()
+    found = []
+    if est.load_gib > gpu and est.setup.loading != "stream":  # 'CUDA out of memory' at load
+        streamed = estimate(c.facts.config, replace(est.setup, loading="stream", engine="fsdp2"))
+        found.append(Finding(
+            "error", "memory_over_gpu_loading", f"model.loading={est.setup.loading} puts the "
+            f"whole model on each GPU before sharding: {est.load_gib:.1f} GiB vs {gpu:.1f} GiB on "
+            f"{c.env['gpus'][0]['name']}: 'CUDA out of memory' before the first step",
+            f"sharding.engine=fsdp2 with model.loading=stream: its shard plus one unit, "
+            f"{streamed.load_gib:.1f} GiB here"))  # fmt: skip
     if needed <= gpu:
-        return []
+        return found
     level = "error" if total > gpu else "warning"
-    return [
+    return found + [
         Finding(
             level,
             "memory_over_gpu",
