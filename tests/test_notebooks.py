@@ -67,6 +67,9 @@ def test_notebook_shape(path):
     for c in cells[1:]:
         assert len(c.source.splitlines()) <= 15, c.source
         ast.parse(c.source)  # no magics: every cell is plain Python
+    # nbformat 4.5 cells carry an id (without one nbformat warns, and will refuse the file).
+    raw = json.loads(path.read_text())
+    assert all("id" in c for c in raw["cells"]), path.name
 
 
 def outputs_of_checked_cells(path: Path) -> dict[str, str]:

@@ -201,7 +201,7 @@ def test_sft_trainer_under_accelerate_launch_cpu_ddp_two_processes_saves_a_whole
            "--config_file", str(config), "--num_processes", "2",
            "--main_process_port", str(_free_port()), "-m", "kit.sft", str(TINY),
            f"run.output_dir={out}", "sharding.engine=ddp", "training.steps=4",
-           "training.eval_every=2"]
+           "training.eval_every=2", "model.loading=rank0"]  # rank 1 receives the model
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     started = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -223,6 +223,7 @@ def test_sft_trainer_under_accelerate_launch_cpu_ddp_two_processes_saves_a_whole
     # Whole: the file's shapes are the unsharded LoRA shapes of the model as the kit builds it.
     adapter = out / "adapter"
     cfg = load_config(out / "config.yaml")
+    assert cfg.model.loading == "rank0"  # kit.loading under accelerate's process group
     unsharded = checkpoint.AdapterLayout(model.build(cfg, torch.device("cpu"), train=False).model)
     assert checkpoint.saved_shapes(adapter) == unsharded.shapes
     checkpoint.verify_adapter(adapter, unsharded.shapes)  # reads every tensor back
