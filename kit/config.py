@@ -149,6 +149,10 @@ class TrainingConfig:
     # ~1 GB per 2k tokens at 128k vocabulary). Needs a frozen output head; in training the
     # model's output then holds no logits (evaluation still gets them).
     loss: Literal["hf", "chunked", "fused"] = "hf"
+    # What autograd keeps for backward waits in pinned host memory (kit.offload): with whole-layer
+    # recompute, each layer's input; with recompute off, all the layers keep. Saves GPU memory,
+    # costs host memory and PCIe copies (a side stream overlaps them with compute). GPUs only.
+    offload_activations: bool = False
     # torch.compile each decoder layer (after sharding, so FSDP's hooks stay outside the graph):
     # fuses the norm, rotary, activation, dropout and LoRA element-wise work around the matmuls.
     # The first step pays the compile (tens of seconds; a new batch shape compiles once more).
@@ -383,6 +387,8 @@ def _check(cfg: Config) -> None:
     need(t.max_grad_norm >= 0, "training.max_grad_norm", t.max_grad_norm, "expected >= 0 (0: off)")
     need(d.max_seq_len >= 2, "data.max_seq_len", d.max_seq_len, "expected an integer >= 2")
     need(0 <= d.val_fraction < 1, "data.val_fraction", d.val_fraction, "expected 0 <= x < 1")
+    need(not (t.offload_activations and t.compile), "training.offload_activations", True,
+         "only without training.compile (compiled layers keep their own saved tensors)")
     need(m.loading != "stream" or cfg.sharding.engine == "fsdp2", "model.loading", m.loading,
          f"only with sharding.engine=fsdp2 (it shards as it loads); with "
          f"{cfg.sharding.engine}: full or rank0")

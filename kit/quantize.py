@@ -74,7 +74,9 @@ def load_model(cfg: Config, device: torch.device, attn: str | None = None,
     # Named on CPU too: without a device_map, transformers puts a 4-bit model on the current GPU
     # whenever there is one, even for a CPU run (or a notebook kernel looking at a layer).
     # On "meta" (kit.loading's rank0 mode, ranks other than 0): the same modules, nothing read.
-    kwargs["device_map"] = {"": device.index if device.type == "cuda" else device.type}
+    cuda = device.index if device.index is not None else torch.cuda.current_device() \
+        if device.type == "cuda" else None  # fmt: skip
+    kwargs["device_map"] = {"": cuda if device.type == "cuda" else device.type}
     if weights:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     else:  # the model class's from_pretrained with an empty state dict: every weight on meta

@@ -30,6 +30,7 @@ from kit import (
     lora,
     memory,
     model,
+    offload,
     pitfalls,
     recompute,
     runfolder,
@@ -191,7 +192,8 @@ class Recipe:
         for micro in range(accum):
             batch = self._to_device(next(self.train_batches))
             with self.engine.no_sync(self.model, active=micro < accum - 1):
-                loss = self.model(**batch, use_cache=False).loss / accum
+                with offload.activations(cfg.training.offload_activations, env.device):
+                    loss = self.model(**batch, use_cache=False).loss / accum
                 loss.backward()
             loss_sum += loss.detach()
             tokens += data.count_tokens(batch)

@@ -59,7 +59,8 @@ RANK_SIDE = [
     "kit.dist", "kit.faults", "kit.checks", "kit.article", "kit.bench_worker", "kit.memory",
     "kit.attention", "kit.attention_bench", "kit.pitfalls.reproduce", "kit.merge",
     "kit.sft", "kit.sft_setup",  # TRL's SFTTrainer under accelerate launch
-    "kit.loading",  # model.loading: full | rank0
+    "kit.loading", "kit.loading_rank",  # model.loading: full | rank0 | stream
+    "kit.offload",  # training.offload_activations
 ]
 KERNEL_HEAVY = ("torch", "transformers", "peft", "bitsandbytes", "ipywidgets")
 MAY_IMPORT_IPYWIDGETS = ("widgets", "__main__")  # relative to the package
