@@ -201,6 +201,13 @@ def worker(matrix_path: str, name: str, out: str, config_path: str, *overrides: 
     if env.is_main:  # the run folder's result: kit.launch.Run reads the case as completed
         (cfg.output_dir / "result.json").write_text(json.dumps(
             {"status": "completed", "case": name, "seconds": seconds}))
+    # End the process group before the interpreter does: left to exit, gloo's threads were once
+    # destroyed still running ("terminate called without an active exception", SIGABRT after
+    # "done", the case's run then read as failed).
+    from kit import dist as kdist
+
+    torch.distributed.barrier()
+    kdist.cleanup()
     return 0
 
 

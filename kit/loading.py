@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import resource
-import time
 import zlib
 
 import torch
@@ -43,7 +42,7 @@ def load(cfg: Config, device: torch.device, attn: str | None = None):
     """(model, tokenizer) on `device`, by cfg.model.loading; with a group of one, rank0 is full.
     A model whose folder holds no weights (kit.builtin.AT_LOAD, e.g. kit:llama-70b) is
     initialised where it would be read (Source). With stream, the model is returned on the meta
-    device with a Streamer attached: the FSDP2 engine fills each unit just before it shards it."""
+    device with its Source attached: the FSDP2 engine fills each unit just before sharding it."""
     mode = cfg.model.loading
     single = not dist.is_initialized() or dist.get_world_size() == 1
     init = builtin.init_at_load(builtin.resolve(cfg.model.name))
@@ -67,7 +66,7 @@ def load(cfg: Config, device: torch.device, attn: str | None = None):
 
 class Source:
     """Where each tensor of a model built on the meta device comes from, one tensor at a time:
-    the checkpoint's safetensors files (memory-mapped; a tensor is read when it is needed), or,
+    the checkpoint's safetensors files (a tensor read when it is needed, with a plain read), or,
     for a folder without weights (`init`: {"seed", "std"}), a generator seeded by the tensor's
     name: matrices N(0, std), norms 1, biases 0. 4-bit weights are quantized on `device` as they
     arrive, as from_pretrained does; buffers (rotary frequencies) are rebuilt by their module.
@@ -83,7 +82,7 @@ class Source:
         self.names = {id(m): n for n, m in model.named_modules()}
         self.config, self.model = model.config, model
         self.files = {} if init else _checkpoint_files(builtin.resolve(cfg.model.name))
-        self.open: dict = {}
+        self.headers: dict = {}  # file -> (where its bytes start, its header)
         self.most_held = 0  # the most bytes the model held on this rank after a fill
 
     def fill(self, module: torch.nn.Module) -> int:
@@ -139,9 +138,9 @@ class Source:
             raise RuntimeError(f"model.loading: {key} is not in the checkpoint's safetensors "
                                "files (renamed weights); use model.loading=full")
         path = self.files[key]
-        if path not in self.open:
-            self.open[path] = _header(path)
-        start, header = self.open[path]
+        if path not in self.headers:
+            self.headers[path] = _header(path)
+        start, header = self.headers[path]
         entry = header[key]
         begin, end = entry["data_offsets"]
         with open(path, "rb") as f:
@@ -277,8 +276,8 @@ def receive_from_rank0(model: torch.nn.Module, device: torch.device) -> int:
     dist.broadcast_object_list(plan, src=0)
     sent = 0
     placed: list = []
-    for i, ((module, kind, name, tensor), (shape, dtype, grad, alias, stats)) in enumerate(
-            zip(slots, plan[0], strict=True)):  # fmt: skip
+    for (module, kind, name, tensor), (shape, dtype, grad, alias, stats) in zip(
+            slots, plan[0], strict=True):  # fmt: skip
         if alias is not None:  # tied: the same object as an earlier slot
             if not main:
                 getattr(module, kind)[name] = placed[alias]
