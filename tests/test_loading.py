@@ -81,3 +81,8 @@ def test_every_mode_gives_every_rank_the_same_shards_and_logits(tmp_path):
         assert len({r["digest"] for r in rows if r["rank"] == rank}) == 1, rows
     assert rows[0]["digest"] != rows[1]["digest"]  # each rank holds its own shards
     assert len({r["logits_digest"] for r in rows}) == 1
+    # stream never held the whole model: its shards plus one unit (here the largest unit is
+    # the embedding table or the head), against the whole model before sharding under full.
+    full, stream = rows[0], rows[4]
+    assert stream["model_most_mib"] < 0.8 * full["model_most_mib"], (full, stream)
+    assert stream["model_sharded_mib"] == full["model_sharded_mib"]
