@@ -38,7 +38,7 @@ def build(cfg: Config, device: torch.device, *, train: bool = True) -> Built:
     does nothing). train=False stops after LoRA: the model as loaded, for looking inside.
     A data.max_seq_len past the model's max_position_embeddings is refused (ConfigError)."""
     attn, warning = quantize.attention_implementation(cfg.attention.implementation)
-    model, tokenizer = loading.load(cfg, device, attn)  # model.loading: full | rank0
+    model, tokenizer = loading.load(cfg, device, attn)  # model.loading: full | rank0 | stream
     most = getattr(model.config, "max_position_embeddings", None)
     if isinstance(most, int) and cfg.data.max_seq_len > most:  # the doctor's pre-flight says it too
         raise ConfigError(f"data.max_seq_len: {cfg.data.max_seq_len} is not allowed; "

@@ -73,7 +73,7 @@ def load_model(cfg: Config, device: torch.device, attn: str | None = None,
     # Each rank loads (and quantizes) onto its own device; never device_map="auto" under FSDP.
     # Named on CPU too: without a device_map, transformers puts a 4-bit model on the current GPU
     # whenever there is one, even for a CPU run (or a notebook kernel looking at a layer).
-    # On "meta" (kit.loading's rank0 mode, ranks other than 0): the same modules, nothing read.
+    # On "meta" (kit.loading: rank0's other ranks, stream): the same modules, nothing read.
     cuda = device.index if device.index is not None else torch.cuda.current_device() \
         if device.type == "cuda" else None  # fmt: skip
     kwargs["device_map"] = {"": cuda if device.type == "cuda" else device.type}
