@@ -220,7 +220,12 @@ class Run:
         "Connection reset by peer"); else torchrun's per-rank error.json (written by @record) of
         the earliest failure; else the recipe's "[rank N] ..." line; else torchrun's summary."""
         log = str(self.folder / "run.log")
-        killed = _killed_rank(self.tail(400))
+        errors = self._errors()
+        # A rank's own error (not a lost peer's) comes first: a peer torchrun then stops may die
+        # of a signal in the same second (SIGABRT in gloo's teardown was seen), and the summary's
+        # times cannot order the two.
+        own = [e for e in errors if not _LOST_PEER.search(_text(e[2]))]
+        killed = None if own else _killed_rank(self.tail(400))
         if killed is not None:
             rank, sig = killed
             hint = (": what the kernel's OOM killer sends when host memory runs out (see dmesg)"
@@ -228,6 +233,17 @@ class Run:
             return RunFailed(self.name, rank, f"killed by {sig.name} (signal {int(sig)}), with no "
                              f"error of its own{hint}; the other ranks then lost their peer",
                              log=log)
+        if errors:  # the first to fail; the others died of its absence ("closed by peer")
+            _, rank, msg, extra, f = min(own or errors, key=lambda e: e[0])
+            # The folder is the local rank; the recipe's "[rank N]" lines carry the global one.
+            m = re.search(r"^\[rank (\d+)\]", "\n".join(_lines(f.parent / "stderr.log")), re.M)
+            rank = int(m.group(1)) if m else rank
+            return RunFailed(self.name, rank, _text(msg), extra.get("py_callstack", ""),
+                             str(f.parent / "stderr.log"))
+        return self._from_log(log)
+
+    def _errors(self) -> list[tuple]:
+        """(when, local rank, message, extra info, file) of every rank's error.json (@record)."""
         errors = []
         for f in self.folder.glob("logs/*/attempt_*/*/error.json"):
             try:
@@ -237,14 +253,10 @@ class Run:
                 errors.append((when, int(f.parent.name), msg, extra, f))
             except (OSError, ValueError, KeyError, TypeError):
                 pass
-        if errors:  # the first to fail; the others died of its absence ("closed by peer")
-            _, rank, msg, extra, f = min(errors, key=lambda e: e[0])
-            text = msg["message"] if isinstance(msg, dict) else str(msg)
-            # The folder is the local rank; the recipe's "[rank N]" lines carry the global one.
-            m = re.search(r"^\[rank (\d+)\]", "\n".join(_lines(f.parent / "stderr.log")), re.M)
-            rank = int(m.group(1)) if m else rank
-            return RunFailed(self.name, rank, text, extra.get("py_callstack", ""),
-                             str(f.parent / "stderr.log"))
+        return errors
+
+    def _from_log(self, log: str) -> RunFailed:
+        """No rank left an error.json: the recipe's "[rank N] ..." line, else torchrun's summary."""
         lines = self.tail(400)
         for line in lines:
             m = re.search(r"\[rank (\d+)\] (\w*Error: .*)", line)
@@ -301,6 +313,14 @@ def runs() -> list[Run]:
 
 # Signals torchrun itself sends to stop the ranks that are left after a failure.
 _TORCHRUN_SENDS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+# What a rank says when another one is gone: not a cause of its own.
+_LOST_PEER = re.compile(r"(closed|reset) by peer|Broken pipe|Connection refused|ECONNRESET|"
+                        r"Socket Timeout|Timed out waiting|gloo/transport|"
+                        r"NCCL (error|communicator was aborted)", re.I)
+
+
+def _text(msg) -> str:
+    return msg["message"] if isinstance(msg, dict) else str(msg)
 
 
 def _killed_rank(lines: list[str]) -> tuple[int, signal.Signals] | None:

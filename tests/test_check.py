@@ -215,3 +215,25 @@ def test_a_rank_killed_by_sigkill_is_named_with_its_signal(tmp_path):
                      env={"KIT_FAIL_RANK": "1", "KIT_FAIL_STEP": "2", "KIT_FAIL_SIGNAL": "SIGKILL"})
     failure = run.failure()
     assert failure.rank == 1 and failure.message.startswith("killed by SIGKILL (signal 9)")
+
+
+def test_a_ranks_own_error_outranks_a_peer_that_died_of_a_signal_in_the_same_second(tmp_path):
+    """Rank 1 raised (its error.json); torchrun then stopped rank 0, which aborted in teardown
+    in the same second (a clean-clone CI run saw SIGABRT there): rank 1 is the one named."""
+    import json
+
+    from kit.runs import Run
+
+    err = tmp_path / "logs" / "x" / "attempt_0" / "1"
+    err.mkdir(parents=True)
+    (err / "error.json").write_text(json.dumps({"message": {
+        "message": "InjectedFailure: rank 1 fails at step 3",
+        "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "1700000000"}}}))
+    (err / "stderr.log").write_text("[rank 1] InjectedFailure: rank 1 fails at step 3\n")
+    summary = "".join(f"  time      : 2026-11-24_01:26:08\n  host      : localhost\n"
+                      f"  rank      : {r} (local_rank: {r})\n  exitcode  : {c} (pid: 1)\n"
+                      for r, c in ((0, -6), (1, 1)))
+    (tmp_path / "run.log").write_text(f"Failures:\n{summary}Root Cause (first observed failure):\n"
+                                      f"{summary}")
+    failure = Run(tmp_path).failure()
+    assert failure.rank == 1 and failure.message.startswith("InjectedFailure"), failure
