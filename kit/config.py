@@ -45,10 +45,12 @@ class ModelConfig:
     trust_remote_code: bool = False
     # How each rank gets the weights (kit/loading.py). full: every rank reads the checkpoint and
     # quantizes it, then holds the whole model until sharding; rank0: rank 0 does, the others
-    # build the model on the meta device and receive it by broadcast; stream (FSDP2): each rank
-    # reads one tensor at a time, quantizes it on its device and keeps only its shard: no rank
-    # ever holds the whole model (what a 70B model on 24 GB GPUs needs).
-    loading: Literal["full", "rank0", "stream"] = "full"
+    # build the model on the meta device and receive it by broadcast; stream (FSDP2, FSDP1): each
+    # rank reads one tensor at a time, quantizes it on its device and keeps only its shard: no
+    # rank ever holds the whole model (what a 70B model on 24 GB GPUs needs). auto: stream in the ranks
+    # of an FSDP2 or FSDP1 run (rank0 for a checkpoint whose names transformers renames, and
+    # under accelerate, which shards itself), full under DDP and outside a run (a notebook).
+    loading: Literal["auto", "full", "rank0", "stream"] = "auto"
 
 
 @dataclass
@@ -389,9 +391,9 @@ def _check(cfg: Config) -> None:
     need(0 <= d.val_fraction < 1, "data.val_fraction", d.val_fraction, "expected 0 <= x < 1")
     need(not (t.offload_activations and t.compile), "training.offload_activations", True,
          "only without training.compile (compiled layers keep their own saved tensors)")
-    need(m.loading != "stream" or cfg.sharding.engine == "fsdp2", "model.loading", m.loading,
-         f"only with sharding.engine=fsdp2 (it shards as it loads); with "
-         f"{cfg.sharding.engine}: full or rank0")
+    need(m.loading != "stream" or cfg.sharding.engine != "ddp", "model.loading", m.loading,
+         "only with sharding.engine=fsdp2 or fsdp1 (it shards as it loads); with ddp: full "
+         "or rank0")
     need(lo.r >= 1, "lora.r", lo.r, "expected an integer >= 1")
     need(lo.alpha >= 1, "lora.alpha", lo.alpha, "expected an integer >= 1")
     need(0 <= lo.dropout < 1, "lora.dropout", lo.dropout, "expected 0 <= x < 1")

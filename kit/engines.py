@@ -134,6 +134,10 @@ class FSDP1(Engine):
 
         self.check(cfg, dist.get_world_size())
         s = cfg.sharding
+        # model.loading=stream: the model is still on the meta device; FSDP1 calls param_init_fn
+        # on each unit's modules (decoder layers first, then the root's rest) just before it
+        # flattens and shards them, so a rank holds its shards plus one unit.
+        source = loading.streamer_of(model)
         dtype = DTYPES[cfg.model.dtype]
         mp = None
         if s.mixed_precision and dtype != torch.float32:
@@ -153,6 +157,7 @@ class FSDP1(Engine):
             use_orig_params=s.use_orig_params,
             sync_module_states=s.sync_module_states,
             limit_all_gathers=s.limit_all_gathers,
+            param_init_fn=source.fill if source is not None else None,
             # On CPU FSDP1 needs the device named, else "FSDP needs a non-CPU accelerator device".
             device_id=device,
         )

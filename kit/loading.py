@@ -10,9 +10,9 @@
   `fsdp_sync_module_states` intend; done here before LoRA and wrapping, so it is the same for
   FSDP2, FSDP1 and DDP and works with 4-bit weights, which FSDP1's own sync_module_states would
   broadcast as bare bytes without their quantization state.
-- stream (FSDP2 only): the model stays on the meta device through LoRA; the FSDP2 engine fills
-  each unit (a decoder layer, the embeddings, the root) from the checkpoint one tensor at a time,
-  quantizing on the device, and shards it at once: a rank holds its shards plus one unit, never
+- stream (FSDP2, FSDP1): the model stays on the meta device through LoRA; the engine fills each
+  unit (a decoder layer, the embeddings under FSDP2, the root) from the checkpoint one tensor at a
+  time, quantizing on the device, and shards it at once (FSDP1: through its param_init_fn): a rank holds its shards plus one unit, never
   the whole model, in host or device memory.
 
 Every mode gives every rank the same bytes and the same logits (tests/test_loading.py: the
@@ -38,30 +38,69 @@ from kit import builtin, quantize
 from kit.config import Config
 
 
+def mode_of(cfg: Config) -> str:
+    """model.loading as it will run: auto is stream in a rank of a process group under the
+    sharding engines (FSDP2, FSDP1: they fill the model as they shard it), and full under DDP
+    (every rank keeps the whole model anyway) or outside a group (a notebook's kernel looking
+    at a model it does not shard)."""
+    mode = cfg.model.loading
+    if mode == "auto":
+        sharded = cfg.sharding.engine != "ddp" and dist.is_initialized()
+        return "stream" if sharded else "full"
+    return mode
+
+
 def load(cfg: Config, device: torch.device, attn: str | None = None):
     """(model, tokenizer) on `device`, by cfg.model.loading; with a group of one, rank0 is full.
     A model whose folder holds no weights (kit.builtin.AT_LOAD, e.g. kit:llama-70b) is
     initialised where it would be read (Source). With stream, the model is returned on the meta
-    device with its Source attached: the FSDP2 engine fills each unit just before sharding it."""
-    mode = cfg.model.loading
+    device with its Source attached: the engine fills each unit just before sharding it. With
+    auto, a checkpoint whose tensor names differ from the model's (weights transformers renames
+    as it loads) cannot be streamed: it is loaded by rank0, and a line says so. The mode that
+    ran: `loaded_as(model)`."""
+    mode = mode_of(cfg)
     single = not dist.is_initialized() or dist.get_world_size() == 1
     init = builtin.init_at_load(builtin.resolve(cfg.model.name))
     if mode == "stream" or init is not None:
         model, tokenizer = quantize.load_model(cfg, torch.device("meta"), attn,
                                                weights=init is None)
         source = Source(cfg, model, device, init)
+        renamed = source.missing() if mode == "stream" and cfg.model.loading == "auto" else []
+        if renamed:
+            mode = "full" if single else "rank0"
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(f"model.loading=auto: {len(renamed)} weight(s) of {cfg.model.name} are "
+                      f"stored under other names in its checkpoint (e.g. {renamed[0]}); "
+                      f"loading with {mode} instead of stream", flush=True)
+            return _tag(*load_weights(cfg, device, attn, mode, single), mode)
         if mode == "stream":
-            model._kit_stream = source  # filled by kit.engines.FSDP2.wrap, unit by unit
-            return model, tokenizer
+            model._kit_stream = source  # filled by the engine (kit.engines), unit by unit
+            return _tag(model, tokenizer, mode)
         if mode == "full" or single or dist.get_rank() == 0:
             source.fill(model)
-    else:
-        reads = mode == "full" or single or dist.get_rank() == 0
-        model, tokenizer = quantize.load_model(cfg, device if reads else torch.device("meta"),
-                                               attn)
+        if mode == "rank0" and not single:
+            receive_from_rank0(model, device)
+        return _tag(model, tokenizer, mode)
+    return _tag(*load_weights(cfg, device, attn, mode, single), mode)
+
+
+def load_weights(cfg: Config, device: torch.device, attn: str | None, mode: str, single: bool):
+    """full: from_pretrained on every rank; rank0: on rank 0, the others receive by broadcast."""
+    reads = mode == "full" or single or dist.get_rank() == 0
+    model, tokenizer = quantize.load_model(cfg, device if reads else torch.device("meta"), attn)
     if mode == "rank0" and not single:
         receive_from_rank0(model, device)
     return model, tokenizer
+
+
+def _tag(model: torch.nn.Module, tokenizer, mode: str):
+    model._kit_loaded_as = mode
+    return model, tokenizer
+
+
+def loaded_as(model: torch.nn.Module) -> str:
+    """The model.loading mode that loaded `model` (auto resolved), or "" if unknown."""
+    return next((m._kit_loaded_as for m in model.modules() if hasattr(m, "_kit_loaded_as")), "")
 
 
 class Source:
@@ -84,6 +123,19 @@ class Source:
         self.files = {} if init else _checkpoint_files(builtin.resolve(cfg.model.name))
         self.headers: dict = {}  # file -> (where its bytes start, its header)
         self.most_held = 0  # the most bytes the model held on this rank after a fill
+
+    def missing(self) -> list[str]:
+        """Parameters of the model that its checkpoint does not hold under the same name (none
+        for a model initialised at load)."""
+        if self.init:
+            return []
+        seen, missing = set(), []
+        for owner, kind, name, tensor in _slots(self.model):
+            key = f"{self.names[id(owner)]}.{name}".lstrip(".")
+            if kind == "_parameters" and id(tensor) not in seen and key not in self.files:
+                missing.append(key)
+            seen.add(id(tensor))  # tied: the head is the embeddings, read once
+        return missing
 
     def fill(self, module: torch.nn.Module) -> int:
         """Replace every meta parameter and buffer under `module`; returns how many."""
@@ -116,11 +168,12 @@ class Source:
             getattr(owner, kind)[name] = made[id(meta)] = tensor
         quantize.keep_packing(module)
         self.most_held = max(self.most_held, held_bytes(self.model))
+        release_freed_host_memory()
         return len(made)
 
     def _value(self, key: str, shape, dtype, what: str) -> torch.Tensor:
         if self.init is None:
-            return self._read(key).to(self.device, dtype)
+            return self._read(key, dtype)
         tensor = torch.empty(shape, dtype=dtype, device=self.device)
         if what == "matrix":
             seed = (self.init["seed"] * 1_000_003 + zlib.crc32(key.encode())) % 2**63
@@ -128,12 +181,14 @@ class Source:
             return tensor.normal_(0.0, self.init["std"], generator=generator)
         return tensor.zero_() if what == "bias" else tensor.fill_(1.0)
 
-    def _read(self, key: str) -> torch.Tensor:
-        """One tensor, read into a buffer of its own size with a plain read. Gap filled:
-        safetensors' safe_open memory-maps the whole file, and every page a rank touches then
-        counts in its resident memory; a read leaves them in the kernel's page cache (shared,
-        reclaimable) instead. The format is an 8-byte header length, a JSON header (dtype, shape,
-        byte range of each tensor) and the bytes."""
+    def _read(self, key: str, dtype: torch.dtype) -> torch.Tensor:
+        """One tensor, made in `dtype` on the device and filled from the file in pieces of at
+        most CHUNK bytes, each read with a plain read. Gaps filled: safetensors' safe_open
+        memory-maps the whole file, and every page a rank touches then counts in its resident
+        memory (a read leaves them in the kernel's page cache: shared, reclaimable); and a whole
+        read before the cast holds the file's copy beside the cast one (an fp32 embedding table
+        read for bf16: three times its bf16 bytes). The format: an 8-byte header length, a JSON
+        header (dtype, shape, byte range of each tensor), the bytes."""
         if key not in self.files:
             raise RuntimeError(f"model.loading: {key} is not in the checkpoint's safetensors "
                                "files (renamed weights); use model.loading=full")
@@ -143,12 +198,38 @@ class Source:
         start, header = self.headers[path]
         entry = header[key]
         begin, end = entry["data_offsets"]
+        stored = _SAFETENSORS_DTYPES[entry["dtype"]]
+        tensor = torch.empty(entry["shape"], dtype=dtype, device=self.device)
+        flat, size = tensor.view(-1), torch.empty((), dtype=stored).element_size()
+        step = max(1, CHUNK // size)
         with open(path, "rb") as f:
             f.seek(start + begin)
-            data = bytearray(f.read(end - begin))
-        dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
-        return torch.frombuffer(data, dtype=dtype).reshape(entry["shape"]) if data else \
-            torch.empty(entry["shape"], dtype=dtype)  # fmt: skip
+            for first in range(0, (end - begin) // size, step):
+                data = bytearray(f.read(min(step, flat.numel() - first) * size))
+                if not data or len(data) % size:
+                    raise RuntimeError(f"model.loading: {path} ends inside {key} (a damaged "
+                                       "or partly copied file)")
+                flat[first:first + len(data) // size].copy_(torch.frombuffer(data, dtype=stored))
+        return tensor
+
+
+CHUNK = 16 * 2**20  # bytes read at a time: a 70B model's largest tensor is 1 GiB in bf16
+
+
+def release_freed_host_memory() -> None:
+    """Give the C allocator's freed pages back to the system (glibc's malloc_trim; elsewhere
+    nothing). Gap filled: every tensor read and quantized here is freed at once, but glibc keeps
+    the freed heap memory in the process, fragmented: on kit:llama-135m streaming 30 layers left
+    ~470 MiB of freed full-precision tensors in the rank's resident memory, more than the whole
+    4-bit model. Called after each unit, the peak is one unit's tensors, not all of them."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc: its allocator is left as it is
+        pass
 
 
 _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,

@@ -1,16 +1,15 @@
 """The load-only run behind kit.loading_report (rank side): load as model.loading says, add LoRA,
-shard with FSDP2, run one forward, and write what it cost and what each rank holds.
+shard with the config's engine, run one forward, and write what it cost and what each rank holds.
 
     torchrun --nproc_per_node=2 -m kit.loading_rank CONFIG --report DIR [--modes full,stream]
 
-DIR/<mode>/rank<R>.json: load + shard seconds, peak host memory (VmHWM, and the sampled split into
-anonymous and file-backed pages, kit.loading.HostMemory), device memory after sharding and its
-peak while loading (on a CPU both are host memory), the most bytes the model itself held on the
-rank while loading (full, rank0: all of it before sharding; stream: its shards so far and one
-unit) and after sharding, and two
-digests: of every byte this rank holds after sharding (its shards of every parameter and the
-4-bit layers' quantization constants) and of the logits of a fixed batch. Equal digests across
-modes: the modes load the same model, bit for bit.
+DIR/<mode>/rank<R>.json: load + shard seconds; peak host memory until sharded (VmHWM, and the
+sampled split into anonymous and file-backed pages, kit.loading.HostMemory); device memory after
+sharding and its peak while loading (on a CPU both are host memory); the most bytes the model
+itself held on the rank while loading (full, rank0: all of it before sharding; stream: its shards
+so far and one unit) and after sharding; and two digests: of every byte this rank holds after
+sharding (its shards of every parameter and the 4-bit layers' quantization constants) and of the
+logits of a fixed batch. Equal digests across modes: the modes load the same model, bit for bit.
 """
 
 from __future__ import annotations
@@ -26,8 +25,9 @@ from kit.config import Config
 
 
 def shard_digest(wrapped: torch.nn.Module) -> str:
-    """sha256 of this rank's share of every parameter (FSDP2: its local shard) and buffer, and of
-    each 4-bit layer's quantization constants, in module order."""
+    """sha256 of this rank's share of every parameter (FSDP2: its local shards; FSDP1: its part
+    of each flat buffer) and buffer, and of each 4-bit layer's quantization constants, in module
+    order."""
     import bitsandbytes as bnb
 
     digest = hashlib.sha256()
@@ -47,7 +47,7 @@ def shard_digest(wrapped: torch.nn.Module) -> str:
 
 
 def report(cfg: Config, env) -> dict:
-    """Load, add LoRA and shard (FSDP2) as the recipe does; what it cost, what this rank holds."""
+    """Load, add LoRA and shard as the recipe does; what it cost, what this rank holds."""
     import bitsandbytes  # noqa: F401  (the libraries' own memory is not the load's)
     import transformers  # noqa: F401
 
@@ -59,6 +59,7 @@ def report(cfg: Config, env) -> dict:
         whole = loading.held_bytes(built.model)  # full, rank0: all of it, before sharding
         wrapped = engines.get(cfg.sharding.engine).wrap(built.model, cfg, env.device)
     seconds = time.perf_counter() - start
+    load_peak = loading.peak_rss_mib()  # before the forward: what loading and sharding took
     held, peak = memory.allocated_gib(env.device), memory.peak_gib(env.device)
     wrapped.eval()
     ids = (torch.arange(2 * 16, device=env.device).reshape(2, 16) * 7) % 100 + 3
@@ -67,7 +68,7 @@ def report(cfg: Config, env) -> dict:
     dist.barrier()
     return {"mode": cfg.model.loading, "rank": env.rank, "world_size": env.world_size,
             "engine": cfg.sharding.engine, "seconds": round(seconds, 2),
-            "rss_before_mib": round(before, 1), "peak_rss_mib": round(loading.peak_rss_mib(), 1),
+            "rss_before_mib": round(before, 1), "peak_rss_mib": round(load_peak, 1),
             "peak_anon_mib": round(mem.peak["RssAnon"], 1),
             "peak_file_mib": round(mem.peak["RssFile"], 1),
             "held_after_sharding_gib": round(held, 4), "device_peak_gib": round(peak, 4),

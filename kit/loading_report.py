@@ -4,8 +4,8 @@
     table(rows)    # per mode and rank: seconds, host memory, read the file?, digests
 
 The ranks run `python -m kit.loading_rank CONFIG --report DIR` (kit/loading_rank.py): each loads
-the base model as the mode says, adds LoRA, shards with FSDP2 and writes its time, its peak host
-memory and digests of what it holds and of a forward's logits into DIR/rank<R>.json. This module
+the base model as the mode says, adds LoRA, shards with the config's engine and writes its time,
+its peak host memory and digests of what it holds and of a forward's logits into DIR/rank<R>.json. This module
 starts those runs and reads the files: no torch.
 """
 

@@ -64,9 +64,11 @@ def check_launch(cfg: Config, environ, cuda: bool) -> torch.device:
     """The device this rank trains on, or one line for a launch that cannot run as configured."""
     if (why := launched_alone(environ)) is not None:
         raise ConfigError(why)
-    if cfg.model.loading == "stream":  # the kit's FSDP2 engine fills the model; accelerate wraps
+    if cfg.model.loading == "stream":  # the kit's engines fill the model; accelerate wraps
         raise ConfigError("model.loading: 'stream' is not allowed under accelerate (it shards "
-                          "with the kit's own FSDP2 engine, kit.train); use full or rank0")
+                          "with the kit's own engines, kit.train); use full or rank0")
+    if cfg.model.loading == "auto":  # stream is the kit's engines' own: rank 0 reads here
+        cfg.model.loading = "rank0"
     device = cfg.training.device
     if device == "cuda" and not cuda:
         raise ConfigError("training.device: 'cuda' is not allowed; no GPU is visible here "

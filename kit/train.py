@@ -70,11 +70,9 @@ class Recipe:
             builtin.resolve(cfg.model.name)
             data.warm_cache(cfg.data)
         loaded = time.perf_counter()
-        built = model.build(cfg, env.device)  # model.loading: full | rank0 (kit.loading)
-        peaks: list = [None] * env.world_size  # each rank's peak host memory (MiB), after loading
-        dist.all_gather_object(peaks, round(loading.peak_rss_mib(), 1))
-        self.load = {"mode": cfg.model.loading, "peak_host_mib": peaks,
-                     "seconds": round(time.perf_counter() - loaded, 2),
+        built = model.build(cfg, env.device)  # model.loading (kit.loading)
+        self.load = {"mode": loading.loaded_as(built.model),  # completed after sharding: stream
+                     "seconds": time.perf_counter() - loaded,  # loads as the engine shards
                      "device_gib": round(memory.allocated_gib(env.device), 3)}  # before sharding
         if built.attention_warning:
             self.say(built.attention_warning)
@@ -95,7 +93,12 @@ class Recipe:
         if rc.enabled and (rc.every > 1 or rc.keeps != "inputs"):
             self.say(f"recompute: {len(built.recomputed)} decoder layers, keeping their "
                      f"{rc.keeps}")
+        wrapping = time.perf_counter()
         self.model = self.engine.wrap(self.peft_model, cfg, env.device)
+        peaks: list = [None] * env.world_size  # each rank's peak host memory (MiB) until sharded
+        dist.all_gather_object(peaks, round(loading.peak_rss_mib(), 1))
+        self.load.update(peak_host_mib=peaks, seconds=round(
+            self.load["seconds"] + time.perf_counter() - wrapping, 2))
         if t.compile:
             n = recompute.compile_layers(self.model, t.activation_memory_budget)
             self.say(f"torch.compile: {n} decoder layers" + (

@@ -50,7 +50,8 @@ PACKED = ("data.packing=true", "data.max_seq_len=64", "training.batch_size=4")
 
 # The loading modes (kit.loading) train: rank0 under FSDP1 (rank 1 builds on meta and receives
 # every tensor, the 4-bit ones with their quantization state), stream under FSDP2 (each unit read,
-# quantized and sharded in turn); every other run loads fully on every rank.
+# quantized and sharded in turn) and under FSDP1 (test_second_architecture_qwen2); every other run
+# loads fully on every rank.
 RANK0, STREAM = ("model.loading=rank0",), ("model.loading=stream",)
 
 
@@ -65,14 +66,16 @@ def test_engine_trains_and_saves_reloadable_adapter(tmp_path, engine, quant, ext
     torchrun(out, f"sharding.engine={engine}", f"quantization.method={quant}", *extra)
     result = check_trained_and_saved(out)
     assert result["world_size"] == 2
+    default = "full" if engine == "ddp" else "stream"  # model.loading=auto
     assert result["load"]["mode"] == next((o.split("=")[1] for o in extra if "loading" in o),
-                                          "full")
+                                          default)
 
 
 @pytest.mark.parametrize("engine", ["fsdp1"])  # FSDP1's one-dtype-per-unit rules are the strict case
 def test_second_architecture_qwen2(tmp_path, engine):
+    """Qwen2 (biases on q/k/v), loaded with stream: FSDP1's param_init_fn fills each unit."""
     out = tmp_path / "run"
-    torchrun(out, "model.name=kit:tiny-qwen2", f"sharding.engine={engine}")
-    check_trained_and_saved(out)
+    torchrun(out, "model.name=kit:tiny-qwen2", f"sharding.engine={engine}", *STREAM)
+    assert check_trained_and_saved(out)["load"]["mode"] == "stream"
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert "tiny-qwen2" in config["base_model_name_or_path"]
