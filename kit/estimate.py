@@ -10,8 +10,9 @@ object, or a local folder. What a run really holds is measured by kit.memory.
 Each term is a formula a reader can check by hand (see `estimate`). The two constants that are
 not pure bookkeeping -- bytes autograd keeps per token in one decoder layer, and the peak of the
 logits/loss -- follow from what PyTorch saves for backward and were checked against a measured
-Llama-3-8B run on 2x H200 (`REFERENCE`, from FINDINGS.md): within ~5% across batch sizes, with
-and without activation checkpointing.
+Llama-3-8B run on 2x H200 (`kit.measured.REFERENCE`, from FINDINGS.md): within ~5% across batch
+sizes, with and without activation checkpointing; kit.measured holds the kit's own measured runs
+too (70B, offloading) and compares each with the estimate.
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ class Setup:
     cpu_offload: bool = False  # FSDP: shards, grads and optimizer state live in CPU memory
     reshard_after_forward: bool = True  # FSDP2: False keeps every layer gathered until backward
     prefetch_layers: int = 1  # FSDP gathers the next layer while computing this one
-    loading: str = "full"  # model.loading: full | rank0 hold the whole model before sharding
+    loading: str = "full"  # model.loading: full | rank0 hold the whole model before sharding;
+    # stream: a shard and one unit (auto is stream under FSDP, full under DDP)
+    loss: str = "hf"  # training.loss: hf | chunked | fused (kit.loss: how many logits exist)
+    offload_activations: bool = False  # training.offload_activations: kept tensors in host memory
 
     @classmethod
     def from_config(cls, cfg, world_size: int = 2) -> Setup:
@@ -77,8 +81,11 @@ class Setup:
             recompute_keeps=cfg.training.recompute.keeps,
             attention=cfg.attention.implementation,
             cpu_offload=cfg.sharding.cpu_offload,
-            loading=cfg.model.loading,
+            loading=cfg.model.loading if cfg.model.loading != "auto"
+            else "full" if cfg.sharding.engine == "ddp" else "stream",
             reshard_after_forward=cfg.sharding.reshard_after_forward,
+            loss=cfg.training.loss,
+            offload_activations=cfg.training.offload_activations,
         )
 
     @property
@@ -143,6 +150,37 @@ def selective_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
 # Bytes per logit at the loss's peak: the logits in the compute dtype (a), their fp32 copy (4),
 # the fp32 log-probabilities cross-entropy keeps (4), the fp32 gradient it returns (4).
 LOGIT_BYTES_FP32_PART = 12
+
+
+CHUNK_TOKENS = 4096  # kit.loss: the chunked loss's tokens per chunk
+FUSED_CHUNK_LOGITS = 2**26  # kit.loss: the fused loss's logits per chunk
+
+
+def loss_bytes(shape: Shape, setup: Setup, tokens: int) -> tuple[float, str]:
+    """(bytes at the loss's peak, how) for training.loss (kit.loss), a = compute dtype bytes:
+      - hf: the logits (a), their fp32 copy, log-probabilities and gradient (12 B) per logit;
+      - chunked: the logits and their gradient (2a) whole, one chunk of 4,096 tokens in fp32 (12);
+      - fused: no logits of the batch: one chunk of 2^26 logits (the head's output in a, its fp32
+        copy, softmax in place, the gradient cast back in a: 2a + 4 B per logit) and the
+        gradient of the hidden states it keeps for backward (tokens x hidden x a)."""
+    a, vocab = DTYPE_BYTES[setup.dtype], shape.vocab
+    if setup.loss == "fused":
+        chunk = min(tokens, max(1, FUSED_CHUNK_LOGITS // vocab))
+        return (chunk * vocab * (2 * a + 4) + tokens * shape.hidden * a,
+                f"fused: {chunk} tokens x vocab x {2 * a + 4} B + the hidden states' gradient")
+    if setup.loss == "chunked":
+        chunk = min(tokens, CHUNK_TOKENS)
+        return (tokens * vocab * 2 * a + chunk * vocab * LOGIT_BYTES_FP32_PART,
+                f"chunked: vocab x tokens x {2 * a} B + {chunk} tokens x vocab x 12 B")
+    return tokens * vocab * (a + LOGIT_BYTES_FP32_PART), f"vocab x tokens x ({a} + 12) B"
+
+
+# Tensors in flight under training.offload_activations: the layer computing and the copy
+# going to (forward) or coming from (backward) host memory on the side stream. With whole-layer
+# recompute (one input per layer) this holds: 8.50 GiB estimated, 8.62 measured at 8B, batch 2
+# (benchmarks/results/offload-8b-1xh200.md). With recompute off the copies (~13 GB a step) are
+# slower than the compute and more wait on the GPU (11.4 GiB measured, 9.0 estimated): a floor.
+OFFLOAD_IN_FLIGHT_LAYERS = 2
 
 
 @dataclass
@@ -253,87 +291,61 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
         est.load_note = f"model.loading={setup.loading}: the whole model, before sharding"
 
     # Communication: FSDP all-gathers a layer before use (plus the prefetched next one) and
-    # keeps the root unit (embeddings, head, final norm) gathered from forward into backward.
+    # keeps the root unit (head, final norm; embeddings too unless they are a unit of their own)
+    # gathered from forward into backward. The kit's FSDP2 engine makes untied input embeddings
+    # their own unit (kit.engines): gathered for the first operation only.
     if sharded:
-        root = (shape.embedding_params + shape.hidden) * a
+        own_unit = setup.engine == "fsdp2" and not shape.tied_embeddings
+        root_params = shape.embedding_params // (2 if own_unit else 1) + shape.hidden
         lora_layer = adapter / shape.layers * a
         gathered_layers = shape.layers if not setup.reshard_after_forward else 1 + setup.prefetch_layers
-        parts["FSDP gathered params"] = root + gathered_layers * (layer_bytes + lora_layer)
+        parts["FSDP gathered params"] = root_params * a + gathered_layers * (layer_bytes + lora_layer)
         notes["FSDP gathered params"] = (
-            f"root unit (embeddings + head) + {gathered_layers} unsharded decoder layer(s)"
+            f"root unit ({'head' if own_unit else 'embeddings + head'}) + {gathered_layers} "
+            f"unsharded decoder layer(s)"
         )
     else:
         parts["DDP gradient buckets"] = adapter * lb
         notes["DDP gradient buckets"] = "a flat copy of all LoRA gradients for the all-reduce"
 
-    # Activations and the loss.
+    # Activations and the loss. The loss's peak comes at the end of forward, before any layer is
+    # recomputed or its saved tensors used: under recompute the two do not add up.
     per_layer = activation_bytes_per_token_layer(shape, setup) * tokens
-    logits = tokens * shape.vocab * (a + LOGIT_BYTES_FP32_PART)
+    logits, how = loss_bytes(shape, setup, tokens)
+    offload = " [host]" if setup.offload_activations else ""
     if setup.recompute and setup.recompute_keeps != "inputs":
         kept = selective_bytes_per_token_layer(shape, setup) * tokens
         parts["activations"] = shape.layers * kept + per_layer
         notes["activations"] = (f"{shape.layers} layers x {kept / tokens / 1024:.0f} KiB/token kept "
                                 f"({setup.recompute_keeps}), one layer recomputed in backward")
         parts["logits and loss"] = max(0, logits - per_layer)
-        notes["logits and loss"] = "vocab x tokens x (2 + 12) B, beyond the recomputed layer"
+        notes["logits and loss"] = f"{how}, beyond the recomputed layer"
     elif setup.recompute:
         inputs = shape.layers * tokens * shape.hidden * a
+        if setup.offload_activations:  # the inputs go to host memory as they are saved
+            est.cpu_bytes += inputs
+            inputs = OFFLOAD_IN_FLIGHT_LAYERS * tokens * shape.hidden * a
         parts["activations"] = inputs + per_layer
-        notes["activations"] = "each layer's input kept, one layer recomputed in backward"
-        # The loss's peak comes before any layer is recomputed: they do not add up.
+        notes["activations"] = (f"each layer's input kept{offload}, one layer recomputed in "
+                                f"backward")
         parts["logits and loss"] = max(0, logits - per_layer)
-        notes["logits and loss"] = "vocab x tokens x (2 + 12) B, beyond the recomputed layer"
+        notes["logits and loss"] = f"{how}, beyond the recomputed layer"
     else:
         parts["activations"] = shape.layers * per_layer
         notes["activations"] = f"{shape.layers} layers x {per_layer / tokens / 1024:.0f} KiB/token"
+        if setup.offload_activations:  # what layers keep goes to host; two layers in flight
+            est.cpu_bytes += shape.layers * per_layer
+            parts["activations"] = OFFLOAD_IN_FLIGHT_LAYERS * per_layer
+            notes["activations"] = (f"{OFFLOAD_IN_FLIGHT_LAYERS} layers in flight{offload}; more "
+                                    "when the copies are slower than the compute")
         parts["logits and loss"] = logits
-        notes["logits and loss"] = "vocab x tokens x (2 + 12) B: logits, fp32 copy, log-probs, grad"
+        notes["logits and loss"] = how
     return est
 
 
 def sweep(model, setup: Setup, key: str, values) -> list[Estimate]:
     """One estimate per value of Setup field `key` (for tables and plots)."""
     return [estimate(model, setup, **{key: v}) for v in values]
-
-
-# Measured peaks (torch.cuda.max_memory_allocated, GiB) of the reference a user would write
-# (FINDINGS.md, 2x H200, 2026-11-22): Llama-3-8B shape, NF4 + double quant, bf16 storage,
-# LoRA r16 all-linear in bf16, FSDP1 FULL_SHARD, sdpa, seq 2048, AdamW.
-REFERENCE = {
-    "model": "kit:llama-8b",
-    "setup": dict(engine="fsdp1", world_size=2, lora_r=16, seq_len=2048, attention="sdpa"),
-    # (recompute, batch_size) -> measured peak GiB
-    "peak_gib": {
-        (False, 1): 25.0, (False, 2): 45.1,
-        (True, 1): 8.9, (True, 2): 12.9, (True, 4): 20.8, (True, 8): 36.6,
-    },  # fmt: skip
-}
-
-
-# The kit's recipe on the 70B shape (Llama-2-70B's, no weights on disk: kit.loading.initialise),
-# one H200, FSDP2 on one process, NF4, LoRA r16 all-linear (fp32), whole-layer recompute, fused
-# loss, seq 2048 (benchmarks/results/big-70b-1xh200.md, 2026-11-24): peak allocated GiB.
-REFERENCE_70B = {
-    "model": "kit:llama-70b",
-    "setup": dict(engine="fsdp2", world_size=1, lora_r=16, seq_len=2048, attention="sdpa"),
-    "peak_gib": {(True, 1): 41.3, (True, 2): 45.0, (True, 4): 52.4},
-}
-
-
-def compare_with_reference(reference: dict = REFERENCE) -> list[dict]:
-    """Estimate vs measured for every row of a reference (REFERENCE, REFERENCE_70B)."""
-    rows = []
-    for (ckpt, batch), measured in reference["peak_gib"].items():
-        est = estimate(
-            reference["model"],
-            Setup(**reference["setup"], recompute=ckpt, batch_size=batch),
-        )
-        rows.append(
-            dict(checkpointing=ckpt, batch=batch, measured_gib=measured,
-                 estimated_gib=round(est.total_gib, 1),
-                 error_pct=round(100 * (est.total_gib - measured) / measured, 1))
-        )  # fmt: skip
-    return rows
 
 
 def scenarios(models: dict, setups: dict, gpus: dict[str, float]) -> list[dict]:
