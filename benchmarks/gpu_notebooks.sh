@@ -18,7 +18,7 @@ for n in $WHICH; do case $n in
   02) nb 02-quantize-nf4 -p model kit:llama-1b ;;
   01) nb 01-memory-budget -p model kit:llama-1b -p nproc "$NPROC" -p device cuda -p seq_len 1024 -p batch_size 4 -p steps 4 ;;
   04) nb 04-fsdp-sharding -p model kit:llama-1b -p nproc "$NPROC" -p device cuda ;;
-  05) nb 05-order-of-operations -p nproc "$NPROC" ;;
+  05) nb 05-order-of-operations -p nproc "$NPROC" -p device cuda ;;
   06) nb 06-attention-and-checkpointing -p device cuda -p dtype bfloat16 -y "seq_lens: [1024, 2048, 4096, 8192]" \
         -y "implementations: [eager, sdpa, sdpa_flash, sdpa_efficient, sdpa_cudnn, sdpa_math, flex_attention, flash_attention_2]" \
         -p heads 32 -p kv_heads 8 -p head_dim 64 -p model kit:llama-1b -p nproc 1 \

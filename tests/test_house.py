@@ -52,6 +52,7 @@ KERNEL_SIDE = [
     "kit.jobs", "kit.schemas",  # every way to launch a config on N nodes, and the CRDs it fits
     "kit.nodes", "kit.second_article",  # notebook 10: N nodes on this machine; the article's numbers
     "kit.loading_report",  # notebook 10's load-only runs, started and read
+    "kit.order",  # notebook 05's cases, started and read
 ]
 RANK_SIDE = [
     "kit.train", "kit.model", "kit.builtin", "kit.quantize", "kit.lora", "kit.recompute",
@@ -61,6 +62,7 @@ RANK_SIDE = [
     "kit.sft", "kit.sft_setup",  # TRL's SFTTrainer under accelerate launch
     "kit.loading", "kit.loading_rank",  # model.loading: full | rank0 | stream
     "kit.offload",  # training.offload_activations
+    "kit.order_rank",  # notebook 05's cases: each order of operations, run
 ]
 KERNEL_HEAVY = ("torch", "transformers", "peft", "bitsandbytes", "ipywidgets")
 MAY_IMPORT_IPYWIDGETS = ("widgets", "__main__")  # relative to the package

@@ -1,9 +1,9 @@
-"""Kernel side of the reproductions (notebooks 05 and 11): run the pitfalls of kit.pitfalls under
+"""Kernel side of the reproductions (notebooks 08 and 11): run the pitfalls of kit.pitfalls under
 torchrun, each rank's outcome read back with what the doctor makes of it.
 
     runs = reproduce(["prepare_kbit_fsdp1", "fsdp1_int_storage"])   # one torchrun launch
     print(repro_table(runs["wrong"]))                                # and runs["fixed"]
-    print(describe(runs, "prepare_kbit_fsdp1"))
+    print(describe(runs, "full_state_dict_empty_adapter"))
     runs = read(["prepare_kbit_fsdp1", "fsdp1_int_storage"])        # the same, read back later
 
 The ranks run kit/pitfalls/reproduce.py from a run folder written and started by
@@ -122,8 +122,8 @@ def _read(folder: Path, code: str, side: str, nproc: int, console: str) -> Repro
 
 
 def describe(runs: dict[str, dict], code: str) -> str:
-    """A pitfall as notebook 05 tells it: the mistake, what it did, why, the fix, what the fix
-    did (or 'not run')."""
+    """A pitfall told in words: the mistake, what it did, why, the fix, what the fix did (or
+    'not run')."""
     p = pitfalls.get(code)
 
     def seen(side: str) -> str:

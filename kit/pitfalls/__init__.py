@@ -7,7 +7,7 @@ and how to fix it. Every reader of this knowledge reads it here, so it is writte
   its script scan the `script` patterns (script.py), its error explanation the `error` patterns
   (explain.py); each answers with `Pitfall.finding`, so all of them cite one code, message, fix;
 - kit/pitfalls/reproduce.py holds the `wrong` and `fixed` reproductions a record names, run under
-  torchrun by kit.doctor.cases.reproduce for notebooks 05 and 11.
+  torchrun by kit.doctor.cases.reproduce for notebooks 08 and 11.
 
     get("fsdp1_int_storage").fix
     [p.code for p in PITFALLS if p.wrong]        # the pitfalls reproduced on the tiny model
@@ -61,7 +61,7 @@ class Pitfall:
     wrong: str = ""  # function of kit/pitfalls/reproduce.py: the mistake as a person writes it
     fixed: str = ""  # function there: the same step the kit's way (kit.model.build, ...)
     overrides: tuple[str, ...] = ()  # the kit config that makes the same mistake
-    why: str = ""  # the longer explanation notebooks print ("": the message)
+    why: str = ""  # the longer explanation kit.doctor.cases.describe prints ("": the message)
     crashes: bool = False  # its wrong side kills a process: it runs last in a launch
 
     @property
@@ -205,9 +205,6 @@ PITFALLS: list[Pitfall] = [
         error=r"Cannot flatten integer dtype tensors",
         wrong="uint8_storage", fixed=KIT_FSDP1,
         overrides=("sharding.engine=fsdp1", "quantization.storage=uint8"),
-        why="FSDP1 flattens the parameters of a unit into one FlatParameter, which must be "
-            "floating point; bitsandbytes packs two 4-bit values per uint8 by default. A float "
-            "storage dtype holds the same bytes, viewed as half as many bf16 values.",
     ),
     Pitfall(
         "device_map_with_fsdp", 'device_map="auto" under FSDP',
@@ -221,9 +218,6 @@ PITFALLS: list[Pitfall] = [
         error=r"on a different device than the one you're training on|Expected all tensors to "
               r"be on the same device",
         wrong="device_map_auto", fixed="loaded_the_kit_way", overrides=("model.device_map=auto",),
-        why="device_map='auto' is for one process using all GPUs (pipeline-style placement): "
-            "every rank puts its own full copy across all GPUs, so rank 1 also fills GPU 0 and "
-            "no module lives on one device, which FSDP requires.",
     ),
     Pitfall(
         "flash_attn_missing",
@@ -277,9 +271,6 @@ PITFALLS: list[Pitfall] = [
         "kit.model.build), or use FSDP2",
         script=(r"prepare_model_for_kbit_training\(", FSDP1),
         raises="fsdp1_mixed_dtype", wrong="prepare_kbit_then_fsdp1", fixed=KIT_FSDP1,
-        why="prepare_model_for_kbit_training casts every non-4-bit parameter (norms, "
-            "embeddings, head) to float32; FSDP1 flattens each unit into one tensor of one "
-            "dtype, and the packed 4-bit weights stay bf16.",
     ),
     Pitfall(
         "fsdp1_mixed_dtype", "PEFT's float32 adapters next to bf16 weights in one FSDP1 unit",
@@ -327,10 +318,6 @@ PITFALLS: list[Pitfall] = [
         script_absent=(r"\.train\(\s*(True)?\s*\)", r"Trainer\("),
         error=r"gradient checkpointing is on in \d+ modules in eval mode",
         wrong="checkpointing_in_eval_mode", fixed="checkpointing_the_kit_way",
-        why="transformers only checkpoints when module.training is True; from_pretrained "
-            "returns eval mode, so no layer is checkpointed: autograd keeps every layer's "
-            "activations, and the peak is that of a run without checkpointing (measured on "
-            "GPUs).",
     ),
     Pitfall(
         "no_grad_inputs", "reentrant checkpointing on a frozen model",
@@ -604,20 +591,3 @@ def summary(function: str) -> str:
     """The first line of a reproduction's docstring: what that code does, in words."""
     node = ast.parse(source(function)).body[0]
     return (ast.get_docstring(node) or "").split("\n")[0]
-
-
-# The order the recipe (kit/train.py) follows, and what goes wrong when a step moves or changes.
-PIPELINE = [
-    ("1. process group", "kit.dist.init", "one process per device: nccl on GPUs, gloo on CPU"),
-    ("2. load, quantized", "kit.quantize.load_model",
-     "each rank onto its own device (device_map={'': rank}), 4-bit storage in the model dtype"),
-    ("3. LoRA", "kit.lora.apply_lora",
-     "adapters in fp32, or in the model dtype under FSDP1; no prepare_model_for_kbit_training"),
-    ("4. checkpointing + train()", "kit.recompute.enable_activation_checkpointing",
-     "from_pretrained returns eval mode, where HF checkpointing does nothing"),
-    ("5. shard", "kit.sharding.shard", "decoder layers first, then the root"),
-    ("6. optimizer", "torch.optim.AdamW", "after sharding: it must hold the sharded parameters"),
-    ("7. train", "kit.train.Recipe.train", "forward, backward, clip, step"),
-    ("8. save the adapter", "kit.checkpoint.save_adapter",
-     "gather with get_model_state_dict; PEFT key layout taken before wrapping; verified"),
-]  # fmt: skip
