@@ -101,7 +101,18 @@ class FSDP2(Engine):
             fill(embeddings)
             fully_shard(embeddings, **kwargs)
         fill(model)
-        fully_shard(model, **kwargs)  # the root: final norm, output head (and tied embeddings)
+        # The root (final norm, output head, tied embeddings) stays gathered from the end of
+        # forward into backward: its first use there is the head's, right after the loss, which
+        # needs it gathered anyway; resharding it in between would gather it twice per step.
+        fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+        # Backward ends at the first layer. Left implicit, FSDP2 prefetches there the unit that
+        # ran before it in forward, the embeddings, which backward never reaches (they are
+        # frozen; kit.recompute drops transformers' hook that made their output need a
+        # gradient): a whole table gathered each step for nothing (notebook 04 counts the
+        # gathers). An explicit list replaces the implicit choice; an empty one does not, so
+        # the first layer names itself, already gathered there.
+        first = decoder_layers(model)[0]
+        first.set_modules_to_backward_prefetch([first])
         return model
 
     @contextlib.contextmanager

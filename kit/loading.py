@@ -28,7 +28,6 @@ tree, and its meta-device initialisation cannot quantize.
 from __future__ import annotations
 
 import contextlib
-import resource
 import zlib
 
 import torch
@@ -130,7 +129,7 @@ class Source:
         if self.init:
             return []
         seen, missing = set(), []
-        for owner, kind, name, tensor in _slots(self.model):
+        for owner, kind, name, tensor in slots(self.model):
             key = f"{self.names[id(owner)]}.{name}".lstrip(".")
             if kind == "_parameters" and id(tensor) not in seen and key not in self.files:
                 missing.append(key)
@@ -143,7 +142,7 @@ class Source:
 
         made: dict[int, torch.Tensor] = {}
         rebuilt: dict[int, torch.nn.Module] = {}
-        for owner, kind, name, meta in list(_slots(module)):
+        for owner, kind, name, meta in list(slots(module)):
             if not meta.is_meta:
                 continue
             if id(meta) in made:  # tied: the same tensor
@@ -321,7 +320,7 @@ def adapters_stay_put(model: torch.nn.Module):
         LoraModel._replace_module = replace
 
 
-def _slots(model: torch.nn.Module):
+def slots(model: torch.nn.Module):
     """(module, kind, name, tensor) for every parameter and buffer (persistent or not), in the
     same order on every rank; a tensor shared by two modules (tied embeddings) appears twice."""
     for module in model.modules():
@@ -338,14 +337,14 @@ def receive_from_rank0(model: torch.nn.Module, device: torch.device) -> int:
     import bitsandbytes as bnb
 
     main = dist.get_rank() == 0
-    slots = list(_slots(model))
+    every = list(slots(model))
     # What rank 0 holds, described once: shape, dtype, grad flag, an alias's first slot, and for
     # a 4-bit weight its quantization constants (bitsandbytes' own serialised form, all tensors).
     plan: list = [None]
     if main:
         seen: dict[int, int] = {}
         described = []
-        for i, (_, _, _, t) in enumerate(slots):
+        for i, (_, _, _, t) in enumerate(every):
             alias = seen.setdefault(id(t), i)
             state = getattr(t, "quant_state", None) if isinstance(t, bnb.nn.Params4bit) else None
             stats = state.as_dict(packed=True) if state is not None else None
@@ -358,7 +357,7 @@ def receive_from_rank0(model: torch.nn.Module, device: torch.device) -> int:
     sent = 0
     placed: list = []
     for (module, kind, name, tensor), (shape, dtype, grad, alias, stats) in zip(
-            slots, plan[0], strict=True):  # fmt: skip
+            every, plan[0], strict=True):  # fmt: skip
         if alias is not None:  # tied: the same object as an earlier slot
             if not main:
                 getattr(module, kind)[name] = placed[alias]
@@ -388,68 +387,3 @@ def receive_from_rank0(model: torch.nn.Module, device: torch.device) -> int:
     if not main:
         quantize.keep_packing(model)
     return sent
-
-
-# --------------------------------------------------------------------------- the load-only report
-
-class HostMemory:
-    """Peak host memory of this process while the block runs, split as the kernel counts it:
-    anonymous (this process's own; what the OOM killer frees by killing it) and file-backed
-    (pages of memory-mapped checkpoint files: the page cache, shared by every rank that maps
-    the same file and reclaimable). Sampled from /proc/self/status every `every_s` seconds.
-    Gap filled: getrusage and psutil give one peak for both, or none."""
-
-    def __init__(self, every_s: float = 0.01):
-        self.every_s, self.peak = every_s, {"RssAnon": 0.0, "RssFile": 0.0, "VmRSS": 0.0}
-
-    def sample(self) -> None:
-        for line in open("/proc/self/status"):
-            key, _, value = line.partition(":")
-            if key in self.peak:
-                self.peak[key] = max(self.peak[key], int(value.split()[0]) / 1024)
-
-    def __enter__(self):
-        import threading
-
-        self._stop = threading.Event()
-        self.sample()
-
-        def run():
-            while not self._stop.wait(self.every_s):
-                self.sample()
-
-        self._thread = threading.Thread(target=run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.sample()
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident host memory so far (VmHWM; not ru_maxrss, which on Linux
-    carries the launching parent's peak over exec). It counts pages of memory-mapped checkpoint
-    files a rank has touched (HostMemory splits them out)."""
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024  # KiB -> MiB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def state_digest(model: torch.nn.Module) -> str:
-    """sha256 of every tensor a rank holds (packed 4-bit bytes and their quantization constants
-    included), in module order: equal digests are bit-identical models."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for _, _, name, t in _slots(model):
-        tensors = [t.data]
-        state = getattr(t, "quant_state", None)
-        if state is not None:
-            tensors += [v for _, v in sorted(state.as_dict(packed=True).items())]
-        for x in tensors:
-            digest.update(name.encode())
-            digest.update(x.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()

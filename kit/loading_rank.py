@@ -4,7 +4,7 @@ shard with the config's engine, run one forward, and write what it cost and what
     torchrun --nproc_per_node=2 -m kit.loading_rank CONFIG --report DIR [--modes full,stream]
 
 DIR/<mode>/rank<R>.json: load + shard seconds; peak host memory until sharded (VmHWM, and the
-sampled split into anonymous and file-backed pages, kit.loading.HostMemory); device memory after
+sampled split into anonymous and file-backed pages, kit.memory.HostMemory); device memory after
 sharding and its peak while loading (on a CPU both are host memory); the most bytes the model
 itself held on the rank while loading (full, rank0: all of it before sharding; stream: its shards
 so far and one unit) and after sharding; and two digests: of every byte this rank holds after
@@ -46,20 +46,35 @@ def shard_digest(wrapped: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+def state_digest(model: torch.nn.Module) -> str:
+    """sha256 of every tensor a rank holds (packed 4-bit bytes and their quantization constants
+    included), in module order: equal digests are bit-identical models."""
+    digest = hashlib.sha256()
+    for _, _, name, t in loading.slots(model):
+        tensors = [t.data]
+        state = getattr(t, "quant_state", None)
+        if state is not None:
+            tensors += [v for _, v in sorted(state.as_dict(packed=True).items())]
+        for x in tensors:
+            digest.update(name.encode())
+            digest.update(x.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def report(cfg: Config, env) -> dict:
     """Load, add LoRA and shard as the recipe does; what it cost, what this rank holds."""
     import bitsandbytes  # noqa: F401  (the libraries' own memory is not the load's)
     import transformers  # noqa: F401
 
-    before = loading.peak_rss_mib()
+    before = memory.peak_rss_mib()
     start = time.perf_counter()
-    with loading.HostMemory() as mem:
+    with memory.HostMemory() as mem:
         built = model.build(cfg, env.device)
         source = loading.streamer_of(built.model)  # stream: the model is filled while wrapped
         whole = loading.held_bytes(built.model)  # full, rank0: all of it, before sharding
         wrapped = engines.get(cfg.sharding.engine).wrap(built.model, cfg, env.device)
     seconds = time.perf_counter() - start
-    load_peak = loading.peak_rss_mib()  # before the forward: what loading and sharding took
+    load_peak = memory.peak_rss_mib()  # before the forward: what loading and sharding took
     held, peak = memory.allocated_gib(env.device), memory.peak_gib(env.device)
     wrapped.eval()
     ids = (torch.arange(2 * 16, device=env.device).reshape(2, 16) * 7) % 100 + 3

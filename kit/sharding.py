@@ -100,10 +100,51 @@ def _seen_in_forward(model: nn.Module) -> tuple[dict, list]:
     return seen, handles
 
 
+def _nested_bytes(arg) -> int:
+    if isinstance(arg, list | tuple):
+        return sum(_nested_bytes(a) for a in arg)
+    return _bytes(arg) if isinstance(arg, torch.Tensor) else 0
+
+
+class Collectives:
+    """Count the collectives a block issues on this rank, by torch.distributed's op name: calls
+    and bytes of the largest argument of each call (an all-gather: what it assembles; a
+    reduce-scatter: the whole gradient it reduces; an all-reduce: the tensor). Gap filled: torch's
+    CommDebugMode counts calls, not bytes. A dispatch mode: it sees FSDP2's, FSDP1's and DDP's
+    collectives alike."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts: dict[str, dict] = {}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = str(func.overloadpacket)
+                if name.startswith("c10d."):
+                    row = counts.setdefault(name.removeprefix("c10d.").strip("_"),
+                                            {"calls": 0, "bytes": 0})
+                    row["calls"] += 1
+                    row["bytes"] += max((_nested_bytes(a) for a in args), default=0)
+                return func(*args, **(kwargs or {}))
+
+        self.counts, self.mode = counts, Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self.counts
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
 def report_rank(cfg: Config, env, out) -> dict:
     """One engine on this rank: before sharding, after, and after one forward/backward."""
     from kit import model
+    from kit.config import apply_overrides, config_from_dict
 
+    if cfg.model.loading == "auto":  # whole, to compare before with after (stream: nothing before)
+        cfg = config_from_dict(apply_overrides(cfg.to_dict(), ["model.loading=full"]))
     peft_model = model.build(cfg, env.device).model
     before = held(peft_model)
     quant_bytes = quant_constant_bytes(peft_model)
@@ -112,7 +153,8 @@ def report_rank(cfg: Config, env, out) -> dict:
     after = held(wrapped)
     seen, handles = _seen_in_forward(wrapped)
     ids = torch.arange(2 * 16, device=env.device).reshape(2, 16) % 100 + 3
-    wrapped(input_ids=ids, labels=ids).loss.backward()
+    with Collectives() as collectives:  # one training step's forward and backward
+        wrapped(input_ids=ids, labels=ids).loss.backward()
     for h in handles:
         h.remove()
     grads = held(wrapped)
@@ -126,6 +168,7 @@ def report_rank(cfg: Config, env, out) -> dict:
                        "grad_dtype": grads.get(n, {}).get("grad_dtype")}
                    for n in before},
         "seen_in_forward": seen,
+        "collectives": collectives,
     }  # fmt: skip
 
 

@@ -68,3 +68,20 @@ def bytes_per_rank(ranks: list[dict]) -> list[dict]:
             "full model": sum(p["full_bytes"] for p in ps),
         })  # fmt: skip
     return rows
+
+
+def traffic(report: dict[str, list[dict]]) -> list[dict]:
+    """Per engine, rank 0's collectives in one training step (forward and backward): calls and
+    bytes of each kind (kit.sharding.Collectives), against the whole model's bytes (its 4-bit
+    weights packed, everything else in its dtype, before sharding) and the trainable part's."""
+    rows = []
+    for engine, ranks in report.items():
+        r = ranks[0]
+        ps = r["params"].values()
+        model = sum(p["full_bytes"] for p in ps)
+        trainable = sum(p["full_bytes"] for p in ps if p["trainable"])
+        for op, c in sorted(r.get("collectives", {}).items()):
+            rows.append({"engine": engine, "collective": op, "calls": c["calls"],
+                         "bytes": c["bytes"], "x the model": round(c["bytes"] / model, 2),
+                         "x the trainable": round(c["bytes"] / trainable, 2)})  # fmt: skip
+    return rows

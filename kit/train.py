@@ -96,7 +96,7 @@ class Recipe:
         wrapping = time.perf_counter()
         self.model = self.engine.wrap(self.peft_model, cfg, env.device)
         peaks: list = [None] * env.world_size  # each rank's peak host memory (MiB) until sharded
-        dist.all_gather_object(peaks, round(loading.peak_rss_mib(), 1))
+        dist.all_gather_object(peaks, round(memory.peak_rss_mib(), 1))
         self.load.update(peak_host_mib=peaks, seconds=round(
             self.load["seconds"] + time.perf_counter() - wrapping, 2))
         if t.compile:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kit import builtin, loading, loading_report
+from kit import builtin, loading, loading_rank, loading_report
 from kit.config import ConfigError, load_config
 
 
@@ -30,11 +30,11 @@ def test_a_group_of_one_loads_fully_and_the_digest_sees_every_byte():
     same bytes (digest); and one flipped bit of a 4-bit constant changes the digest."""
     cfg = {mode: load_config(None, [f"model.loading={mode}"]) for mode in ("full", "rank0")}
     models = {mode: loading.load(c, torch.device("cpu"))[0] for mode, c in cfg.items()}
-    digests = {mode: loading.state_digest(m) for mode, m in models.items()}
+    digests = {mode: loading_rank.state_digest(m) for mode, m in models.items()}
     assert digests["full"] == digests["rank0"]
     absmax = models["full"].model.layers[0].self_attn.q_proj.weight.quant_state.absmax
     absmax[0] ^= 1
-    assert loading.state_digest(models["full"]) != digests["rank0"]
+    assert loading_rank.state_digest(models["full"]) != digests["rank0"]
 
 
 def test_report_rows_read_in_rank_order(tmp_path):

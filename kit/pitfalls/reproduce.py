@@ -1,6 +1,6 @@
 """Each pitfall of kit.pitfalls reproduced on the tiny model: the wrong code as a person writes it
 (the articles' load: NF4, bf16 compute and storage, LoRA r8 on q_proj/v_proj, and one mistake),
-and the same step the kit's way (kit.model.build, the recipe's one way to build). Rank side:
+and the same step the kit's way (kit.model.build, loading whole as the articles do). Rank side:
 
     torchrun --nproc_per_node=2 -m kit.pitfalls.reproduce CONFIG OUT fsdp1_int_storage \
         offload_to_cpu_segfault:fixed offload_to_cpu_segfault:wrong
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 3:
         raise SystemExit("usage: torchrun ... -m kit.pitfalls.reproduce CONFIG OUT STEP ...")
-    cfg, out, todo = load_config(argv[0]), Path(argv[1]), steps(argv[2:])
+    cfg, out, todo = _with(load_config(argv[0]), "model.loading=full"), Path(argv[1]), steps(argv[2:])
     env = kdist.init(cfg.training.device, timeout_min=cfg.run.dist_timeout_min)
     with kdist.main_process_first(env):
         builtin.resolve(cfg.model.name)
