@@ -85,3 +85,38 @@ def traffic(report: dict[str, list[dict]]) -> list[dict]:
                          "bytes": c["bytes"], "x the model": round(c["bytes"] / model, 2),
                          "x the trainable": round(c["bytes"] / trainable, 2)})  # fmt: skip
     return rows
+
+
+def plot_layout(report: dict[str, list[dict]], unit: str = "layers.0.", ax=None):
+    """What rank 0 and rank 1 hold of one unit, per engine, drawn from the report: the unit's
+    parameters end to end (width: elements), each split where the ranks' pieces meet (rank 1's
+    part hatched). FSDP1 cuts its one flat buffer in the middle, wherever a parameter falls;
+    FSDP2 splits every parameter by its rows."""
+    import math
+
+    import matplotlib.pyplot as plt
+
+    engines = [e for e in ("fsdp1", "fsdp2") if e in report]
+    ax = ax or plt.subplots(figsize=(10, 0.9 + 0.8 * len(engines)))[1]
+    colors = plt.get_cmap("tab20").colors
+    for row, engine in enumerate(engines):
+        ranks = report[engine]
+        left = 0
+        names = [n for n in ranks[0]["params"] if unit in n]
+        for i, name in enumerate(names):
+            full = math.prod(ranks[0]["params"][name]["full_shape"])
+            mine = math.prod(ranks[0]["params"][name]["shape"])  # rank 0's piece
+            color = colors[i % len(colors)]
+            ax.barh(row, mine, left=left, color=color, edgecolor="white", linewidth=0.3)
+            ax.barh(row, full - mine, left=left + mine, color=color, hatch="///",
+                    edgecolor="black", linewidth=0.3)  # fmt: skip
+            if row == 0 and full > 0.03 * sum(math.prod(ranks[0]["params"][n]["full_shape"])
+                                               for n in names):  # fmt: skip
+                ax.text(left + full / 2, len(engines) - 0.45,
+                        name.split(unit)[1].removesuffix(".weight").replace(".default", ""),
+                        rotation=60, fontsize=7, ha="left", va="bottom")  # fmt: skip
+            left += full
+    ax.set_yticks(range(len(engines)), engines)
+    ax.set_xlabel(f"elements of {unit.rstrip('.')}, parameters in order (hatched: rank 1's part)")
+    ax.set_ylim(-0.6, len(engines) + 1.2)
+    return ax
