@@ -50,9 +50,9 @@ class Page:
             if msg.get("id") == self.n:
                 return msg.get("result", {})
 
-    def eval(self, expression: str):
+    def eval(self, expression: str, wait: bool = True):
         r = self.call("Runtime.evaluate", expression=expression, returnByValue=True,
-                      awaitPromise=True)
+                      awaitPromise=wait)
         return r.get("result", {}).get("value")
 
 
@@ -87,7 +87,9 @@ def main(notebook: str, png: str, budget_s: int = 600) -> int:
             if time.time() > end:
                 raise TimeoutError("JupyterLab did not open the notebook with an idle kernel")
             time.sleep(2)
-        page.eval("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        # Not awaited: its promise ends with the last cell, past the socket's timeout for a
+        # notebook that trains for minutes; the loop below waits for the kernel instead.
+        page.eval("window.jupyterapp.commands.execute('notebook:run-all-cells'); true", wait=False)
         time.sleep(5)
         busy = ("(() => { const w = window.jupyterapp.shell.currentWidget;"
                 " const cells = w.content.widgets;"
