@@ -1,4 +1,5 @@
-"""LoRA adapters with PEFT: which modules get them, how many parameters train, in what dtype."""
+"""LoRA adapters with PEFT: which modules get them, how many parameters train, in what dtype; and,
+for notebook 03, a few training steps in the kernel and the scale conventions run side by side."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 
 from kit import engines
 from kit.config import Config, ConfigError
+from kit.quantize import one_thread
 
 
 def linear_module_names(model) -> list[str]:
@@ -65,8 +67,17 @@ def apply_lora(model, cfg: Config):
 
 
 def trainable_summary(peft_model) -> dict[str, float]:
-    """Trainable vs all parameters; PEFT counts a packed 4-bit weight as its logical size."""
-    trainable, total = peft_model.get_nb_trainable_parameters()
+    """Trainable vs all parameters, a packed 4-bit weight counted as its logical size (two
+    weights per byte of storage). Gap filled: PEFT's get_nb_trainable_parameters counts every
+    Params4bit as packed, and one not yet quantized (model.loading=stream: on the meta device
+    until the engine fills it) already holds its logical shape, so PEFT counted it 2-4x over."""
+    trainable = total = 0
+    for p in peft_model.parameters():
+        n = p.numel()
+        if type(p).__name__ == "Params4bit" and getattr(p, "bnb_quantized", True):
+            n *= 2 * p.element_size()
+        total += n
+        trainable += n if p.requires_grad else 0
     return {"trainable": trainable, "total": total, "percent": 100.0 * trainable / max(total, 1)}
 
 
@@ -192,3 +203,187 @@ def _recomputed_forward(self, x, *args, **kwargs):
                            self.scaling[name], p, self.training, use_reentrant=False)
         result = result + delta.to(result.dtype)
     return result
+
+
+# ------------------------------------------------------------------- training, in process (03)
+
+# Three ways to set the scale s of y = Wx + s·BAx as the rank r changes: (r, alpha) -> what PEFT's
+# LoraConfig takes (lora_alpha, use_rslora).
+SCALINGS = {
+    "alpha/r, alpha fixed (LoRA paper)": lambda r, alpha: (alpha, False),
+    "alpha/sqrt(r), alpha fixed (rsLoRA)": lambda r, alpha: (alpha, True),
+    "alpha/r, alpha = 2r (scale 2 at every r)": lambda r, alpha: (2 * r, False),
+}
+
+
+def sample_rows(model: str, seq_len: int = 32) -> tuple[dict, dict]:
+    """(train, validation) token rows of the bundled sample text, as the recipe tokenizes them."""
+    from transformers import AutoTokenizer
+
+    from kit import builtin, data
+    from kit.config import load_config
+
+    cfg = load_config(None, [f"model.name={model}", f"data.max_seq_len={seq_len}"])
+    tokenizer = AutoTokenizer.from_pretrained(builtin.resolve(model))
+    train, val = data.build_datasets(cfg.data, tokenizer, cfg.training.seed)
+    return train.tensors, val.tensors
+
+
+def _pairs(peft_model):
+    from peft.tuners.lora import LoraLayer
+
+    for module in peft_model.modules():
+        if isinstance(module, LoraLayer):
+            for name in module.lora_A:
+                yield module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name]
+
+
+def adapter_norms(peft_model) -> dict[str, float]:
+    """Norms over every adapted layer: A, B and the update s·BA they add to the frozen weights."""
+    a = b = update = 0.0
+    with torch.no_grad():
+        for down, up, scale in _pairs(peft_model):
+            a += down.float().norm().item() ** 2
+            b += up.float().norm().item() ** 2
+            update += (scale * up.float() @ down.float()).norm().item() ** 2
+    return {"A": a**0.5, "B": b**0.5, "update": update**0.5}
+
+
+def train_adapters(peft_model, rows: dict, steps: int, lr: float, batch_size: int = 8,
+                   seed: int = 0, track: bool = True) -> list[dict]:  # fmt: skip
+    """`steps` AdamW steps on the trainable parameters (the recipe's optimizer, weight decay 0),
+    batch after batch of `rows`, dropout seeded; per step: the loss and, if `track`, |B|, how far
+    A moved and |s·BA|. The caller's RNG is left as it was."""
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    start = [down.detach().clone() for down, _, _ in _pairs(peft_model)]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    was_training = peft_model.training
+    peft_model.train()
+    history = []
+    with one_thread(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for step in range(steps):
+            at = step * batch_size % (len(rows["input_ids"]) - batch_size)
+            loss = peft_model(**{k: v[at:at + batch_size] for k, v in rows.items()}).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            history.append({"step": step + 1, "loss": loss.item()})
+            if not track:
+                continue
+            pairs = zip(_pairs(peft_model), start, strict=True)
+            moved = sum((d.detach() - s).float().norm().item() ** 2 for (d, _, _), s in pairs)
+            norms = adapter_norms(peft_model)
+            history[-1].update({"|B|": norms["B"], "|A - A0|": moved**0.5,
+                                "|s·BA|": norms["update"]})  # fmt: skip
+    peft_model.train(was_training)
+    return history
+
+
+def scaling_runs(model: str, ranks, lrs, steps: int, alpha: int = 16, targets="all-linear",
+                 seed: int = 0) -> list[dict]:  # fmt: skip
+    """One short run per (learning rate, SCALINGS entry, rank), all from the same base weights, on
+    the same rows in the same order: the losses, the held-out loss at the end and |s·BA|. The base
+    is unquantized fp32: the scale multiplies the adapter's output whatever the base is stored in,
+    and fp32 steps are quick on a CPU."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from kit.quantize import load_on_cpu
+
+    base = load_on_cpu(model, method="none", dtype="float32")
+    train, val = sample_rows(model)
+    held_out = {k: v[:32] for k, v in val.items()}
+    runs = []
+    for lr in lrs:
+        for label, convention in SCALINGS.items():
+            for r in ranks:
+                lora_alpha, rslora = convention(r, alpha)
+                config = LoraConfig(r=r, lora_alpha=lora_alpha, use_rslora=rslora,
+                                    lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(seed)  # the same A for a rank, run after run
+                    peft_model = get_peft_model(copy.deepcopy(base), config)
+                history = train_adapters(peft_model, train, steps, lr, track=False)
+                with torch.no_grad(), one_thread():
+                    val_loss = peft_model(**held_out).loss.item()
+                    update = adapter_norms(peft_model)["update"]
+                runs.append({"lr": lr, "scaling": label, "r": r,
+                             "scale": next(_pairs(peft_model))[2], "val_loss": val_loss,
+                             "|s·BA|": update,
+                             "losses": [h["loss"] for h in history]})  # fmt: skip
+    return runs
+
+
+def scaling_summary(runs: list[dict]) -> list[dict]:
+    """Per (learning rate, scaling): |s·BA| at the highest rank over the lowest's, and the held-out
+    losses the ranks ended with, lowest rank first (rounded: what the text can rely on)."""
+    rows = []
+    for lr in sorted({run["lr"] for run in runs}):
+        for label in SCALINGS:
+            group = sorted((run for run in runs if (run["lr"], run["scaling"]) == (lr, label)),
+                           key=lambda run: run["r"])  # fmt: skip
+            ranks = " / ".join(str(run["r"]) for run in group)
+            rows.append({"lr": lr, "scaling": label,
+                         f"|s·BA| r={group[-1]['r']} / r={group[0]['r']}":
+                             round(group[-1]["|s·BA|"] / group[0]["|s·BA|"], 1),
+                         f"held-out loss at r = {ranks}":
+                             " / ".join(f"{run['val_loss']:.2f}" for run in group)})  # fmt: skip
+    return rows
+
+
+def plot_scaling_runs(runs: list[dict]):
+    """One panel per (learning rate, scaling): each rank's training loss, step by step."""
+    import matplotlib.pyplot as plt
+
+    lrs = sorted({run["lr"] for run in runs})
+    fig, axes = plt.subplots(len(lrs), len(SCALINGS), figsize=(13, 3.2 * len(lrs)), sharey=True,
+                             squeeze=False)  # fmt: skip
+    for run in runs:
+        ax = axes[lrs.index(run["lr"])][list(SCALINGS).index(run["scaling"])]
+        ax.plot(range(1, len(run["losses"]) + 1), run["losses"],
+                label=f"r={run['r']} (s={run['scale']:.2f})")  # fmt: skip
+        ax.set_title(f"{run['scaling']}\nlr {run['lr']:g}", fontsize=9)
+        ax.legend(fontsize=8)
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    for row in axes:
+        row[0].set_ylabel("training loss")
+    fig.tight_layout()
+    return fig
+
+
+def state_against_base(model, ranks=(1, 2, 4, 8, 16, 32, 64, 128, 256)) -> dict:
+    """What training holds for the adapters (fp32 weights, gradients, AdamW's two moments: 16
+    bytes a parameter) by targets and rank, and the bytes of the base weights in NF4 (4-bit linears
+    with their double-quantized scales, the rest in bf16), counted from the model's shape."""
+    from kit.estimate import quantized_bytes_per_param
+    from kit.shapes import lora_params, shape_of
+
+    shape = shape_of(model)
+    linear = shape.layers * shape.layer_linear_params
+    base = linear * quantized_bytes_per_param("nf4", True) + 2 * (shape.params - linear)
+    return {"base_nf4": base,
+            "ranks": list(ranks),
+            "state": {label: [16 * lora_params(shape, r, targets) for r in ranks]
+                      for label, targets in TARGET_SETS.items()}}  # fmt: skip
+
+
+def plot_trainable_bytes(models: dict):
+    """One panel per model (title -> `kit:` name or shape): state_against_base, drawn."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 3.8), squeeze=False)
+    for ax, (title, model) in zip(axes[0], models.items(), strict=True):
+        found = state_against_base(model)
+        for label, state in found["state"].items():
+            ax.plot(found["ranks"], state, "o-", ms=3, label=label)
+        base = found["base_nf4"]
+        ax.axhline(base, color="k", ls="--", label=f"base in NF4: {base / 2**20:,.0f} MiB")
+        ax.set(xscale="log", yscale="log", xlabel="rank r", title=title,
+               ylabel="adapter training state, bytes")  # fmt: skip
+        ax.set_xticks(found["ranks"], [str(r) for r in found["ranks"]])
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

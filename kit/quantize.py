@@ -3,9 +3,16 @@
 The packed 4-bit weights are stored in a float dtype equal to the model's dtype
 (`bnb_4bit_quant_storage`): FSDP flattens and shards all parameters of a unit together and cannot
 do that with integer storage or mixed dtypes.
+
+Notebook 02 looks inside: one weight quantized and restored (bytes, bits per weight, error), and a
+trained model's weights, read one tensor at a time from its safetensors file, against normal ones.
 """
 
 from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
 
 import torch
 
@@ -231,3 +238,121 @@ def plot_levels(weight: torch.Tensor, blocksize: int = 64, ax=None):
     ax.set_xlabel(f"weight / absmax of its block of {blocksize}")
     ax.legend()
     return ax
+
+
+# --------------------------------------------------------------------------- real weights (02)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run a block on one CPU thread, then restore the count. For the kernel's small tensors a
+    second thread buys nothing, and where other processes share the cores OpenMP's waiting
+    threads cost much: on a 2-core CPU shared with other processes, one 4-bit training step of the
+    tiny model took 2.5 s on two threads and 0.15 s on one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def tensor_files(model: str) -> dict[str, Path]:
+    """Tensor name -> the safetensors file of a model's checkpoint that holds it."""
+    from safetensors import safe_open
+
+    folder = Path(builtin.resolve(model))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {n: folder / f for n, f in json.loads(index.read_text())["weight_map"].items()}
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return dict.fromkeys(f.keys(), folder / "model.safetensors")
+
+
+def read_weight(model: str, name: str) -> torch.Tensor:
+    """One tensor of a model's safetensors checkpoint, read alone: no model is built."""
+    from safetensors import safe_open
+
+    with safe_open(str(tensor_files(model)[name]), "pt") as f:
+        return f.get_tensor(name)
+
+
+def normal_twin(weight: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """Normally distributed weights of the same shape, dtype and standard deviation (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    std = weight.float().std()
+    return (torch.randn(weight.shape, generator=g) * std).to(weight.dtype)
+
+
+def excess_kurtosis(x: torch.Tensor, dim=None) -> torch.Tensor:
+    """m4 / m2^2 - 3 (central moments, over `dim` or all): 0 for a normal distribution, above 0
+    when more of the weight sits in the tails (and near the centre) than a normal puts there."""
+    d = x.float() - x.float().mean(dim, keepdim=dim is not None)
+    d2 = d.square_()
+    return d2.square().mean(dim) / d2.mean(dim) ** 2 - 3
+
+
+def normality(weight: torch.Tensor, blocksize: int = 64) -> dict:
+    """How normal a weight matrix is, as a whole and as NF4 sees it (block by block), and what
+    NF4 and FP4 (double quantization) lose on it."""
+    blocks = weight.float().reshape(-1, blocksize)
+    z = weight.float().flatten()
+    z = (z - z.mean()) / z.std()
+    return {
+        "excess_kurtosis": excess_kurtosis(weight).item(),
+        "beyond_3_std_%": 100 * (z.abs() > 3).float().mean().item(),
+        f"kurtosis_in_blocks_of_{blocksize}": excess_kurtosis(blocks, dim=1).mean().item(),
+        "block_absmax_in_stds": (blocks.abs().amax(1) / blocks.std(1)).mean().item(),
+        "nf4_error": quantization_report(weight, "nf4")["relative_error"],
+        "fp4_error": quantization_report(weight, "fp4")["relative_error"],
+    }
+
+
+def values_per_block(weight: torch.Tensor, blocksize: int) -> tuple[int, float]:
+    """(most, mean) distinct values in a block of `blocksize` consecutive weights: at most 16
+    when the weights went through a 4-bit format with that block size."""
+    counts = [len(set(b.tolist())) for b in weight.float().reshape(-1, blocksize)]
+    return max(counts), sum(counts) / len(counts)
+
+
+def linear_kurtosis(model: str) -> list[float]:
+    """Excess kurtosis of every 2-D weight in the decoder layers of a model's checkpoint, read one
+    tensor at a time (embeddings, head and norms left out: bitsandbytes quantizes none of them)."""
+    from safetensors import safe_open
+
+    found = []
+    with one_thread():
+        for name, file in tensor_files(model).items():
+            with safe_open(str(file), "pt") as f:
+                if ".layers." in name and len(f.get_slice(name).get_shape()) == 2:
+                    found.append(excess_kurtosis(f.get_tensor(name)).item())
+    return found
+
+
+def plot_normality(weights: dict[str, torch.Tensor], points: int = 4000):
+    """Left: histograms of the standardized weights (log scale) against the normal density;
+    right: quantile-quantile plot against the normal (a normal sample lies on the diagonal)."""
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.6))
+    grid = torch.linspace(-8, 8, 400)
+    left.plot(grid, torch.exp(-grid**2 / 2) / (2 * torch.pi) ** 0.5, "k--", lw=1, label="normal")
+    probs = (torch.arange(points) + 0.5) / points
+    normal_q = torch.distributions.Normal(0, 1).icdf(probs)
+    for i, (label, w) in enumerate(weights.items()):
+        z = w.float().flatten()
+        z = (z - z.mean()) / z.std()
+        left.hist(z.numpy(), bins=200, range=(-8, 8), density=True, histtype="step", color=f"C{i}",
+                  label=label)  # fmt: skip
+        sample = z[:: -(-z.numel() // 2**24)]  # torch.quantile takes at most 2**24 values
+        right.plot(normal_q, torch.quantile(sample, probs), ".", ms=2, color=f"C{i}", label=label)
+    left.set_yscale("log")
+    left.set_ylim(1e-6, 1)
+    left.set_xlabel("weight in standard deviations")
+    right.plot([-4, 4], [-4, 4], "k--", lw=1)
+    right.set_xlabel("normal quantile")
+    right.set_ylabel("weight quantile (in stds)")
+    for ax in (left, right):
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -62,3 +62,62 @@ def test_build_refuses_what_the_model_cannot_fit(override, line):
     with pytest.raises(ConfigError) as raised:
         model.build(cfg, torch.device("cpu"))
     assert str(raised.value) == line
+
+
+# ------------------------------------------------------------------- training in process (03)
+
+
+def test_training_moves_b_first_then_a_and_leaves_the_callers_state():
+    from kit import lora, quantize
+    from kit.config import load_config
+
+    cfg = load_config(None, ["model.name=kit:tiny-llama"])
+    model = lora.apply_lora(quantize.load_on_cpu("kit:tiny-llama"), cfg)  # NF4, as notebook 03
+    rows, _ = lora.sample_rows("kit:tiny-llama")
+    assert lora.adapter_norms(model)["B"] == 0.0 and lora.adapter_norms(model)["A"] > 0
+    model.eval()
+    threads, rng = torch.get_num_threads(), torch.random.get_rng_state()
+    history = lora.train_adapters(model, rows, steps=3, lr=1e-3)
+    assert [h["step"] for h in history] == [1, 2, 3]
+    # A's gradient is s·Bᵀ·(output gradient): zero while B is, so only B moves at step 1.
+    assert history[0]["|B|"] > 0 and history[0]["|A - A0|"] == 0.0
+    assert 0 < history[1]["|A - A0|"] < history[2]["|A - A0|"]
+    assert history[-1]["|s·BA|"] == pytest.approx(lora.adapter_norms(model)["update"])
+    ids = torch.arange(3, 35).reshape(2, 16)
+    assert lora.adapter_changes_nothing_at_start(model, ids) > 0  # the adapter now changes logits
+    assert not model.training and torch.get_num_threads() == threads
+    assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+def test_scaling_runs_scale_by_each_convention_from_the_same_start():
+    import math
+
+    from kit import lora
+
+    runs = lora.scaling_runs("kit:tiny-llama", ranks=[4, 64], lrs=[1e-3], steps=3, alpha=16)
+    by = {(run["scaling"], run["r"]): run for run in runs}
+    paper, rs, ratio = lora.SCALINGS
+    assert [by[(paper, r)]["scale"] for r in (4, 64)] == [4.0, 0.25]
+    assert [by[(rs, r)]["scale"] for r in (4, 64)] == [8.0, 2.0]
+    assert [by[(ratio, r)]["scale"] for r in (4, 64)] == [2.0, 2.0]
+    # At r=64 with alpha 16, alpha/sqrt(r) = 2 = the alpha = 2r scale: the same run, to the bit.
+    assert by[(rs, 64)]["losses"] == by[(ratio, 64)]["losses"]
+    # Every run starts from the same base on the same batch: the same first loss (B = 0).
+    assert len({run["losses"][0] for run in runs}) == 1
+    assert all(math.isfinite(run["val_loss"]) and run["|s·BA|"] > 0 for run in runs)
+    summary = lora.scaling_summary(runs)
+    assert [row["scaling"] for row in summary] == list(lora.SCALINGS)
+    shrink = by[(paper, 64)]["|s·BA|"] / by[(paper, 4)]["|s·BA|"]
+    assert summary[0]["|s·BA| r=64 / r=4"] == round(shrink, 1)
+
+
+def test_adapter_state_against_the_base_counts_what_loading_holds():
+    from kit import lora, quantize, shapes
+
+    found = lora.state_against_base("kit:tiny-llama", ranks=(8,))
+    assert found["state"]["all-linear (QLoRA paper)"] == [16 * shapes.lora_params(
+        shapes.shape_of("kit:tiny-llama"), 8, "all-linear")]  # fmt: skip
+    # The NF4 base as bitsandbytes holds it: packed weights and the rest (the scales, which are
+    # not parameters, are the small difference).
+    loaded = quantize.quantized_bytes(quantize.load_on_cpu("kit:tiny-llama"))["total"]
+    assert loaded < found["base_nf4"] < 1.02 * loaded

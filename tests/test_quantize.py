@@ -36,3 +36,54 @@ def test_load_on_cpu_stays_on_the_cpu_where_there_is_a_gpu():
 
     model = load_on_cpu("kit:tiny-llama")
     assert {p.device.type for p in model.parameters()} == {"cpu"}
+
+
+# ------------------------------------------------------------------- a model's own weights (02)
+
+
+def test_read_weight_reads_the_tensor_from_pretrained_loads():
+    from transformers import AutoModelForCausalLM
+
+    from kit import builtin
+
+    name = "model.layers.1.mlp.down_proj.weight"
+    model = AutoModelForCausalLM.from_pretrained(builtin.resolve("kit:tiny-llama"))
+    assert torch.equal(quantize.read_weight("kit:tiny-llama", name), model.get_parameter(name))
+    assert len(quantize.tensor_files("kit:tiny-llama")) == len(model.state_dict())
+
+
+def test_normality_tells_heavy_tails_from_a_normal_sample():
+    g = torch.Generator().manual_seed(0)
+    normal = torch.randn(256, 512, generator=g)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        laplace = torch.distributions.Laplace(0.0, 1.0).sample((256, 512))  # excess kurtosis 3
+    twin = quantize.normal_twin(laplace)
+    assert twin.shape == laplace.shape
+    assert twin.std().item() == pytest.approx(laplace.std().item(), rel=0.01)
+    assert abs(quantize.excess_kurtosis(normal).item()) < 0.1
+    assert quantize.excess_kurtosis(laplace).item() == pytest.approx(3.0, abs=0.3)
+    heavy, plain = quantize.normality(laplace), quantize.normality(normal)
+    assert plain["beyond_3_std_%"] == pytest.approx(0.27, abs=0.05)
+    assert heavy["beyond_3_std_%"] > 4 * plain["beyond_3_std_%"]
+    assert heavy["block_absmax_in_stds"] > plain["block_absmax_in_stds"]
+    # NF4 is made for the normal: it loses more on heavy tails, and less than FP4 on either.
+    assert plain["nf4_error"] < heavy["nf4_error"] < heavy["fp4_error"]
+    assert plain["nf4_error"] < plain["fp4_error"]
+
+
+def test_a_4bit_round_trip_leaves_at_most_16_values_per_block():
+    import bitsandbytes.functional as F
+
+    w = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
+
+    restored = F.dequantize_4bit(*quantize.quantize_weight(w, "nf4", double_quant=False))
+    assert quantize.values_per_block(restored, 64)[0] <= 16
+    assert quantize.values_per_block(w, 64) == (64, 64.0)
+
+
+def test_linear_kurtosis_covers_every_decoder_weight_on_one_thread():
+    before = torch.get_num_threads()
+    found = quantize.linear_kurtosis("kit:tiny-llama")  # 2 layers x 7 linears, normal init
+    assert len(found) == 14 and all(abs(k) < 0.5 for k in found), found
+    assert torch.get_num_threads() == before
