@@ -119,7 +119,7 @@ class Source:
         # Checkpoint names, fixed now: PEFT will nest the 4-bit layers under `base_layer`.
         self.names = {id(m): n for n, m in model.named_modules()}
         self.config, self.model = model.config, model
-        self.files = {} if init else _checkpoint_files(builtin.resolve(cfg.model.name))
+        self.files = {} if init else checkpoint_files(builtin.resolve(cfg.model.name))
         self.headers: dict = {}  # file -> (where its bytes start, its header)
         self.most_held = 0  # the most bytes the model held on this rank after a fill
 
@@ -249,7 +249,7 @@ def _header(path: str) -> tuple[int, dict]:
     return 8 + length, header
 
 
-def _checkpoint_files(folder) -> dict[str, str]:
+def checkpoint_files(folder) -> dict[str, str]:
     """Tensor name -> the safetensors file that holds it (one file, or an index of shards)."""
     import json
     from pathlib import Path

@@ -11,7 +11,6 @@ trained model's weights, read one tensor at a time from its safetensors file, ag
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import torch
@@ -259,14 +258,9 @@ def one_thread():
 
 def tensor_files(model: str) -> dict[str, Path]:
     """Tensor name -> the safetensors file of a model's checkpoint that holds it."""
-    from safetensors import safe_open
+    from kit.loading import checkpoint_files
 
-    folder = Path(builtin.resolve(model))
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return {n: folder / f for n, f in json.loads(index.read_text())["weight_map"].items()}
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        return dict.fromkeys(f.keys(), folder / "model.safetensors")
+    return {name: Path(file) for name, file in checkpoint_files(builtin.resolve(model)).items()}
 
 
 def read_weight(model: str, name: str) -> torch.Tensor:

@@ -64,6 +64,18 @@ TINY_RUN = ["training.steps=4", "training.eval_every=0", "checkpointing.save_eve
             "checkpointing.keep_last=0"]
 
 
+@pytest.fixture
+def group_of_one(monkeypatch):
+    """A process group of one, on gloo, for rank-side code run inside pytest."""
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    from kit import dist as kdist
+
+    env = kdist.init("cpu")
+    yield env
+    kdist.cleanup()
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_run") / "run"

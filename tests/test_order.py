@@ -78,17 +78,6 @@ def test_read_names_a_folder_without_cases(tmp_path):
         order.read(tmp_path)
 
 
-@pytest.fixture
-def group_of_one(monkeypatch):
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    from kit import dist as kdist
-
-    env = kdist.init("cpu")
-    yield env
-    kdist.cleanup()
-
-
 def test_optimizer_built_before_fully_shard_trains_nothing(group_of_one):
     """The headline of notebook 05, on one rank: under FSDP2 the optimizer built before
     fully_shard holds none of the model's trainable tensors and the loss never moves, with no

@@ -3,22 +3,10 @@ kernel side's tables over it (kit.sharding_report). Two ranks for real: notebook
 
 import json
 
-import pytest
 import torch
 
 from kit import sharding_report
 from kit.config import load_config
-
-
-@pytest.fixture
-def group_of_one(monkeypatch):
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    from kit import dist as kdist
-
-    env = kdist.init("cpu")
-    yield env
-    kdist.cleanup()
 
 
 def test_fsdp2_report_of_one_rank(group_of_one, tmp_path):
