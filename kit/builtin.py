@@ -281,3 +281,31 @@ def init_at_load(path) -> dict | None:
 def resolve(name: str) -> str:
     """model.name -> what from_pretrained takes (kit models are built on first use)."""
     return str(build(name[len(PREFIX) :])) if is_builtin(name) else name
+
+
+# --------------------------------------------------------------------------- reading a checkpoint's layout
+
+
+def safetensors_header(path: str) -> tuple[int, dict]:
+    """(where the tensor bytes start, the header's entries) of a safetensors file."""
+    import struct
+
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return 8 + length, header
+
+
+def checkpoint_files(folder) -> dict[str, str]:
+    """Tensor name -> the safetensors file that holds it (one file, or an index of shards); read
+    by kit.loading's stream and notebook 02's single-tensor reads."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: str(folder / v) for k, v in json.loads(index.read_text())["weight_map"].items()}
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise RuntimeError(f"model.loading: {folder} holds no model.safetensors (nor an index); "
+                           "use model.loading=full")
+    return {k: str(single) for k in safetensors_header(str(single))[1]}

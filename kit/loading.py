@@ -119,7 +119,7 @@ class Source:
         # Checkpoint names, fixed now: PEFT will nest the 4-bit layers under `base_layer`.
         self.names = {id(m): n for n, m in model.named_modules()}
         self.config, self.model = model.config, model
-        self.files = {} if init else checkpoint_files(builtin.resolve(cfg.model.name))
+        self.files = {} if init else builtin.checkpoint_files(builtin.resolve(cfg.model.name))
         self.headers: dict = {}  # file -> (where its bytes start, its header)
         self.most_held = 0  # the most bytes the model held on this rank after a fill
 
@@ -193,7 +193,7 @@ class Source:
                                "files (renamed weights); use model.loading=full")
         path = self.files[key]
         if path not in self.headers:
-            self.headers[path] = _header(path)
+            self.headers[path] = builtin.safetensors_header(path)
         start, header = self.headers[path]
         entry = header[key]
         begin, end = entry["data_offsets"]
@@ -235,34 +235,6 @@ _SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torc
                        "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
                        "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                        "BOOL": torch.bool}  # fmt: skip
-
-
-def _header(path: str) -> tuple[int, dict]:
-    """(where the tensor bytes start, the header's entries) of a safetensors file."""
-    import json
-    import struct
-
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    header.pop("__metadata__", None)
-    return 8 + length, header
-
-
-def checkpoint_files(folder) -> dict[str, str]:
-    """Tensor name -> the safetensors file that holds it (one file, or an index of shards)."""
-    import json
-    from pathlib import Path
-
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return {k: str(folder / v) for k, v in json.loads(index.read_text())["weight_map"].items()}
-    single = folder / "model.safetensors"
-    if not single.is_file():
-        raise RuntimeError(f"model.loading: {folder} holds no model.safetensors (nor an index); "
-                           "use model.loading=full")
-    return {k: str(single) for k in _header(str(single))[1]}
 
 
 def held_bytes(model: torch.nn.Module) -> int:

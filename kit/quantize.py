@@ -258,9 +258,8 @@ def one_thread():
 
 def tensor_files(model: str) -> dict[str, Path]:
     """Tensor name -> the safetensors file of a model's checkpoint that holds it."""
-    from kit.loading import checkpoint_files
-
-    return {name: Path(file) for name, file in checkpoint_files(builtin.resolve(model)).items()}
+    files = builtin.checkpoint_files(builtin.resolve(model))
+    return {name: Path(file) for name, file in files.items()}
 
 
 def read_weight(model: str, name: str) -> torch.Tensor:
