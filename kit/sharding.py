@@ -138,6 +138,93 @@ class Collectives:
         return self.mode.__exit__(*exc)
 
 
+def _gathered(unit: nn.Module) -> list[torch.Tensor]:
+    """The buffers an FSDP unit all-gathers into (empty storage while resharded): FSDP2's
+    all_gather_outputs per parameter, FSDP1's padded full flat parameter."""
+    if hasattr(unit, "_get_fsdp_state"):  # FSDP2
+        group = unit._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            return []
+        # Issued (a prefetch) but not yet waited on: one flat buffer for the whole unit, copied
+        # out into each parameter's own buffer at the wait.
+        issued = getattr(group._all_gather_result, "all_gather_output", None)
+        return [t for p in group.fsdp_params for t in p.all_gather_outputs] + (
+            [issued] if issued is not None else [])
+    flat = getattr(getattr(unit, "_handle", None), "flat_param", None)  # FSDP1
+    return [flat._full_param_padded] if flat is not None and hasattr(flat, "_full_param_padded") else []
+
+
+class Timeline:
+    """Per operation of a step, in order: the bytes each FSDP unit holds gathered, and the unit
+    whose gathered parameters the operation reads (it computes). Gap filled: torch's memory
+    snapshots are CUDA-only and know allocations, not FSDP units. A dispatch mode, like
+    Collectives; `mark(label)` records where forward ends and backward starts. Reads FSDP's
+    private buffers (kit.sharding._gathered), so it is a teaching probe, not part of a run."""
+
+    def __init__(self, model: nn.Module):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        from kit.checkpoint import clean_name
+
+        units = [(clean_name(n) or "root", m) for n, m in model.named_modules()
+                 if isinstance(m, (FSDPModule, FSDP))]  # fmt: skip
+        self.units, self.rows, self.marks = [n for n, _ in units], [], {}
+        rows = self.rows
+
+        def storage(t) -> tuple[int, int]:
+            try:
+                s = t.untyped_storage()
+                return s.data_ptr(), s.nbytes()
+            except (RuntimeError, NotImplementedError):  # a wrapper subclass (DTensor)
+                return 0, 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                held = [[storage(t) for t in _gathered(m)] for _, m in units]
+                ptrs = {ptr for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                        if isinstance(a, torch.Tensor) for ptr in [storage(a)[0]] if ptr}
+                computing = next((i for i, h in enumerate(held)
+                                  if any(p in ptrs for p, n in h if n)), -1)  # fmt: skip
+                rows.append(([sum(n for _, n in h) for h in held], computing))
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def mark(self, label: str):
+        self.marks[label] = len(self.rows)
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+    def segments(self) -> dict:
+        """Compact form for the report: per unit, [start, end) op ranges gathered and computing,
+        the gathered bytes at the widest point, and the marks."""
+        out = {"units": self.units, "ops": len(self.rows), "marks": self.marks,
+               "gathered": [[] for _ in self.units], "computing": [[] for _ in self.units],
+               "gathered_bytes": [0 for _ in self.units], "peak_gathered_bytes": 0}  # fmt: skip
+        for i in range(len(self.units)):
+            for kind, on in (("gathered", lambda r: r[0][i] > 0), ("computing", lambda r: r[1] == i)):
+                start = None
+                for t, row in enumerate([*self.rows, ([0] * len(self.units), -1)]):
+                    if on(row) and start is None:
+                        start = t
+                    elif not on(row) and start is not None:
+                        out[kind][i].append([start, t])
+                        start = None
+            out["gathered_bytes"][i] = max((r[0][i] for r in self.rows), default=0)
+        totals = [sum(r[0]) for r in self.rows]
+        out["peak_gathered_bytes"] = max(totals, default=0)
+        out["total"] = [[t, b] for t, b in enumerate(totals) if t == 0 or b != totals[t - 1]]
+        return out
+
+
 def report_rank(cfg: Config, env, out) -> dict:
     """One engine on this rank: before sharding, after, and after one forward/backward."""
     from kit import model
@@ -153,8 +240,11 @@ def report_rank(cfg: Config, env, out) -> dict:
     after = held(wrapped)
     seen, handles = _seen_in_forward(wrapped)
     ids = torch.arange(2 * 16, device=env.device).reshape(2, 16) % 100 + 3
-    with Collectives() as collectives:  # one training step's forward and backward
-        wrapped(input_ids=ids, labels=ids).loss.backward()
+    timeline = Timeline(wrapped)
+    with Collectives() as collectives, timeline:  # one training step's forward and backward
+        loss = wrapped(input_ids=ids, labels=ids).loss
+        timeline.mark("backward")
+        loss.backward()
     for h in handles:
         h.remove()
     grads = held(wrapped)
@@ -169,6 +259,7 @@ def report_rank(cfg: Config, env, out) -> dict:
                    for n in before},
         "seen_in_forward": seen,
         "collectives": collectives,
+        "timeline": timeline.segments() if timeline.units else None,
     }  # fmt: skip
 
 

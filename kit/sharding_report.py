@@ -120,3 +120,80 @@ def plot_layout(report: dict[str, list[dict]], unit: str = "layers.0.", ax=None)
     ax.set_xlabel(f"elements of {unit.rstrip('.')}, parameters in order (hatched: rank 1's part)")
     ax.set_ylim(-0.6, len(engines) + 1.2)
     return ax
+
+
+def _short(unit: str) -> str:
+    return unit.removeprefix("base_model.model.model.")
+
+
+def plot_timeline(report: dict[str, list[dict]], engines=("fsdp2", "fsdp1")):
+    """Rank 0's step in the order its operations ran (kit.sharding.Timeline): per FSDP unit, when
+    its parameters are held gathered (light) and when an operation reads them (dark), with the
+    total gathered bytes underneath; the dashed line is where backward starts."""
+    import matplotlib.pyplot as plt
+
+    engines = [e for e in engines if e in report and report[e][0].get("timeline")]
+    fig, axes = plt.subplots(2, len(engines), figsize=(6 * len(engines), 4.2), squeeze=False,
+                             gridspec_kw={"height_ratios": [3, 1.4]}, sharex="col")  # fmt: skip
+    for col, engine in enumerate(engines):
+        tl = report[engine][0]["timeline"]
+        top, bottom = axes[0][col], axes[1][col]
+        for row, unit in enumerate(tl["units"]):
+            y = len(tl["units"]) - 1 - row
+            top.broken_barh([(a, b - a) for a, b in tl["gathered"][row]], (y - 0.35, 0.7),
+                            color="tab:blue", alpha=0.3)  # fmt: skip
+            top.broken_barh([(a, b - a) for a, b in tl["computing"][row]], (y - 0.35, 0.7),
+                            color="tab:blue")  # fmt: skip
+        top.set_yticks(range(len(tl["units"])), [_short(u) for u in reversed(tl["units"])])
+        top.set_title(f"{engine}: light = gathered, dark = computing")
+        xs, ys = zip(*[*tl["total"], [tl["ops"], tl["total"][-1][1]]], strict=True)
+        bottom.step(xs, [b / 2**10 for b in ys], where="post", color="tab:blue")
+        bottom.set_ylabel("gathered KiB")
+        bottom.set_xlabel("operations of one step, in order")
+        for ax in (top, bottom):
+            ax.axvline(tl["marks"]["backward"], color="gray", linestyle="--", linewidth=0.8)
+    fig.tight_layout()
+    return fig
+
+
+def timeline_table(report: dict[str, list[dict]], engines=("fsdp2", "fsdp1")) -> list[dict]:
+    """Per engine, unit and pass: the operation at which the unit was gathered, first and last
+    computed, and released, and which other units were held when it was gathered."""
+    rows = []
+    for engine in [e for e in engines if e in report and report[e][0].get("timeline")]:
+        tl = report[engine][0]["timeline"]
+        backward = tl["marks"]["backward"]
+        for i, unit in enumerate(tl["units"]):
+            for start, end in tl["gathered"][i]:
+                ops = [c for c in tl["computing"][i] if start <= c[0] < end]
+                held = [_short(u) for j, u in enumerate(tl["units"]) if j != i and any(
+                    a < start < b for a, b in tl["gathered"][j])]  # fmt: skip
+                rows.append({"engine": engine, "unit": _short(unit),
+                             "pass": "forward" if start < backward else "backward",
+                             "gathered": start, "computes": f"{ops[0][0]}-{ops[-1][1]}" if ops else "-",
+                             "released": end, "also held then": ", ".join(held) or "-"})  # fmt: skip
+    return rows
+
+
+def layers_at_once(report: dict[str, list[dict]], engines=("fsdp2", "fsdp1")) -> list[dict]:
+    """Per engine and pass: the most decoder layers held gathered at the same moment (1: gather,
+    compute, release, then the next; 2: the next one was gathered ahead, a prefetch), and the
+    share of the step's operations during which the root and the embeddings were held (to 10%:
+    the count of operations moves with the torch version, the shape of the step does not)."""
+    rows = []
+    for engine in [e for e in engines if e in report and report[e][0].get("timeline")]:
+        tl = report[engine][0]["timeline"]
+        backward, ops = tl["marks"]["backward"], tl["ops"]
+        layers = [i for i, u in enumerate(tl["units"]) if ".layers." in f".{_short(u)}"]
+        row = {"engine": engine}
+        for name, lo, hi in (("forward", 0, backward), ("backward", backward, ops)):
+            held = [sum(any(a <= t < b for a, b in tl["gathered"][i]) for i in layers)
+                    for t in range(lo, hi)]  # fmt: skip
+            row[f"layers at once, {name}"] = max(held, default=0)
+        for i, unit in enumerate(tl["units"]):
+            if _short(unit) in ("root", "embed_tokens"):
+                share = sum(b - a for a, b in tl["gathered"][i]) / ops
+                row[f"{_short(unit)} held"] = f"{round(share, 1):.0%} of the step"
+        row.setdefault("embed_tokens held", "(in the root)")
+        rows.append(row)
+    return rows

@@ -32,3 +32,14 @@ def test_fsdp2_report_of_one_rank(group_of_one, tmp_path):
     held = sharding_report.bytes_per_rank(found["fsdp2"])[0]
     assert held["trainable"] == sum(p["bytes"] for p in row["params"].values() if p["trainable"])
     assert held["frozen"] + held["trainable"] == held["full model"]  # one rank holds it all
+    # The memory timeline: a layer computes only while gathered; forward holds one layer at a
+    # time; the root stays gathered, the embeddings not. (In a group of one, backward holds one
+    # layer at a time too; notebook 04's checked output shows two on two ranks: the prefetch.)
+    tl = row["timeline"]
+    for i, unit in enumerate(tl["units"]):
+        assert tl["computing"][i], unit
+        assert all(any(a <= s and e <= b for a, b in tl["gathered"][i]) for s, e in tl["computing"][i])
+    assert [len(tl["gathered"][i]) for i in range(4)] == [1, 1, 2, 2]  # layers: forward, backward
+    assert sharding_report.layers_at_once(found) == [{
+        "engine": "fsdp2", "layers at once, forward": 1, "layers at once, backward": 1,
+        "root held": "100% of the step", "embed_tokens held": "0% of the step"}]
