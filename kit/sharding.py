@@ -162,10 +162,9 @@ class Timeline:
     private buffers (kit.sharding._gathered), so it is a teaching probe, not part of a run."""
 
     def __init__(self, model: nn.Module):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.utils._python_dispatch import TorchDispatchMode
 
         from kit.checkpoint import clean_name
 
@@ -210,12 +209,13 @@ class Timeline:
                "gathered": [[] for _ in self.units], "computing": [[] for _ in self.units],
                "gathered_bytes": [0 for _ in self.units], "peak_gathered_bytes": 0}  # fmt: skip
         for i in range(len(self.units)):
-            for kind, on in (("gathered", lambda r: r[0][i] > 0), ("computing", lambda r: r[1] == i)):
+            for kind in ("gathered", "computing"):
                 start = None
                 for t, row in enumerate([*self.rows, ([0] * len(self.units), -1)]):
-                    if on(row) and start is None:
+                    on = row[0][i] > 0 if kind == "gathered" else row[1] == i
+                    if on and start is None:
                         start = t
-                    elif not on(row) and start is not None:
+                    elif not on and start is not None:
                         out[kind][i].append([start, t])
                         start = None
             out["gathered_bytes"][i] = max((r[0][i] for r in self.rows), default=0)

@@ -138,7 +138,7 @@ def plot_timeline(report: dict[str, list[dict]], engines=("fsdp2", "fsdp1")):
     for col, engine in enumerate(engines):
         tl = report[engine][0]["timeline"]
         top, bottom = axes[0][col], axes[1][col]
-        for row, unit in enumerate(tl["units"]):
+        for row in range(len(tl["units"])):
             y = len(tl["units"]) - 1 - row
             top.broken_barh([(a, b - a) for a, b in tl["gathered"][row]], (y - 0.35, 0.7),
                             color="tab:blue", alpha=0.3)  # fmt: skip
