@@ -49,6 +49,11 @@ def load_matrix(path: str | Path) -> dict:
         if c.get("recipe") not in ("article", "kit"):
             raise ValueError(f"cases.{c['name']}.recipe: {c.get('recipe')!r} is not allowed; "
                              "expected 'article' or 'kit'")
+        seqs = c.get("seq_lens")
+        if seqs is not None and not (isinstance(seqs, list) and seqs and seqs == sorted(set(seqs))
+                                     and all(isinstance(q, int) and q > 0 for q in seqs)):
+            raise ValueError(f"cases.{c['name']}.seq_lens: {seqs!r} is not allowed; expected "
+                             "positive whole numbers in ascending order (a context sweep)")
     return m
 
 

@@ -99,13 +99,16 @@ def render(rows: list[dict], matrix: dict) -> str:
                          f"{k['label'] if k else '-'} | {ratio} |")
         lines.append("")
 
+    sweeps = [c for c in matrix["cases"] if c.get("seq_lens")]
+    if sweeps:
+        lines += context_table(rows, sweeps)
     lines += ["### Every case", "",
               "| case | recipe | cap GiB | batches tried: tokens/s/GPU (peak GiB) | best | status |",
               "|---|---|---|---|---|---|"]
     for name in cases:
         rs = [r for r in by_case[name] if r.get("kind") == "batch"]
-        tried = ", ".join(f"{r['batch']}: {_fmt(r['tokens_per_s_gpu'])} ({r['peak_alloc_gib']:.1f})"
-                          if r["status"] == "ok" else f"{r['batch']}: OOM" for r in rs)
+        tried = ", ".join(f"{_tried(r)}: {_fmt(r['tokens_per_s_gpu'])} ({r['peak_alloc_gib']:.1f})"
+                          if r["status"] == "ok" else f"{_tried(r)}: OOM" for r in rs)
         b = best.get(name)
         c = next(c for c in matrix["cases"] if c["name"] == name)
         lines.append(f"| {c.get('label', name)} | {c['recipe']} | {_fmt(c.get('cap_gib'), 'g')} | "
@@ -128,26 +131,56 @@ def render(rows: list[dict], matrix: dict) -> str:
     return "\n".join(lines)
 
 
+def _tried(r: dict) -> str:
+    """A batch row's label: its batch, and its sequence length where that is not the matrix's."""
+    return f"{r['batch']}" if not r.get("sweep") else f"{r['batch']} x {r['seq_len']:,}"
+
+
+def context_table(rows: list[dict], sweeps: list[dict]) -> list[str]:
+    """Markdown lines: per context-sweep case (`seq_lens`), tokens/s and peak at each sequence
+    length (batch 1 unless the case says otherwise), OOM where it stopped, and the longest that
+    trained."""
+    seqs = sorted({q for c in sweeps for q in c["seq_lens"]})
+    lines = ["### Context: the longest sequence that trains", "",
+             "| case | cap GiB | " + " | ".join(f"{q:,}" for q in seqs) + " | longest |",
+             "|---|---|" + "---|" * (len(seqs) + 1)]  # fmt: skip
+    for c in sweeps:
+        got = {r["seq_len"]: r for r in rows if r["case"] == c["name"] and r.get("kind") == "batch"}
+        cells = [("OOM" if got[q]["status"] == "oom" else
+                  f"{_fmt(got[q]['tokens_per_s_gpu'])} tok/s ({got[q]['peak_alloc_gib']:.1f} GiB)")
+                 if q in got else "-" for q in seqs]  # fmt: skip
+        ok = [q for q, r in got.items() if r["status"] == "ok"]
+        lines.append(f"| {c.get('label', c['name'])} | {_fmt(c.get('cap_gib'), 'g')} | "
+                     + " | ".join(cells) + f" | {_fmt(max(ok, default=None), ',')} |")
+    return [*lines, ""]
+
+
 def plot(rows: list[dict], path: str | Path) -> None:
     from matplotlib.figure import Figure  # no pyplot: a notebook's backend stays as it is
 
-    fig = Figure(figsize=(12, 4.5))
-    ax, bx = fig.subplots(1, 2)
+    sweep = [r for r in rows if r.get("kind") == "batch" and r.get("sweep")]
+    fig = Figure(figsize=(18 if sweep else 12, 4.5))
+    ax, bx, *cx = fig.subplots(1, 3 if sweep else 2)
     for name in dict.fromkeys(r["case"] for r in rows):
         rs = [r for r in rows if r["case"] == name and r.get("kind") == "batch"
               and r["status"] == "ok"]
-        if rs:
-            ax.plot([r["batch"] for r in rs], [r["tokens_per_s_gpu"] for r in rs], marker="o",
-                    label=name, ls="--" if rs[0]["recipe"] == "article" else "-")
+        style = {"marker": "o", "label": name,
+                 "ls": "--" if rs and rs[0]["recipe"] == "article" else "-"}  # fmt: skip
+        if rs and rs[0].get("sweep"):
+            cx[0].plot([r["seq_len"] for r in rs], [r["tokens_per_s_gpu"] for r in rs], **style)
+        elif rs:
+            ax.plot([r["batch"] for r in rs], [r["tokens_per_s_gpu"] for r in rs], **style)
         for r in rows:
             if r["case"] == name and r.get("kind") == "curve":
                 bx.plot(range(1, len(r["losses"]) + 1), r["losses"], label=name)
     ax.set(xscale="log", xlabel="batch per GPU", ylabel="tokens/s per GPU",
            title="throughput (dashed: article recipe)")
-    if ax.lines:
-        ax.legend(fontsize=7)
     bx.set(xlabel="step", ylabel="loss", title="same data, same start")
-    if bx.lines:
-        bx.legend(fontsize=7)
+    if cx:
+        cx[0].set(xscale="log", xlabel="sequence length (batch 1)", ylabel="tokens/s per GPU",
+                  title="context: until it does not fit")  # fmt: skip
+    for a in (ax, bx, *cx):
+        if a.lines:
+            a.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

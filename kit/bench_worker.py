@@ -82,9 +82,13 @@ class _Run:
             self.recipe.setup()
             self.model, self.optimizer = self.recipe.model, self.recipe.optimizer
             self._step = self._kit_step
-        shape = shape_of(path)
-        self.flops = flops_per_token(shape, self.seq)
-        self.vocab = shape.vocab
+        self.shape = shape_of(path)
+        self.flops = flops_per_token(self.shape, self.seq)
+        self.vocab = self.shape.vocab
+
+    def set_seq(self, seq: int) -> None:
+        """Tokens per sequence from now on (a context sweep); FLOPs per token grow with it."""
+        self.seq, self.flops = seq, flops_per_token(self.shape, seq)
 
     def _kit_step(self, batch: dict) -> float:
         self.recipe.train_batches = iter([batch])  # the recipe's own step: loop, clip, optimizer
@@ -133,7 +137,7 @@ def worker(matrix_path: str, name: str, out: str, config_path: str, *overrides: 
     base = {"case": name, "recipe": case["recipe"], "label": case.get("label", name),
             "role": case.get("role", ""), "table": case.get("table", ""),
             "cap_gib": case.get("cap_gib"), "seq_len": run.seq, "world": env.world_size,
-            "device": device_name, "flops_per_token": run.flops}
+            "device": device_name, "flops_per_token": run.flops, "sweep": bool(case.get("seq_lens"))}
 
     def emit(row: dict) -> None:
         if env.is_main:
@@ -159,7 +163,9 @@ def worker(matrix_path: str, name: str, out: str, config_path: str, *overrides: 
     warmup, measure = case.get("warmup_steps", matrix.get("warmup_steps", 1)), \
         case.get("measure_steps", matrix.get("measure_steps", 3))
     step_no = 0
-    for size in case["batches"]:
+    # A context sweep (`seq_lens`): each sequence length in ascending order, its batches each.
+    for seq, size in [(q, b) for q in case.get("seq_lens", [run.seq]) for b in case["batches"]]:
+        run.set_seq(seq)
         # A compiled case compiles each batch size afresh, with static shapes, as a run of that
         # size would (otherwise the second size recompiles with dynamic shapes).
         torch._dynamo.reset()
@@ -184,12 +190,13 @@ def worker(matrix_path: str, name: str, out: str, config_path: str, *overrides: 
         except torch.OutOfMemoryError as e:
             oom, error = True, str(e).splitlines()[0][:200]
         if _any_rank(oom, env):
-            emit({"kind": "batch", "batch": size, "status": "oom", "error": error})
+            emit({"kind": "batch", "batch": size, "seq_len": seq, "status": "oom", "error": error})
             break  # larger batches will not fit either; the process state after an OOM is spent
         step_s = statistics.median(times)
         tps = size * run.seq / step_s
         alloc, reserved = _peaks(env.device)
-        emit({"kind": "batch", "batch": size, "status": "ok", "step_s": round(step_s, 4),
+        emit({"kind": "batch", "batch": size, "seq_len": seq, "flops_per_token": run.flops,
+              "status": "ok", "step_s": round(step_s, 4),
               "first_step_s": round(first, 2), "tokens_per_s_gpu": round(tps, 1),
               "mfu": round(tps * run.flops / peak, 4) if peak else None,
               "peak_alloc_gib": alloc, "peak_reserved_gib": reserved,

@@ -66,7 +66,20 @@ def test_report_names_the_oom_and_compares_recipes(tiny_bench):
     assert "### Kit vs the article recipe" in table and "x |" in table
     assert (out / "bench.png").stat().st_size > 10_000
     best = best_by_case(rows)
-    assert set(best) == {"article", "kit"} and all(r["batch"] in (1, 2) for r in best.values())
+    assert set(best) == {"article", "kit", "kit-context"}
+    assert all(r["batch"] in (1, 2) for r in best.values())
+
+
+@pytest.mark.slow
+def test_a_context_sweep_trains_each_length_and_names_the_longest(tiny_bench):
+    out, rows = tiny_bench
+    sweep = [r for r in rows if r["case"] == "kit-context" and r["kind"] == "batch"]
+    assert [(r["seq_len"], r["batch"], r["status"]) for r in sweep] == [(64, 1, "ok"), (256, 1, "ok")]
+    assert sweep[1]["flops_per_token"] > sweep[0]["flops_per_token"]  # attention grows with length
+    table = (out / "table.md").read_text()
+    assert "### Context: the longest sequence that trains" in table
+    line = next(ln for ln in table.splitlines() if ln.startswith("| kit: fsdp2 + fused loss"))
+    assert line.endswith("| 256 |")
 
 
 @pytest.mark.slow
@@ -100,6 +113,14 @@ def test_bad_recipe_is_one_line(tmp_path):
     path = tmp_path / "m.yaml"
     path.write_text("model: kit:tiny-llama\nseq_len: 8\ncases:\n  - {name: a, recipe: trl}\n")
     with pytest.raises(ValueError, match=r"cases\.a\.recipe: 'trl' is not allowed"):
+        bench.load_matrix(path)
+
+
+def test_a_bad_context_sweep_is_one_line(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("model: kit:tiny-llama\nseq_len: 8\ncases:\n"
+                    "  - {name: a, recipe: kit, seq_lens: [256, 64]}\n")
+    with pytest.raises(ValueError, match=r"cases\.a\.seq_lens: \[256, 64\] is not allowed"):
         bench.load_matrix(path)
 
 

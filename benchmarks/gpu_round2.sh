@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Speed round 2 on one GPU (issue 18): notebook 03 on the GPU first (what it writes to stderr),
+# then benchmarks/matrices/bench-8b-round2.yaml (every cap and the context sweep, one invocation).
+# Longer than one device call: started detached and polled.
+#   setsid nohup bash benchmarks/gpu_round2.sh /tmp/r2 > /tmp/r2.log 2>&1 < /dev/null &
+#   bash benchmarks/poll.sh /tmp/r2 540 DONE
+set -uo pipefail
+OUT=${1:-/tmp/r2}; mkdir -p "$OUT"
+bash benchmarks/gpu_setup.sh
+export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+python3 - <<'PY' | tee "$OUT/versions.txt"
+import torch, transformers, peft, bitsandbytes
+print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__,
+      "bitsandbytes", bitsandbytes.__version__, torch.cuda.get_device_name(0))
+PY
+start=$(date +%s)
+python3 -m papermill notebooks/03-lora-adapters.ipynb "$OUT/nb03.ipynb" --cwd notebooks > "$OUT/nb03.log" 2>&1
+echo "nb03 rc=$? $(( $(date +%s) - start ))s"
+python3 - "$OUT/nb03.ipynb" <<'PY' > "$OUT/nb03-stderr.txt"
+import json, sys
+for c in json.load(open(sys.argv[1]))["cells"]:
+    for o in c.get("outputs", []):
+        if o.get("name") == "stderr":
+            print(f"--- cell {c['id']}: {''.join(c['source']).splitlines()[0][:80]}")
+            print("".join(o["text"]))
+PY
+python3 -c "from kit import builtin; print(builtin.resolve('kit:llama-8b'))"
+echo "build: $(( $(date +%s) - start ))s"
+python3 -m kit.bench benchmarks/matrices/bench-8b-round2.yaml --out "$OUT/bench"
+echo "bench: $(( $(date +%s) - start ))s"
+touch "$OUT/DONE"
