@@ -130,6 +130,10 @@ class RecomputeConfig:
     #   MLP's down projection; gate/up are recomputed (half of the matmul work twice): about half
     #   the memory of matmuls.
     keeps: Literal["inputs", "matmuls", "mlp_matmuls", "attention_matmuls"] = "inputs"
+    # Run each layer's MLP this many tokens at a time, keeping only its input (kit.recompute):
+    # at long sequences its gate/up intermediates are a layer's widest tensors (at the 8B shape
+    # 56 KiB per token each). 0: off. Eager layers with keeps=inputs (or recompute off) only.
+    mlp_tile_tokens: int = 0
 
 
 @dataclass
@@ -389,6 +393,12 @@ def _check(cfg: Config) -> None:
     need(t.max_grad_norm >= 0, "training.max_grad_norm", t.max_grad_norm, "expected >= 0 (0: off)")
     need(d.max_seq_len >= 2, "data.max_seq_len", d.max_seq_len, "expected an integer >= 2")
     need(0 <= d.val_fraction < 1, "data.val_fraction", d.val_fraction, "expected 0 <= x < 1")
+    need(rc.mlp_tile_tokens >= 0, "training.recompute.mlp_tile_tokens", rc.mlp_tile_tokens,
+         "expected an integer >= 0 (tokens per tile; 0: off)")
+    need(not rc.mlp_tile_tokens or (not t.compile and rc.keeps == "inputs"),
+         "training.recompute.mlp_tile_tokens", rc.mlp_tile_tokens,
+         "only 0 with training.compile=true or a selective training.recompute.keeps (the tiles "
+         "run outside their graph and policy)")
     need(not (t.offload_activations and t.compile), "training.offload_activations", True,
          "only without training.compile (compiled layers keep their own saved tensors)")
     need(m.loading != "stream" or cfg.sharding.engine != "ddp", "model.loading", m.loading,

@@ -4,6 +4,7 @@
     enable_activation_checkpointing(model, every=1)   # whole layers: keep only their inputs
     selective_checkpointing(model, "matmuls", r=16)   # keep the matmuls' results, redo the rest
     compile_layers(model, memory_budget=1.0)          # torch.compile each layer (after sharding)
+    tile_mlp(model, tokens=8192)                      # each MLP a tile of tokens at a time
 
 Backward needs what forward computed. Keeping all of it costs ~0.4 GiB per decoder layer and
 2,048-token sequence at the 8B shape (most of it element-wise results: norms, RoPE, SiLU, the
@@ -29,6 +30,7 @@ partitioner follows the policy (and recomputes dropout with the RNG state of the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 
@@ -139,10 +141,86 @@ def selective_checkpointing(model, keeps: str, rank: int, every: int = 1) -> lis
     return chosen
 
 
+class _TiledMLP(torch.autograd.Function):
+    """An MLP run over its tokens a tile at a time, keeping only its input for backward: forward
+    computes each tile without a graph; backward computes each tile again with one and takes its
+    gradients, so at most one tile's intermediates (gate, up, SiLU, the adapters' dropout) exist
+    at once. The adapters' gradients are summed over the tiles and returned as this function's
+    own, so autograd accumulates them once, as the engines' hooks expect. Each tile's RNG state
+    is saved in forward and restored in backward: the same dropout masks. Gap filled: torch's
+    checkpoint keeps a whole module's intermediates during its recompute; transformers has no
+    tiled MLP."""
+
+    @staticmethod
+    def forward(ctx, mlp, tokens, x, *params):
+        ctx.mlp, ctx.tokens, ctx.params = mlp, tokens, params
+        ctx.save_for_backward(x)
+        flat = x.reshape(-1, x.shape[-1])
+        ctx.rng, outs = [], []
+        for tile in flat.split(tokens):
+            ctx.rng.append(_rng_state(x.device))
+            outs.append(type(mlp).forward(mlp, tile))
+        return torch.cat(outs).reshape(*x.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        flat, grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        grads_x, grads_p = [], [None] * len(ctx.params)
+        for tile, g, rng in zip(flat.split(ctx.tokens), grad.split(ctx.tokens), ctx.rng, strict=True):
+            with _restored_rng(x.device, rng), torch.enable_grad():
+                tile = tile.detach().requires_grad_(True)
+                out = type(ctx.mlp).forward(ctx.mlp, tile)
+                got = torch.autograd.grad(out, (tile, *ctx.params), g, allow_unused=True)
+            grads_x.append(got[0])
+            grads_p = [a if b is None else b if a is None else a + b
+                       for a, b in zip(grads_p, got[1:], strict=True)]  # fmt: skip
+        return None, None, torch.cat(grads_x).reshape(x.shape), *grads_p
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+@contextlib.contextmanager
+def _restored_rng(device: torch.device, state: torch.Tensor):
+    """Run with the RNG state a tile saw in forward; the global state is left as it was."""
+    on_gpu = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device.index or 0] if on_gpu else []):
+        (torch.cuda.set_rng_state(state, device) if on_gpu else torch.set_rng_state(state))
+        yield
+
+
+def tile_mlp(model, tokens: int) -> int:
+    """Run each decoder layer's MLP `tokens` tokens at a time (training.recompute.mlp_tile_tokens):
+    at long sequences the MLP's intermediates are the widest tensors of a layer (gate and up:
+    intermediate_size values per token each). Returns how many MLPs were tiled."""
+    from kit.config import ConfigError
+
+    layers = decoder_layers(model)
+    missing = [type(layer).__name__ for layer in layers if not hasattr(layer, "mlp")]
+    if missing:
+        raise ConfigError(f"training.recompute.mlp_tile_tokens: {tokens} is not allowed for "
+                          f"{missing[0]}; expected decoder layers with an `mlp` module (or 0)")
+
+    def forward(self, x):
+        params = [p for p in self.parameters() if p.requires_grad]
+        if not torch.is_grad_enabled() or x.shape[:-1].numel() <= tokens:
+            return type(self).forward(self, x)
+        return _TiledMLP.apply(self, tokens, x, *params)
+
+    for layer in layers:
+        layer.mlp.forward = types.MethodType(forward, layer.mlp)
+    return len(layers)
+
+
 def apply(model, cfg) -> list[int]:
     """Switch on what cfg.training.recompute asks for (before sharding); returns the indices of
-    the recomputed decoder layers ([] when recompute is off)."""
+    the recomputed decoder layers ([] when recompute is off). MLP tiling comes first: the layer's
+    recompute then runs the tiled MLP too."""
     rc = cfg.training.recompute
+    if rc.mlp_tile_tokens:
+        tile_mlp(model, rc.mlp_tile_tokens)
     if not rc.enabled:
         return []
     if rc.keeps == "inputs":

@@ -52,6 +52,8 @@ def test_benchmark_matrices_hold_valid_kit_configs(path):
         (["sharding.engine=zero3"], "sharding.engine: 'zero3' is not allowed; expected one of 'fsdp2', 'fsdp1', 'ddp'"),
         (["training.steps=ten"], "training.steps: 'ten' is not allowed; expected an integer"),
         (["training.batch_size=0"], "training.batch_size: 0 is not allowed; expected an integer >= 1"),
+        (["training.recompute.mlp_tile_tokens=4096", "training.compile=true"],
+         "training.recompute.mlp_tile_tokens: 4096 is not allowed; only 0 with training.compile=true"),
         (["lora.dropout=1.5"], "lora.dropout: 1.5 is not allowed"),
         (["training.compile=true", "training.activation_memory_budget=0"],
          "training.activation_memory_budget: 0.0 is not allowed; expected a number in (0, 1]"),
