@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Speed round 2 on one GPU (issue 18): notebook 03 on the GPU first (what it writes to stderr),
 # then benchmarks/matrices/bench-8b-round2.yaml (every cap and the context sweep, one invocation).
-# Longer than one device call: started detached and polled.
+# Longer than one device call: started detached and polled. MATRIX=... runs another matrix;
+# SKIP_NB03=1 leaves the notebook out (bench-8b-context.yaml ran so).
 #   setsid nohup bash benchmarks/gpu_round2.sh /tmp/r2 > /tmp/r2.log 2>&1 < /dev/null &
 #   bash benchmarks/poll.sh /tmp/r2 540 DONE
 set -uo pipefail
@@ -15,9 +16,9 @@ print("torch", torch.__version__, "transformers", transformers.__version__, "pef
       "bitsandbytes", bitsandbytes.__version__, torch.cuda.get_device_name(0))
 PY
 start=$(date +%s)
-python3 -m papermill notebooks/03-lora-adapters.ipynb "$OUT/nb03.ipynb" --cwd notebooks > "$OUT/nb03.log" 2>&1
+[ -z "${SKIP_NB03:-}" ] && python3 -m papermill notebooks/03-lora-adapters.ipynb "$OUT/nb03.ipynb" --cwd notebooks > "$OUT/nb03.log" 2>&1
 echo "nb03 rc=$? $(( $(date +%s) - start ))s"
-python3 - "$OUT/nb03.ipynb" <<'PY' > "$OUT/nb03-stderr.txt"
+[ -z "${SKIP_NB03:-}" ] && python3 - "$OUT/nb03.ipynb" <<'PY' > "$OUT/nb03-stderr.txt"
 import json, sys
 for c in json.load(open(sys.argv[1]))["cells"]:
     for o in c.get("outputs", []):
@@ -27,6 +28,6 @@ for c in json.load(open(sys.argv[1]))["cells"]:
 PY
 python3 -c "from kit import builtin; print(builtin.resolve('kit:llama-8b'))"
 echo "build: $(( $(date +%s) - start ))s"
-python3 -m kit.bench benchmarks/matrices/bench-8b-round2.yaml --out "$OUT/bench"
+python3 -m kit.bench "${MATRIX:-benchmarks/matrices/bench-8b-round2.yaml}" --out "$OUT/bench"
 echo "bench: $(( $(date +%s) - start ))s"
 touch "$OUT/DONE"
