@@ -12,7 +12,10 @@ not pure bookkeeping -- bytes autograd keeps per token in one decoder layer, and
 logits/loss -- follow from what PyTorch saves for backward and were checked against a measured
 Llama-3-8B run on 2x H200 (`kit.measured.REFERENCE`, from FINDINGS.md): within ~5% across batch
 sizes, with and without activation checkpointing; kit.measured holds the kit's own measured runs
-too (70B, offloading) and compares each with the estimate.
+too (70B, offloading, long context) and compares each with the estimate.
+
+Longer than 400 lines because each term of the budget sits beside its formula and the note of
+the measured run that checks it; split apart, a reader could not see which run checks which term.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class Setup:
     # stream: a shard and one unit (auto is stream under FSDP, full under DDP)
     loss: str = "hf"  # training.loss: hf | chunked | fused (kit.loss: how many logits exist)
     offload_activations: bool = False  # training.offload_activations: kept tensors in host memory
+    mlp_tile_tokens: int = 0  # training.recompute.mlp_tile_tokens: the MLP's graph one tile at a time
 
     @classmethod
     def from_config(cls, cfg, world_size: int = 2) -> Setup:
@@ -86,6 +90,7 @@ class Setup:
             reshard_after_forward=cfg.sharding.reshard_after_forward,
             loss=cfg.training.loss,
             offload_activations=cfg.training.offload_activations,
+            mlp_tile_tokens=cfg.training.recompute.mlp_tile_tokens,
         )
 
     @property
@@ -129,6 +134,16 @@ def activation_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
     for fan_in, _ in lora_targets(shape, setup.lora_targets).values():
         total += (lb + mask) * fan_in + lb * r
     return total
+
+
+def mlp_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
+    """The MLP's share of activation_bytes_per_token_layer: gate, up and SiLU outputs (a * 3i),
+    and the adapters' dropped inputs, masks and r-wide outputs on gate, up and down. A tiled MLP
+    (kit.recompute.tile_mlp) holds these for one tile of tokens only, and keeps its input."""
+    a, lb, r, mask = DTYPE_BYTES[setup.dtype], setup.adapter_bytes, setup.lora_r, int(setup.lora_dropout)
+    mlp = {n: v for n, v in lora_targets(shape, setup.lora_targets).items()
+           if n in ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
+    return a * 3 * shape.intermediate + sum((lb + mask) * f + lb * r for f, _ in mlp.values())
 
 
 def selective_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
@@ -311,6 +326,9 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
     # Activations and the loss. The loss's peak comes at the end of forward, before any layer is
     # recomputed or its saved tensors used: under recompute the two do not add up.
     per_layer = activation_bytes_per_token_layer(shape, setup) * tokens
+    if 0 < setup.mlp_tile_tokens < tokens:  # one tile's MLP graph instead of all tokens', + its input
+        per_layer -= mlp_bytes_per_token_layer(shape, setup) * (tokens - setup.mlp_tile_tokens)
+        per_layer += tokens * shape.hidden * a
     logits, how = loss_bytes(shape, setup, tokens)
     offload = " [host]" if setup.offload_activations else ""
     if setup.recompute and setup.recompute_keeps != "inputs":

@@ -48,16 +48,34 @@ REFERENCE_KIT_8B = {
 }  # fmt: skip
 
 
+# The kit's recipe at long context on one H100 (benchmarks/results/speed-round2-1xh100.md,
+# 2026-11-24): Llama-3-8B shape, FSDP2 on one process, NF4, LoRA r16 all-linear (fp32), batch 1,
+# whole-layer recompute with the layer inputs offloaded, fused loss; peaks by (sequence length,
+# training.recompute.mlp_tile_tokens).
+REFERENCE_CONTEXT = {
+    "model": "kit:llama-8b",
+    "keys": ("seq_len", "mlp_tile_tokens"),
+    "setup": dict(engine="fsdp2", world_size=1, lora_r=16, attention="sdpa", loss="fused",
+                  batch_size=1, recompute=True, offload_activations=True),
+    "peak_gib": {(16384, 0): 12.56, (32768, 0): 17.54, (32768, 8192): 13.23,
+                 (65536, 8192): 19.38, (131072, 8192): 31.68},
+}  # fmt: skip
+
+# A reference's keys name Setup fields; the table calls the first two as notebook 01 shows them.
+KEYS = ("recompute", "batch_size", "offload_activations")
+COLUMNS = {"recompute": "checkpointing", "batch_size": "batch"}
+
+
 def compare_with_reference(reference: dict = REFERENCE) -> list[dict]:
     """Estimate vs measured for every row of a reference (REFERENCE, REFERENCE_70B,
-    REFERENCE_KIT_8B): keys (recompute, batch) or (recompute, batch, offload_activations)."""
+    REFERENCE_KIT_8B, REFERENCE_CONTEXT): each key gives the Setup fields its reference's `keys`
+    name (by default recompute, batch, offload_activations; a shorter key leaves the rest)."""
     rows = []
-    for (ckpt, batch, *offload), measured in reference["peak_gib"].items():
-        changes = dict(offload_activations=offload[0]) if offload else {}
-        est = estimate(reference["model"],
-                       Setup(**reference["setup"], recompute=ckpt, batch_size=batch, **changes))
+    for key, measured in reference["peak_gib"].items():
+        changes = dict(zip(reference.get("keys", KEYS), key, strict=False))
+        est = estimate(reference["model"], Setup(**{**reference["setup"], **changes}))
         rows.append(
-            dict(checkpointing=ckpt, batch=batch, **changes, measured_gib=measured,
+            dict(**{COLUMNS.get(k, k): v for k, v in changes.items()}, measured_gib=measured,
                  estimated_gib=round(est.total_gib, 1),
                  error_pct=round(100 * (est.total_gib - measured) / measured, 1))
         )  # fmt: skip
