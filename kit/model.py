@@ -50,6 +50,10 @@ def build(cfg: Config, device: torch.device, *, train: bool = True) -> Built:
         peft_model = lora.apply_lora(model, cfg)
     if not train:
         return Built(peft_model, tokenizer, attn, warning, [])
+    if cfg.quantization.fp8_matmul:
+        from kit import fp8
+
+        fp8.enable(peft_model)
     if cfg.lora.recompute:
         lora.recompute_adapters(peft_model)
     recomputed = recompute.apply(peft_model, cfg)

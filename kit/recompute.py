@@ -70,12 +70,14 @@ def enable_activation_checkpointing(model, every: int = 1) -> list[int]:
 
 
 def _matmul_shape(op, args) -> tuple[int, int] | None:
-    """(inputs, outputs) per token of a matmul of a linear layer, or None for any other op.
-    bitsandbytes runs a 4-bit layer as one op of its own, `bitsandbytes::gemm_4bit(A, B, shape,
+    """(inputs, outputs) per token of a matmul of a linear layer (FP8 ones too), or None for any
+    other op. bitsandbytes runs a 4-bit layer as one op of its own, `bitsandbytes::gemm_4bit(A, B, shape,
     ...)`, with the weight's (out, in) shape as its third argument."""
     if op in _MATMULS:
         a, b = args[-2], args[-1]  # addmm(bias, a, b), mm(a, b)
         return a.shape[-1], b.shape[-1]
+    if op is torch.ops.aten._scaled_mm.default:  # kit.fp8: _scaled_mm(a, b, scale_a, scale_b)
+        return args[0].shape[-1], args[1].shape[-1]
     if getattr(op, "namespace", None) == "bitsandbytes" and "gemm" in op.__name__:
         out, inner = args[2][0], args[2][1]
         return inner, out
