@@ -26,8 +26,9 @@ for c in json.load(open(sys.argv[1]))["cells"]:
             print(f"--- cell {c['id']}: {''.join(c['source']).splitlines()[0][:80]}")
             print("".join(o["text"]))
 PY
-python3 -c "from kit import builtin; print(builtin.resolve('kit:llama-8b'))"
+MATRIX=${MATRIX:-benchmarks/matrices/bench-8b-round2.yaml}
+python3 -c "import sys, yaml; from kit import builtin; print(builtin.resolve(yaml.safe_load(open(sys.argv[1]))['model']))" "$MATRIX"
 echo "build: $(( $(date +%s) - start ))s"
-python3 -m kit.bench "${MATRIX:-benchmarks/matrices/bench-8b-round2.yaml}" --out "$OUT/bench"
+python3 -m kit.bench "$MATRIX" --out "$OUT/bench"
 echo "bench: $(( $(date +%s) - start ))s"
 touch "$OUT/DONE"

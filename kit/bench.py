@@ -77,7 +77,9 @@ def case_config(matrix: dict, case: dict, out: Path) -> Config:
         "run.start_over=true", f"run.dist_timeout_min={case.get('dist_timeout_min', 5)}",
         f"model.name={matrix['model']}", f"training.device={matrix.get('device', 'auto')}",
         f"data.max_seq_len={matrix['seq_len']}", f"training.lr={matrix.get('lr', 2e-4)}",
-        f"training.seed={matrix.get('seed', 42)}",  # the kit recipe's training.seed default
+        # The kit recipe's training.seed default; a case's own seed measures the noise between
+        # two seeds of one recipe (what a lever's loss difference is held against).
+        f"training.seed={case.get('seed', matrix.get('seed', 42))}",
     ]
     if case["recipe"] == "kit":
         overrides += [*KIT_SETTINGS, *case.get("overrides", [])]

@@ -48,6 +48,20 @@ SPECS: dict[str, dict] = {
         max_position_embeddings=512,
         tie_word_embeddings=False,
     ),
+    # Qwen2.5-7B's shape (7.6B params; biases on q/k/v, a 152k vocabulary): the speed benchmark's
+    # second architecture. Random weights, written once (~15 GB).
+    "qwen2-7b": dict(
+        model_type="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
     # Llama-3.2-1B's shape (1.24B params).
     "llama-1b": dict(
         model_type="llama",

@@ -132,3 +132,11 @@ def test_a_bad_override_stops_the_matrix_before_any_case_runs(tmp_path):
     with pytest.raises(ConfigError, match=r"cases\.kit: training\.loss: 'fast'"):
         bench.run(path, tmp_path / "out")
     assert not (tmp_path / "out" / "runs").exists()
+
+
+def test_a_case_may_bring_its_own_seed(tmp_path):
+    """Two seeds of one recipe: the noise a lever's loss difference is held against."""
+    matrix = yaml.safe_load(TINY_MATRIX.read_text())
+    seeded = {**matrix["cases"][0], "name": "article-seed43", "seed": 43}
+    assert bench.case_config(matrix, matrix["cases"][0], tmp_path).training.seed == 42
+    assert bench.case_config(matrix, seeded, tmp_path).training.seed == 43
