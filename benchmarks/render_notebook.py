@@ -6,7 +6,8 @@ A look at the widgets as a person sees them, which papermill and nbval cannot gi
 notebook into launch/render/ (ignored by git, so the committed file never gains outputs), starts
 JupyterLab with its app exposed to the page, opens the copy in `chromium --headless`, runs every
 cell through JupyterLab's own command (`notebook:run-all-cells`) over the DevTools protocol, waits
-until the kernel is idle, and saves a full-height screenshot. Needs chromium and websocket-client.
+until the kernel is idle, and saves a full-height screenshot, then one per scrolled section
+(JupyterLab paints only the cells near the view). Needs chromium and websocket-client.
 Keep the PNG out of git.
 """
 
@@ -25,6 +26,7 @@ import websocket
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB_PORT, CDP_PORT, TOKEN = 8899, 9222, "kit-render"
+VIEW = 3600  # pixels scrolled per section screenshot (the window is 4,200 tall)
 
 
 def wait_for(url: str, seconds: float = 60) -> str:
@@ -108,6 +110,15 @@ def main(notebook: str, png: str, budget_s: int = 600) -> int:
         time.sleep(5)  # let the cells and the last widget updates paint
         shot = page.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)
         Path(png).write_bytes(base64.b64decode(shot["data"]))
+        # Then the rest, one viewport at a time (OUT-1.png, OUT-2.png, ...): with JupyterLab's
+        # windowing, scrolling is what makes the lower cells (a dashboard, tables, plots) paint.
+        height = page.eval("document.querySelector('.jp-WindowedPanel-outer').scrollHeight") or 0
+        for i, top in enumerate(range(VIEW, height, VIEW), start=1):
+            page.eval(f"document.querySelectorAll('.jp-WindowedPanel-outer')"
+                      f".forEach(e => {{ e.scrollTop = {top}; }}); true")
+            time.sleep(3)
+            part = page.call("Page.captureScreenshot", format="png")
+            Path(png).with_name(f"{Path(png).stem}-{i}.png").write_bytes(base64.b64decode(part["data"]))
         errors = page.eval("Array.from(document.querySelectorAll('.jp-RenderedText[data-mime-type="
                            "\"application/vnd.jupyter.stderr\"]')).length")
         widgets = page.eval("document.querySelectorAll('.jupyter-widgets').length")
