@@ -113,7 +113,7 @@ def main(notebook: str, png: str, budget_s: int = 600) -> int:
         # Then the rest, one viewport at a time (OUT-1.png, OUT-2.png, ...): with JupyterLab's
         # windowing, scrolling is what makes the lower cells (a dashboard, tables, plots) paint.
         height = page.eval("document.querySelector('.jp-WindowedPanel-outer').scrollHeight") or 0
-        for i, top in enumerate(range(VIEW, height, VIEW), start=1):
+        for i, top in enumerate(range(VIEW, height - VIEW // 4, VIEW), start=1):
             page.eval(f"document.querySelectorAll('.jp-WindowedPanel-outer')"
                       f".forEach(e => {{ e.scrollTop = {top}; }}); true")
             time.sleep(3)
