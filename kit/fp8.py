@@ -8,7 +8,9 @@ weight dequantized to bf16 and a bf16 matmul. Here the dequantized weight and th
 cast to FP8 (e4m3) with one scale per row, and the product runs in `torch._scaled_mm`, which
 Hopper GPUs execute at about twice the bf16 rate; the output and every gradient stay bf16, and
 the adapters (LoRA) are untouched. It changes numerics: the loss difference it makes is measured
-(`benchmarks/results/`), so it is opt-in.
+(`benchmarks/results/fp8-8b-1xh100.md`), so it is opt-in. Evaluation inside the run uses it too;
+the saved adapter is the same kind as always, and a plain PEFT reload computes in bf16, so its
+logits differ from the run's own by FP8's rounding.
 
 Gap filled: bitsandbytes has no FP8 path for its 4-bit layers, and torchao's FP8 training
 converts nn.Linear layers whose weights it owns (trainable, bf16), not frozen 4-bit ones.
