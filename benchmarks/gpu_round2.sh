@@ -7,14 +7,9 @@
 #   bash benchmarks/poll.sh /tmp/r2 540 DONE
 set -uo pipefail
 OUT=${1:-/tmp/r2}; mkdir -p "$OUT"
-bash benchmarks/gpu_setup.sh
+bash benchmarks/gpu_setup.sh  # papermill for notebook 03; gpu_speed.sh records the versions
 export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-python3 - <<'PY' | tee "$OUT/versions.txt"
-import torch, transformers, peft, bitsandbytes
-print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__,
-      "bitsandbytes", bitsandbytes.__version__, torch.cuda.get_device_name(0))
-PY
 start=$(date +%s)
 [ -z "${SKIP_NB03:-}" ] && python3 -m papermill notebooks/03-lora-adapters.ipynb "$OUT/nb03.ipynb" --cwd notebooks > "$OUT/nb03.log" 2>&1
 echo "nb03 rc=$? $(( $(date +%s) - start ))s"
@@ -26,9 +21,6 @@ for c in json.load(open(sys.argv[1]))["cells"]:
             print(f"--- cell {c['id']}: {''.join(c['source']).splitlines()[0][:80]}")
             print("".join(o["text"]))
 PY
-MATRIX=${MATRIX:-benchmarks/matrices/bench-8b-round2.yaml}
-python3 -c "import sys, yaml; from kit import builtin; print(builtin.resolve(yaml.safe_load(open(sys.argv[1]))['model']))" "$MATRIX"
-echo "build: $(( $(date +%s) - start ))s"
-python3 -m kit.bench "$MATRIX" --out "$OUT/bench"
-echo "bench: $(( $(date +%s) - start ))s"
-touch "$OUT/DONE"
+# The benchmark itself: gpu_speed.sh with this matrix, nothing after it (it writes $OUT/bench and
+# touches $OUT/DONE).
+MATRIX=${MATRIX:-benchmarks/matrices/bench-8b-round2.yaml} SKIP_EXTRAS=1 bash benchmarks/gpu_speed.sh "$OUT"

@@ -3,7 +3,8 @@
 # re-check (save, resume from full and sharded, merge). Runs ~15 minutes: longer than one device
 # call, so it is started detached and polled with benchmarks/poll.sh (results file names it):
 #   setsid nohup bash benchmarks/gpu_speed.sh /tmp/speed > /tmp/speed.log 2>&1 &
-# MATRIX=benchmarks/matrices/<matrix>.yaml runs another matrix (default bench-8b.yaml).
+# MATRIX=benchmarks/matrices/<matrix>.yaml runs another matrix (default bench-8b.yaml; its model
+# is built first).
 # Results: /tmp/speed/bench/{table.md,results.jsonl,bench.png}, /tmp/speed/nb06*, /tmp/speed/ckpt.
 set -uo pipefail
 OUT=${1:-/tmp/speed}; mkdir -p "$OUT"
@@ -16,9 +17,10 @@ print("torch", torch.__version__, "transformers", transformers.__version__, "pef
       "bitsandbytes", bitsandbytes.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0))
 PY
 start=$(date +%s)
-python3 -c "from kit import builtin; print(builtin.resolve('kit:llama-8b'))"
+MATRIX=${MATRIX:-benchmarks/matrices/bench-8b.yaml}
+python3 -c "import sys, yaml; from kit import builtin; print(builtin.resolve(yaml.safe_load(open(sys.argv[1]))['model']))" "$MATRIX"
 echo "build: $(( $(date +%s) - start ))s"
-python3 -m kit.bench "${MATRIX:-benchmarks/matrices/bench-8b.yaml}" --out "$OUT/bench" ${BENCH_ONLY:+--only "$BENCH_ONLY"}
+python3 -m kit.bench "$MATRIX" --out "$OUT/bench" ${BENCH_ONLY:+--only "$BENCH_ONLY"}
 echo "bench: $(( $(date +%s) - start ))s"
 touch "$OUT/BENCH_DONE"
 if [ -z "${SKIP_EXTRAS:-}" ]; then

@@ -190,7 +190,8 @@ def worker(matrix_path: str, name: str, out: str, config_path: str, *overrides: 
         except torch.OutOfMemoryError as e:
             oom, error = True, str(e).splitlines()[0][:200]
         if _any_rank(oom, env):
-            emit({"kind": "batch", "batch": size, "seq_len": seq, "status": "oom", "error": error})
+            emit({"kind": "batch", "batch": size, "seq_len": seq, "flops_per_token": run.flops,
+                  "status": "oom", "error": error})
             break  # larger batches will not fit either; the process state after an OOM is spent
         step_s = statistics.median(times)
         tps = size * run.seq / step_s

@@ -111,6 +111,9 @@ def quantized_bytes_per_param(quantization: str, double_quant: bool) -> float:
     return 0.5 + scales
 
 
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")  # the MLP's linears, as kit.shapes names them
+
+
 def activation_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
     """Bytes autograd keeps per token in one decoder layer for backward (no checkpointing).
 
@@ -124,15 +127,15 @@ def activation_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
       - LoRA, per targeted linear: its input after dropout in the adapter dtype (l * in), the
         dropout mask (1 byte * in), the r-wide output of A (l * r)
     """
-    h, i, r = shape.hidden, shape.intermediate, setup.lora_r
+    h, r = shape.hidden, setup.lora_r
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    a, lb = DTYPE_BYTES[setup.dtype], setup.adapter_bytes
-    total = 2 * 4 * h + a * (2 * q + 2 * kv) + a * q + a * 3 * i
+    a, lb, mask = DTYPE_BYTES[setup.dtype], setup.adapter_bytes, int(setup.lora_dropout)
+    total = 2 * 4 * h + a * (2 * q + 2 * kv) + a * q + mlp_bytes_per_token_layer(shape, setup)
     if setup.attention == "eager":
         total += shape.heads * setup.seq_len * (4 + a)
-    mask = 1 if setup.lora_dropout else 0
-    for fan_in, _ in lora_targets(shape, setup.lora_targets).values():
-        total += (lb + mask) * fan_in + lb * r
+    for name, (fan_in, _) in lora_targets(shape, setup.lora_targets).items():
+        if name not in MLP_LINEARS:  # the MLP's adapters are in mlp_bytes_per_token_layer
+            total += (lb + mask) * fan_in + lb * r
     return total
 
 
@@ -141,8 +144,7 @@ def mlp_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
     and the adapters' dropped inputs, masks and r-wide outputs on gate, up and down. A tiled MLP
     (kit.recompute.tile_mlp) holds these for one tile of tokens only, and keeps its input."""
     a, lb, r, mask = DTYPE_BYTES[setup.dtype], setup.adapter_bytes, setup.lora_r, int(setup.lora_dropout)
-    mlp = {n: v for n, v in lora_targets(shape, setup.lora_targets).items()
-           if n in ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
+    mlp = {n: v for n, v in lora_targets(shape, setup.lora_targets).items() if n in MLP_LINEARS}
     return a * 3 * shape.intermediate + sum((lb + mask) * f + lb * r for f, _ in mlp.values())
 
 
