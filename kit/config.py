@@ -80,6 +80,10 @@ class LoraConfig:
     # dropout mask and the dropped copy of the input (kit.lora.recompute_adapters): same result,
     # less activation memory; the speed levers (kit.bench) use it.
     recompute: bool = False
+    # Adapters that read one input (q/k/v; gate/up) drop it once and run their down-projections
+    # as one matmul (kit.lora_groups): fewer, larger kernels. The members share one dropout mask
+    # instead of three, which changes what is learned a little (measured in benchmarks/results/).
+    group_inputs: bool = False
 
 
 @dataclass

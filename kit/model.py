@@ -56,6 +56,10 @@ def build(cfg: Config, device: torch.device, *, train: bool = True) -> Built:
         fp8.enable(peft_model)
     if cfg.lora.recompute:
         lora.recompute_adapters(peft_model)
+    if cfg.lora.group_inputs:
+        from kit import lora_groups
+
+        lora_groups.enable(peft_model, recompute=cfg.lora.recompute)
     recomputed = recompute.apply(peft_model, cfg)
     kloss.install(peft_model, cfg.training.loss)
     peft_model.train()

@@ -1,0 +1,137 @@
+"""lora.group_inputs (kit.lora_groups): q/k/v and gate/up drop their shared input once and run
+their down-projections as one matmul; without dropout the result is the adapters' own, eager,
+recomputed and compiled; with dropout the members share one mask."""
+
+import shutil
+
+import pytest
+import torch
+from levers import tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kit import builtin, lora, lora_groups
+from kit.config import ConfigError, load_config
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                    torch.ops.aten.bmm.default):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _build(overrides, group: bool, recompute: bool = False):
+    cfg = load_config(None, ["quantization.method=none", *overrides])
+    torch.manual_seed(0)
+    model = lora.apply_lora(tiny_model(), cfg)
+    for n, p in model.named_parameters():  # non-zero B, so every branch matters
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(len(n)))
+    if recompute:
+        lora.recompute_adapters(model)
+    if group:
+        assert lora_groups.enable(model, recompute=recompute) == 4  # (q/k/v, gate/up) x 2 layers
+    return model.train()
+
+
+def _step(model, ids):
+    torch.manual_seed(7)
+    with _CountMatmuls() as counted:
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return loss.item(), grads, counted.count
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "lora.recompute"])
+def test_groups_give_the_adapters_own_result_with_fewer_matmuls(recompute):
+    """Dropout off: the same loss and gradients as each adapter on its own; per decoder layer
+    three down-projections fewer in forward (q/k/v: 3 -> 1, gate/up: 2 -> 1)."""
+    ids = torch.randint(3, 1024, (2, 32), generator=torch.Generator().manual_seed(3))
+    loss_a, grads_a, mm_a = _step(_build(["lora.dropout=0"], False, recompute), ids)
+    loss_b, grads_b, mm_b = _step(_build(["lora.dropout=0"], True, recompute), ids)
+    assert loss_b == pytest.approx(loss_a, abs=1e-6)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        assert torch.allclose(grads_a[name], grads_b[name], atol=1e-6), name
+    assert mm_a - mm_b == 3 * 2, (mm_a, mm_b)
+
+
+def test_members_share_one_dropout_mask():
+    """Two members with the same weights get the same delta from one call (one mask); two
+    separate calls, as PEFT makes them, draw two masks and differ."""
+    g = torch.Generator().manual_seed(0)
+    x, a, b = torch.randn(4, 64, generator=g), torch.randn(8, 64, generator=g), torch.randn(16, 8, generator=g)
+    torch.manual_seed(1)
+    one, two = lora_groups.group_deltas(x, [a, a], [b, b], [2.0, 2.0], 0.5, True)
+    assert torch.equal(one, two)
+    torch.manual_seed(1)
+    (sep1,), (sep2,) = (lora_groups.group_deltas(x, [a], [b], [2.0], 0.5, True) for _ in range(2))
+    assert not torch.equal(sep1, sep2)
+    assert torch.allclose(sep1, one, rtol=1e-5)  # the first draw is the group's mask
+
+
+def test_grouped_training_changes_the_loss_only_through_shared_masks():
+    """Dropout on: the grouped model trains (finite loss, every adapter gets a gradient) and its
+    loss differs from the ungrouped one only because masks are shared."""
+    ids = torch.randint(3, 1024, (2, 32), generator=torch.Generator().manual_seed(3))
+    loss_a, _, _ = _step(_build(["lora.dropout=0.3"], False), ids)
+    loss_b, grads_b, _ = _step(_build(["lora.dropout=0.3"], True), ids)
+    assert loss_a != loss_b and abs(loss_a - loss_b) < 0.05
+    assert all(g.abs().sum() > 0 for g in grads_b.values())
+
+
+def test_a_model_without_groups_is_refused_in_one_line():
+    cfg = load_config(None, ["quantization.method=none", "lora.target_modules=[o_proj,down_proj]"])
+    model = lora.apply_lora(tiny_model(), cfg)
+    with pytest.raises(ConfigError, match=r"^lora.group_inputs: True is not allowed for this "
+                                          r"model; .* allowed: false$"):
+        lora_groups.enable(model)
+
+
+def test_grouped_compiled_layers_under_fsdp2_match_the_ungrouped_ones(tmp_path, monkeypatch):
+    """The kit's recipe as the benchmarks run it (training.compile=true, a selective recompute
+    policy), FSDP2 and NF4 (a world of one), dropout off, with and without groups: the grouped
+    layers compile without a graph break, the compiled step has fewer matmuls, and it trains to
+    the same losses."""
+    import torch._dynamo.utils as dynamo_utils
+    import torch._inductor.config as inductor_config
+
+    from kit.train import Recipe
+
+    shutil.copytree(builtin.resolve("kit:tiny-llama"), tmp_path / "model")
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    mms = []  # aten.mm nodes in every graph the compiler lowers (forward and backward)
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", lambda g: mms.append(
+        sum(n.target is torch.ops.aten.mm.default for n in g.nodes)))
+    losses, counts = {}, {}
+    for group in (False, True):
+        cfg = load_config(None, [
+            f"model.name={tmp_path / 'model'}", "training.device=cpu", "sharding.engine=fsdp2",
+            "quantization.method=nf4", "training.compile=true", f"lora.group_inputs={group}",
+            "lora.dropout=0", "training.recompute.keeps=attention_matmuls",
+            "training.batch_size=2", "data.max_seq_len=32", f"run.output_dir={tmp_path / f'run{group}'}",
+        ])
+        torch._dynamo.reset()
+        dynamo_utils.counters.clear()
+        mms.clear()
+        recipe = Recipe(cfg)
+        try:
+            recipe.setup()
+            losses[group] = [recipe.train_step()["loss"] for _ in range(3)]
+        finally:
+            recipe.cleanup()
+        assert sum(dynamo_utils.counters["graph_break"].values()) == 0, dict(
+            dynamo_utils.counters["graph_break"])
+        counts[group] = sum(mms)
+    torch._dynamo.reset()
+    assert 0 < counts[True] < counts[False], counts
+    assert losses[True] == pytest.approx(losses[False], abs=2e-3), losses
+    assert losses[True][-1] < losses[True][0]
