@@ -268,6 +268,10 @@ def run(cfg: Config) -> dict:
     peft_model, tokenizer = built.model, built.tokenizer
     if cfg.lora.recompute:
         lora.recompute_adapters(peft_model)
+    if cfg.lora.group_inputs:
+        from kit import lora_groups
+
+        lora_groups.enable(peft_model, recompute=cfg.lora.recompute)
     layout = checkpoint.AdapterLayout(peft_model)  # before the trainer wraps the model
     params = lora.trainable_summary(peft_model)
     train_ds, eval_ds = text_datasets(cfg, tokenizer, world)
