@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from kit.shapes import Shape, lora_params, lora_targets, shape_of
+from kit.shapes import Shape, dropped_inputs, lora_params, lora_targets, shape_of
 
 GiB = 2**30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -51,6 +51,7 @@ class Setup:
     lora_targets: str | tuple[str, ...] = "all-linear"
     lora_dtype: str = "auto"  # auto: float32, except fsdp1 (model dtype)
     lora_dropout: bool = True
+    lora_groups: bool = False  # lora.group_inputs: q/k/v and gate/up drop their input once
     batch_size: int = 1  # sequences per GPU per micro-step
     seq_len: int = 2048
     recompute: bool = True  # training.recompute.enabled
@@ -79,6 +80,7 @@ class Setup:
             lora_targets=targets if isinstance(targets, str) else tuple(targets),
             lora_dtype=cfg.lora.dtype,
             lora_dropout=cfg.lora.dropout > 0,
+            lora_groups=cfg.lora.group_inputs,
             batch_size=cfg.training.batch_size,
             seq_len=cfg.data.max_seq_len,
             recompute=cfg.training.recompute.enabled,
@@ -125,7 +127,8 @@ def activation_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
         (fp32 softmax + probabilities in a) per head
       - SwiGLU: gate and up outputs and silu(gate) (a * 3i)
       - LoRA, per targeted linear: its input after dropout in the adapter dtype (l * in), the
-        dropout mask (1 byte * in), the r-wide output of A (l * r)
+        dropout mask (1 byte * in), the r-wide output of A (l * r); with lora.group_inputs the
+        dropped input and mask once per group of layers that share it (kit.shapes.dropped_inputs)
     """
     h, r = shape.hidden, setup.lora_r
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
@@ -133,7 +136,7 @@ def activation_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
     total = 2 * 4 * h + a * (2 * q + 2 * kv) + a * q + mlp_bytes_per_token_layer(shape, setup)
     if setup.attention == "eager":
         total += shape.heads * setup.seq_len * (4 + a)
-    for name, (fan_in, _) in lora_targets(shape, setup.lora_targets).items():
+    for name, fan_in in dropped_inputs(shape, setup.lora_targets, setup.lora_groups).items():
         if name not in MLP_LINEARS:  # the MLP's adapters are in mlp_bytes_per_token_layer
             total += (lb + mask) * fan_in + lb * r
     return total
@@ -144,8 +147,9 @@ def mlp_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
     and the adapters' dropped inputs, masks and r-wide outputs on gate, up and down. A tiled MLP
     (kit.recompute.tile_mlp) holds these for one tile of tokens only, and keeps its input."""
     a, lb, r, mask = DTYPE_BYTES[setup.dtype], setup.adapter_bytes, setup.lora_r, int(setup.lora_dropout)
-    mlp = {n: v for n, v in lora_targets(shape, setup.lora_targets).items() if n in MLP_LINEARS}
-    return a * 3 * shape.intermediate + sum((lb + mask) * f + lb * r for f, _ in mlp.values())
+    dropped = dropped_inputs(shape, setup.lora_targets, setup.lora_groups)
+    mlp = [f for n, f in dropped.items() if n in MLP_LINEARS]
+    return a * 3 * shape.intermediate + sum((lb + mask) * f + lb * r for f in mlp)
 
 
 def selective_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:

@@ -30,10 +30,11 @@ import types
 import torch
 
 from kit.config import ConfigError
+from kit.shapes import SHARED_INPUT_GROUPS
 
 # Members of a group: projections of one module that read the module's input (Llama, Qwen2,
 # Mistral, Gemma and most decoder-only families name them so).
-GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+GROUPS = SHARED_INPUT_GROUPS
 
 
 def group_deltas(x, downs, ups, scales, p: float, training: bool) -> tuple[torch.Tensor, ...]:

@@ -100,6 +100,23 @@ def lora_targets(shape: Shape, targets) -> dict[str, tuple[int, int]]:
     return {n: linears[n] for n in names}
 
 
+# Linear layers of one decoder layer that read the same input (kit.lora_groups groups their
+# adapters under lora.group_inputs).
+SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def dropped_inputs(shape: Shape, targets, grouped: bool = False) -> dict[str, int]:
+    """Per adapted linear layer, the width of the input its adapter drops and keeps a copy of:
+    its fan-in, or, with grouped adapters (lora.group_inputs), 0 for every member of a fully
+    adapted group but the first (the group drops its shared input once)."""
+    widths = {n: fan_in for n, (fan_in, _) in lora_targets(shape, targets).items()}
+    if grouped:
+        for group in SHARED_INPUT_GROUPS:
+            if all(n in widths for n in group):
+                widths.update(dict.fromkeys(group[1:], 0))
+    return widths
+
+
 def lora_params(shape: Shape, r: int, targets="all-linear") -> int:
     """Trainable LoRA parameters: A (r x in) and B (out x r) per targeted linear, every layer."""
     return shape.layers * sum(r * (a + b) for a, b in lora_targets(shape, targets).values())
