@@ -45,6 +45,10 @@ def load_matrix(path: str | Path) -> dict:
     names = [c["name"] for c in m["cases"]]
     if len(set(names)) != len(names):
         raise ValueError(f"cases: names must be unique, got {names}")
+    data = m.get("equivalence", {}).get("data")
+    if data not in (None, "sample"):
+        raise ValueError(f"equivalence.data: {data!r} is not allowed; expected 'sample' (the "
+                         "bundled sample text, for a real model) or nothing (synthetic tokens)")
     for c in m["cases"]:
         if c.get("recipe") not in ("article", "kit"):
             raise ValueError(f"cases.{c['name']}.recipe: {c.get('recipe')!r} is not allowed; "

@@ -117,16 +117,20 @@ def render(rows: list[dict], matrix: dict) -> str:
 
     curves = {r["case"]: r for r in rows if r.get("kind") == "curve"}
     if len(curves) >= 2:
-        names = list(curves)
-        ref = curves[names[0]]
+        names = list(curves)  # held against the first baseline's curve
+        first = next((n for n in names if curves[n].get("role") == "baseline"), names[0])
+        ref = curves[first]
+        val = all("val_loss" in c for c in curves.values())  # equivalence.data: sample
         lines += [f"### What is learned: loss per step, {len(ref['losses'])} steps at batch "
                   f"{ref['batch']}, same data", "",
-                  "| case | loss step 1 | loss last step | max abs diff vs " + names[0] + " |",
-                  "|---|---|---|---|"]
+                  "| case | loss step 1 | loss last step | max abs diff vs " + first + " |"
+                  + (" validation loss after |" if val else ""),
+                  "|---|---|---|---|" + ("---|" if val else "")]
         for n in names:
             c = curves[n]["losses"]
             diff = max(abs(a - b) for a, b in zip(c, ref["losses"], strict=False))
-            lines.append(f"| {curves[n]['label']} | {c[0]:.4f} | {c[-1]:.4f} | {diff:.4f} |")
+            lines.append(f"| {curves[n]['label']} | {c[0]:.4f} | {c[-1]:.4f} | {diff:.4f} |"
+                         + (f" {curves[n]['val_loss']:.4f} |" if val else ""))
         lines.append("")
     return "\n".join(lines)
 

@@ -11,7 +11,8 @@ phase, the profile. Rank 0 appends each row to `OUT/cases/CASE.jsonl` (and print
 result.json into the run folder when the case ended.
 
 The article recipe is built by kit.article; the kit's by kit.train.Recipe, whose own train_step
-runs each step. Both see the same synthetic tokens (`synthetic_batch`) and are seeded alike.
+runs each step. Both see the same synthetic tokens (`synthetic_batch`), or in the equivalence
+phase of a real model the bundled sample text (`equivalence.data: sample`), and are seeded alike.
 """
 
 from __future__ import annotations
@@ -44,6 +45,35 @@ def synthetic_batch(step: int, rank: int, batch: int, seq: int, vocab: int, devi
     ids = phrase.repeat(1, 4)[:, :seq].contiguous()
     return {"input_ids": ids.to(device), "attention_mask": torch.ones_like(ids).to(device),
             "labels": ids.clone().to(device)}
+
+
+def text_rows(model: str, seq: int) -> tuple[dict, dict]:
+    """(train, validation) rows of the bundled sample text as the recipe tokenizes it: the
+    equivalence phase's data when the matrix says `equivalence.data: sample` (a real model)."""
+    from kit.lora import sample_rows
+
+    return sample_rows(model, seq)
+
+
+def text_batch(rows: dict, index: int, rank: int, world: int, size: int, device) -> dict:
+    """Batch `index` of this rank: consecutive rows, ranks side by side, wrapping around."""
+    n = len(rows["input_ids"])
+    pick = torch.tensor([(index * world + rank) * size + i for i in range(size)]) % n
+    return {k: v[pick].to(device) for k, v in rows.items()}
+
+
+def _val_loss(run: _Run, rows: dict, size: int) -> float:
+    """Mean loss over the validation rows (every rank its share), after the equivalence steps."""
+    from kit import dist as kdist
+
+    env, losses = run.env, []
+    run.model.eval()
+    with torch.no_grad():
+        for i in range(max(1, len(rows["input_ids"]) // (size * env.world_size))):
+            batch = text_batch(rows, i, env.rank, env.world_size, size, env.device)
+            losses.append(float(run.model(**batch).loss))
+    run.model.train()
+    return kdist.mean(sum(losses) / len(losses), env)
 
 
 class _Run:
@@ -152,8 +182,14 @@ def worker(matrix_path: str, name: str, out: str, config_path: str, *overrides: 
     if case.get("equivalence") and eq:
         trainable = [p for p in run.model.parameters() if p.requires_grad]
         start = [p.detach().clone() for p in trainable]
-        losses = [run.step(run.batch(10_000 + s, eq["batch"])) for s in range(eq["steps"])]
-        emit({"kind": "curve", "batch": eq["batch"], "losses": losses})
+        text = text_rows(cfg.model.name, run.seq) if eq.get("data") == "sample" else None
+        batches = ((text_batch(text[0], s, env.rank, env.world_size, eq["batch"], env.device)
+                    if text else run.batch(10_000 + s, eq["batch"])) for s in range(eq["steps"]))
+        losses = [run.step(b) for b in batches]
+        curve = {"kind": "curve", "batch": eq["batch"], "losses": losses}
+        if text:  # what the adapter learned, on rows it never trained on
+            curve["val_loss"] = _val_loss(run, text[1], eq["batch"])
+        emit(curve)
         with torch.no_grad():  # back to the initial adapter and a fresh optimizer
             for p, p0 in zip(trainable, start, strict=True):
                 p.copy_(p0)

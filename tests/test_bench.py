@@ -56,6 +56,10 @@ def test_both_recipes_learn_the_same_from_the_same_data(tiny_bench):
     # as the kit's recipe seeds itself), same optimizer: the curves differ only by rounding (bf16
     # against fp32 adapters, the loss kernel): measured within 0.001.
     assert max(abs(x - y) for x, y in zip(a, k, strict=True)) < 0.01, (a, k)
+    # The tiny matrix trains on the bundled sample text (equivalence.data: sample) and then
+    # measures the held-out rows: both adapters learned the same.
+    val = {r["case"]: r["val_loss"] for r in rows if r["kind"] == "curve"}
+    assert val["article"] < a[0] and abs(val["article"] - val["kit"]) < 0.01, val
 
 
 @pytest.mark.slow
@@ -113,6 +117,16 @@ def test_bad_recipe_is_one_line(tmp_path):
     path = tmp_path / "m.yaml"
     path.write_text("model: kit:tiny-llama\nseq_len: 8\ncases:\n  - {name: a, recipe: trl}\n")
     with pytest.raises(ValueError, match=r"cases\.a\.recipe: 'trl' is not allowed"):
+        bench.load_matrix(path)
+
+
+def test_a_bad_equivalence_data_is_one_line(tmp_path):
+    matrix = yaml.safe_load(TINY_MATRIX.read_text())
+    matrix["equivalence"]["data"] = "wikitext"
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(matrix))
+    with pytest.raises(ValueError, match=r"^equivalence.data: 'wikitext' is not allowed; expected "
+                                         r"'sample' .* or nothing \(synthetic tokens\)$"):
         bench.load_matrix(path)
 
 
