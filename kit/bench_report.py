@@ -103,16 +103,21 @@ def render(rows: list[dict], matrix: dict) -> str:
     if sweeps:
         lines += context_table(rows, sweeps)
     lines += ["### Every case", "",
-              "| case | recipe | cap GiB | batches tried: tokens/s/GPU (peak GiB) | best | status |",
-              "|---|---|---|---|---|---|"]
+              "| case | recipe | cap GiB | load s (host peak GiB, largest rank) | "
+              "batches tried: tokens/s/GPU (peak GiB) | best | status |",
+              "|---|---|---|---|---|---|---|"]
     for name in cases:
+        setup = next((r for r in by_case[name] if r.get("kind") == "setup"), {})
+        load = (f"{setup['load_s']:.1f} ({max(setup['peak_host_mib']) / 1024:.1f})"
+                if setup.get("load_s") is not None else "-")
         rs = [r for r in by_case[name] if r.get("kind") == "batch"]
         tried = ", ".join(f"{_tried(r)}: {_fmt(r['tokens_per_s_gpu'])} ({r['peak_alloc_gib']:.1f})"
                           if r["status"] == "ok" else f"{_tried(r)}: OOM" for r in rs)
         b = best.get(name)
         c = next(c for c in matrix["cases"] if c["name"] == name)
         lines.append(f"| {c.get('label', name)} | {c['recipe']} | {_fmt(c.get('cap_gib'), 'g')} | "
-                     f"{tried or '-'} | {_fmt(b and b['tokens_per_s_gpu'])} | {status(name)} |")
+                     f"{load} | {tried or '-'} | {_fmt(b and b['tokens_per_s_gpu'])} | "
+                     f"{status(name)} |")
     lines.append("")
 
     curves = {r["case"]: r for r in rows if r.get("kind") == "curve"}

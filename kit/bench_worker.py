@@ -76,6 +76,17 @@ def _val_loss(run: _Run, rows: dict, size: int) -> float:
     return kdist.mean(sum(losses) / len(losses), env)
 
 
+def _loaded(seconds: float, env) -> dict:
+    """Load and shard time, and every rank's peak host memory so far (as kit.train records)."""
+    import torch.distributed as dist
+
+    from kit import memory
+
+    peaks: list = [None] * env.world_size
+    dist.all_gather_object(peaks, round(memory.peak_rss_mib(), 1))
+    return {"seconds": round(seconds, 2), "peak_host_mib": peaks}
+
+
 class _Run:
     """One case inside torchrun: build the recipe, then step(batch) -> loss."""
 
@@ -100,8 +111,10 @@ class _Run:
             # building, dropout differing per rank after, so that both start from one adapter.
             seed = cfg.training.seed
             torch.manual_seed(seed)
+            loading = time.perf_counter()
             self.model, self.optimizer = article.build(path, env.device, lr=cfg.training.lr,
                                                        **case.get("options", {}))
+            self.load = _loaded(time.perf_counter() - loading, env)
             torch.manual_seed(seed + env.rank)
             # The mean over ranks, as the kit's recipe reports it.
             self._step = lambda b: kdist.mean(article.train_step(self.model, self.optimizer, b), env)
@@ -111,6 +124,8 @@ class _Run:
             self.recipe = Recipe(cfg)
             self.recipe.setup()
             self.model, self.optimizer = self.recipe.model, self.recipe.optimizer
+            self.load = {"seconds": self.recipe.load["seconds"],
+                         "peak_host_mib": self.recipe.load["peak_host_mib"]}
             self._step = self._kit_step
         self.shape = shape_of(path)
         self.flops = flops_per_token(self.shape, self.seq)
@@ -175,7 +190,10 @@ def worker(matrix_path: str, name: str, out: str, config_path: str, *overrides: 
             jsonl.append(rows_file, {**base, **row})
             print(json.dumps(row), flush=True)
 
-    emit({"kind": "setup", "seconds": round(time.perf_counter() - started, 1)})
+    # setup: the whole build (compile comes later, in the first step); load: loading and
+    # sharding the model alone, and each rank's peak host memory by then.
+    emit({"kind": "setup", "seconds": round(time.perf_counter() - started, 1),
+          "load_s": run.load["seconds"], "peak_host_mib": run.load["peak_host_mib"]})
     fail_at = int(os.environ.get("KIT_BENCH_OOM_AT_BATCH", "0"))  # tests: an injected OOM
 
     eq = matrix.get("equivalence", {})
