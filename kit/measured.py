@@ -61,6 +61,20 @@ REFERENCE_CONTEXT = {
                  (65536, 8192): 19.38, (131072, 8192): 31.68},
 }  # fmt: skip
 
+# The kit's fastest cases on one H100 (benchmarks/results/round3-8b-1xh100.md, 2026-11-24):
+# Llama-3-8B shape, FSDP2 on one process, compiled layers, fused loss, LoRA r16 all-linear with
+# dropout; peaks by (training.recompute.keeps, batch, lora.group_inputs). FP8 base matmuls
+# (not a Setup field) measured 0.7 GiB above these with attention's matmuls and 0.5 with every one.
+REFERENCE_SELECTIVE = {
+    "model": "kit:llama-8b",
+    "keys": ("recompute_keeps", "batch_size", "lora_groups"),
+    "setup": dict(engine="fsdp2", world_size=1, lora_r=16, seq_len=2048, attention="sdpa",
+                  loss="fused", recompute=True),
+    "peak_gib": {("attention_matmuls", 5, False): 21.53, ("attention_matmuls", 5, True): 21.53,
+                 ("matmuls", 4, False): 32.04, ("matmuls", 4, True): 32.04,
+                 ("matmuls", 8, False): 57.16, ("matmuls", 8, True): 57.16},
+}  # fmt: skip
+
 # A reference's keys name Setup fields; the table calls the first two as notebook 01 shows them.
 KEYS = ("recompute", "batch_size", "offload_activations")
 COLUMNS = {"recompute": "checkpointing", "batch_size": "batch"}
@@ -68,7 +82,7 @@ COLUMNS = {"recompute": "checkpointing", "batch_size": "batch"}
 
 def compare_with_reference(reference: dict = REFERENCE) -> list[dict]:
     """Estimate vs measured for every row of a reference (REFERENCE, REFERENCE_70B,
-    REFERENCE_KIT_8B, REFERENCE_CONTEXT): each key gives the Setup fields its reference's `keys`
+    REFERENCE_KIT_8B, REFERENCE_CONTEXT, REFERENCE_SELECTIVE): each key gives the Setup fields its reference's `keys`
     name (by default recompute, batch, offload_activations; a shorter key leaves the rest)."""
     rows = []
     for key, measured in reference["peak_gib"].items():
