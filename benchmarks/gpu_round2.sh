@@ -11,8 +11,12 @@ bash benchmarks/gpu_setup.sh  # papermill for notebook 03; gpu_speed.sh records 
 export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 start=$(date +%s)
-[ -z "${SKIP_NB03:-}" ] && python3 -m papermill notebooks/03-lora-adapters.ipynb "$OUT/nb03.ipynb" --cwd notebooks > "$OUT/nb03.log" 2>&1
-echo "nb03 rc=$? $(( $(date +%s) - start ))s"
+if [ -z "${SKIP_NB03:-}" ]; then
+  python3 -m papermill notebooks/03-lora-adapters.ipynb "$OUT/nb03.ipynb" --cwd notebooks > "$OUT/nb03.log" 2>&1
+  echo "nb03 rc=$? $(( $(date +%s) - start ))s"
+else
+  echo "nb03 skipped (SKIP_NB03)"
+fi
 [ -z "${SKIP_NB03:-}" ] && python3 - "$OUT/nb03.ipynb" <<'PY' > "$OUT/nb03-stderr.txt"
 import json, sys
 for c in json.load(open(sys.argv[1]))["cells"]:
