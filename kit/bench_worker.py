@@ -47,14 +47,6 @@ def synthetic_batch(step: int, rank: int, batch: int, seq: int, vocab: int, devi
             "labels": ids.clone().to(device)}
 
 
-def text_rows(model: str, seq: int) -> tuple[dict, dict]:
-    """(train, validation) rows of the bundled sample text as the recipe tokenizes it: the
-    equivalence phase's data when the matrix says `equivalence.data: sample` (a real model)."""
-    from kit.lora import sample_rows
-
-    return sample_rows(model, seq)
-
-
 def text_batch(rows: dict, index: int, rank: int, world: int, size: int, device) -> dict:
     """Batch `index` of this rank: consecutive rows, ranks side by side, wrapping around."""
     n = len(rows["input_ids"])
@@ -124,8 +116,7 @@ class _Run:
             self.recipe = Recipe(cfg)
             self.recipe.setup()
             self.model, self.optimizer = self.recipe.model, self.recipe.optimizer
-            self.load = {"seconds": self.recipe.load["seconds"],
-                         "peak_host_mib": self.recipe.load["peak_host_mib"]}
+            self.load = self.recipe.load  # its seconds and peak_host_mib, as _loaded gives
             self._step = self._kit_step
         self.shape = shape_of(path)
         self.flops = flops_per_token(self.shape, self.seq)
@@ -200,7 +191,9 @@ def worker(matrix_path: str, name: str, out: str, config_path: str, *overrides: 
     if case.get("equivalence") and eq:
         trainable = [p for p in run.model.parameters() if p.requires_grad]
         start = [p.detach().clone() for p in trainable]
-        text = text_rows(cfg.model.name, run.seq) if eq.get("data") == "sample" else None
+        from kit.lora import sample_rows  # (train, held-out) rows of the bundled sample text
+
+        text = sample_rows(cfg.model.name, run.seq) if eq.get("data") == "sample" else None
         batches = ((text_batch(text[0], s, env.rank, env.world_size, eq["batch"], env.device)
                     if text else run.batch(10_000 + s, eq["batch"])) for s in range(eq["steps"]))
         losses = [run.step(b) for b in batches]

@@ -32,11 +32,7 @@ import types
 import torch
 
 from kit.config import ConfigError
-from kit.shapes import SHARED_INPUT_GROUPS
-
-# Members of a group: projections of one module that read the module's input (Llama, Qwen2,
-# Mistral, Gemma and most decoder-only families name them so).
-GROUPS = SHARED_INPUT_GROUPS
+from kit.shapes import SHARED_INPUT_GROUPS as GROUPS  # q/k/v, gate/up: as the estimate counts
 
 
 def group_deltas(x, downs, ups, scales, p: float, training: bool) -> tuple[torch.Tensor, ...]:
