@@ -12,7 +12,9 @@ result row, not a crash. Per batch: warm-up steps excluded, tokens/s per GPU as 
 peak allocated and reserved memory, MFU (model FLOPs per token are printed with the table).
 A case marked `equivalence: true` first trains `equivalence.steps` steps at one common batch size
 from its initial adapter and records the loss of every step, so that two recipes can be compared
-for what they learn, not only for speed. Both recipes are seeded alike (the matrix's `seed`,
+for what they learn, not only for speed. A case with `scales: <case>` and its own `nproc` is that
+case's setup on another number of GPUs (the report's scaling table); `--nproc` runs a whole
+matrix on another number. Both recipes are seeded alike (the matrix's `seed`,
 default 42): the same LoRA initialisation, and dropout that differs per rank the same way.
 
 Kernel side: imports no torch. Each case starts the way every run of the kit starts,
@@ -45,6 +47,18 @@ def load_matrix(path: str | Path) -> dict:
     names = [c["name"] for c in m["cases"]]
     if len(set(names)) != len(names):
         raise ValueError(f"cases: names must be unique, got {names}")
+    # A scaling case is another case's setup on its own number of processes: it takes that
+    # case's recipe, options, overrides, cap and batches, and no part in the per-cap comparison.
+    by_name = {c["name"]: c for c in m["cases"]}
+    for i, c in enumerate(m["cases"]):
+        if "scales" in c:
+            if c["scales"] not in by_name or "scales" in by_name[c["scales"]]:
+                raise ValueError(f"cases.{c['name']}.scales: {c['scales']!r} is not allowed; "
+                                 "expected the name of a case that scales no other, one of "
+                                 f"{[n for n, b in by_name.items() if 'scales' not in b]}")
+            base = {k: v for k, v in by_name[c["scales"]].items()
+                    if k in ("recipe", "options", "overrides", "cap_gib", "batches", "seed")}
+            m["cases"][i] = {**base, "role": "scaling", **c}
     data = m.get("equivalence", {}).get("data")
     if data not in (None, "sample"):
         raise ValueError(f"equivalence.data: {data!r} is not allowed; expected 'sample' (the "
@@ -58,6 +72,10 @@ def load_matrix(path: str | Path) -> dict:
                                      and all(isinstance(q, int) and q > 0 for q in seqs)):
             raise ValueError(f"cases.{c['name']}.seq_lens: {seqs!r} is not allowed; expected "
                              "positive whole numbers in ascending order (a context sweep)")
+        n = c.get("nproc", 1)
+        if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
+            raise ValueError(f"cases.{c['name']}.nproc: {n!r} is not allowed; expected a "
+                             "positive whole number (processes: one per GPU)")
     return m
 
 
@@ -93,6 +111,12 @@ def case_config(matrix: dict, case: dict, out: Path) -> Config:
         raise ConfigError(f"cases.{case['name']}: {e}") from None
 
 
+def case_nproc(matrix: dict, case: dict) -> int:
+    """The processes (GPUs) a case runs on: its own `nproc` (a scaling case: the same setup on
+    another number of GPUs), else the matrix's."""
+    return case.get("nproc", matrix.get("nproc", 2))
+
+
 def run_case(matrix_path: Path, case: dict, cfg: Config, nproc: int, out: Path) -> int:
     """One case in its own torchrun (kit.launch.run_to_end); its exit code, -9 after a timeout."""
     log = out / "logs" / f"{case['name']}.log"
@@ -111,10 +135,15 @@ def run_case(matrix_path: Path, case: dict, cfg: Config, nproc: int, out: Path) 
     return rc
 
 
-def run(matrix_path: str | Path, out: str | Path, only: list[str] | None = None) -> list[dict]:
-    """Every case of the matrix (or those in `only`), then results.jsonl, table.md, bench.png."""
+def run(matrix_path: str | Path, out: str | Path, only: list[str] | None = None,
+        nproc: int | None = None) -> list[dict]:
+    """Every case of the matrix (or those in `only`), then results.jsonl, table.md, bench.png.
+    `nproc` replaces the matrix's processes (one per GPU: the same matrix on 2 or 4 GPUs); a case
+    with its own `nproc` keeps it."""
     matrix_path, out = Path(matrix_path).resolve(), Path(out).resolve()
     matrix = load_matrix(matrix_path)
+    if nproc:
+        matrix["nproc"] = nproc
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "cases").mkdir(exist_ok=True)
     # Every case's config first: a misspelt override stops the matrix before anything runs.
@@ -124,7 +153,7 @@ def run(matrix_path: str | Path, out: str | Path, only: list[str] | None = None)
         name = case["name"]
         (out / "cases" / f"{name}.jsonl").unlink(missing_ok=True)
         t = time.perf_counter()
-        rc = run_case(matrix_path, case, configs[name], matrix.get("nproc", 2), out)
+        rc = run_case(matrix_path, case, configs[name], case_nproc(matrix, case), out)
         rows = jsonl.read(out / "cases" / f"{name}.jsonl")
         if rc != 0 or not any(r["kind"] == "done" for r in rows):
             log = out / "logs" / f"{name}.log"
@@ -152,8 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("matrix")
     p.add_argument("--out", required=True)
     p.add_argument("--only", default="", help="comma-separated case names")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes (GPUs) instead of the matrix's; cases with their own keep them")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
-    run(a.matrix, a.out, [s for s in a.only.split(",") if s] or None)
+    if a.nproc is not None and a.nproc < 1:
+        p.error(f"--nproc: {a.nproc} is not allowed; expected a positive whole number")
+    run(a.matrix, a.out, [s for s in a.only.split(",") if s] or None, a.nproc)
     return 0
 
 

@@ -102,6 +102,7 @@ def render(rows: list[dict], matrix: dict) -> str:
     sweeps = [c for c in matrix["cases"] if c.get("seq_lens")]
     if sweeps:
         lines += context_table(rows, sweeps)
+    lines += scaling_table(best, matrix)
     lines += ["### Every case", "",
               "| case | recipe | cap GiB | load s (host peak GiB, largest rank) | "
               "batches tried: tokens/s/GPU (peak GiB) | best | status |",
@@ -143,6 +144,33 @@ def render(rows: list[dict], matrix: dict) -> str:
 def _tried(r: dict) -> str:
     """A batch row's label: its batch, and its sequence length where that is not the matrix's."""
     return f"{r['batch']}" if not r.get("sweep") else f"{r['batch']} x {r['seq_len']:,}"
+
+
+def scaling_table(best: dict[str, dict], matrix: dict) -> list[str]:
+    """Markdown lines: each case that others scale (`scales:`), beside them: the same setup on
+    another number of GPUs, best batch of each; the throughput of all GPUs against the scaled
+    case's, and per GPU (1.00: every added GPU as fast as the first)."""
+    lines = []
+    for base in dict.fromkeys(c["scales"] for c in matrix["cases"] if c.get("scales")):
+        group = [base] + [c["name"] for c in matrix["cases"] if c.get("scales") == base]
+        ran = sorted((best[n] for n in group if n in best), key=lambda r: r["world"])
+        if not lines:
+            lines = ["### Scaling: one setup on more GPUs (best batch of each)", "",
+                     "| case | GPUs | batch/GPU | tokens/s/GPU | tokens/s, all GPUs | "
+                     "peak GiB/GPU | all GPUs vs fewest | per GPU vs fewest |",
+                     "|---|---|---|---|---|---|---|---|"]
+        for r in ran:
+            ref = ran[0]
+            total = r["tokens_per_s_gpu"] * r["world"]
+            lines.append(f"| {r['case']} | {r['world']} | {r['batch']} | "
+                         f"{_fmt(r['tokens_per_s_gpu'])} | {_fmt(total)} | "
+                         f"{r['peak_alloc_gib']:.1f} | "
+                         f"{total / (ref['tokens_per_s_gpu'] * ref['world']):.2f}x | "
+                         f"{r['tokens_per_s_gpu'] / ref['tokens_per_s_gpu']:.2f} |")
+        missing = [n for n in group if n not in best]
+        if missing:
+            lines.append(f"| {', '.join(missing)}: nothing fitted or not run | | | | | | | |")
+    return [*lines, ""] if lines else []
 
 
 def context_table(rows: list[dict], sweeps: list[dict]) -> list[str]:

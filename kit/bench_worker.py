@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from kit import jsonl
+from kit.bench import load_matrix
 from kit.bench_report import PEAK_BF16_FLOPS
 from kit.config import Config, load_config
 from kit.shapes import flops_per_token, shape_of
@@ -160,8 +160,8 @@ def _peaks(device) -> tuple[float | None, float | None]:
 
 
 def worker(matrix_path: str, name: str, out: str, config_path: str, *overrides: str) -> int:
-    # The runner (kit.bench.load_matrix) validated the matrix before it started this process.
-    matrix = yaml.safe_load(Path(matrix_path).read_text())
+    # As the runner read it (validated, a scaling case filled in from the case it scales).
+    matrix = load_matrix(matrix_path)
     case = next(c for c in matrix["cases"] if c["name"] == name)
     cfg = load_config(config_path, list(overrides))
     rows_file = Path(out) / "cases" / f"{name}.jsonl"

@@ -74,7 +74,7 @@ def test_report_names_the_oom_and_compares_recipes(tiny_bench):
     assert "### Kit vs the article recipe" in table and "x |" in table
     assert (out / "bench.png").stat().st_size > 10_000
     best = best_by_case(rows)
-    assert set(best) == {"article", "kit", "kit-context"}
+    assert set(best) == {"article", "kit", "kit-1", "kit-context"}
     assert all(r["batch"] in (1, 2) for r in best.values())
 
 
@@ -102,6 +102,39 @@ def test_each_case_is_a_run_folder_with_its_config_and_log(tiny_bench):
     # The kit's recipe trains with the case's overrides; the runner's settings underneath.
     kit = Run(out / "runs" / "kit").config
     assert (kit.training.loss, kit.lora.r, kit.training.scheduler) == ("chunked", 16, "constant")
+
+
+@pytest.mark.slow
+def test_a_scaling_case_runs_the_same_setup_on_its_own_processes(tiny_bench):
+    out, rows = tiny_bench
+    ok = [r for r in rows if r["case"] == "kit-1" and r.get("status") == "ok"]
+    assert [(r["batch"], r["world"]) for r in ok] == [(1, 1), (2, 1)]
+    # The scaled case's recipe and overrides: the same config but for the processes.
+    one, two = Run(out / "runs" / "kit-1").config, Run(out / "runs" / "kit").config
+    assert (one.training.loss, one.quantization.method) == (two.training.loss, "nf4")
+    best = best_by_case(rows)
+    k1, k2 = best["kit-1"], best["kit"]
+    row = next(x for x in (out / "table.md").read_text().splitlines() if x.startswith("| kit-1 |"))
+    total = k2["tokens_per_s_gpu"] * 2 / k1["tokens_per_s_gpu"]
+    assert row.startswith(f"| kit-1 | 1 | {k1['batch']} |"), row
+    assert f"| kit | 2 | {k2['batch']} |" in (out / "table.md").read_text()
+    assert f"| {total:.2f}x |" in (out / "table.md").read_text()
+    # No part in the per-cap comparison of baseline and kit.
+    assert bench.load_matrix(TINY_MATRIX)["cases"][2]["role"] == "scaling"
+
+
+def test_a_bad_scaling_case_is_one_line(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("model: kit:tiny-llama\nseq_len: 8\ncases:\n  - {name: a, recipe: kit}\n"
+                    "  - {name: b, scales: c, nproc: 1}\n")
+    with pytest.raises(ValueError, match=r"^cases\.b\.scales: 'c' is not allowed; expected the "
+                                         r"name of a case that scales no other, one of \['a'\]$"):
+        bench.load_matrix(path)
+    path.write_text("model: kit:tiny-llama\nseq_len: 8\ncases:\n  - {name: a, recipe: kit}\n"
+                    "  - {name: b, scales: a, nproc: 0}\n")
+    with pytest.raises(ValueError, match=r"^cases\.b\.nproc: 0 is not allowed; expected a "
+                                         r"positive whole number"):
+        bench.load_matrix(path)
 
 
 @pytest.mark.slow
