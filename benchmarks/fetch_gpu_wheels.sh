@@ -19,6 +19,9 @@ pip download -q $plat papermill ipykernel ipywidgets nbformat nbclient matplotli
 # (gpu_sft_check.sh records pip check's word on them). kit.jobs' jsonschema (with
 # jsonschema-specifications, referencing, rpds-py) comes with nbformat above.
 pip download -q --no-deps $plat trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 -d "$dest"
+# SmolLM2 (benchmarks/carry_smollm2.sh): transformers reads its GGUF file with gguf (its numpy,
+# pyyaml, tqdm are the image's; requests is imported only by its scripts).
+pip download -q --no-deps $plat gguf==0.19.0 -d "$dest"
 # Already on the GPU image: numpy, pillow, pyyaml, packaging, tqdm, typing_extensions, psutil.
 find "$tmp/nb" -name '*.whl' ! -name 'numpy-*' ! -name 'pillow-*' ! -name 'pyyaml-*' ! -name 'packaging-*' \
   ! -name 'tqdm-*' ! -name 'typing_extensions-*' ! -name 'psutil-*' -exec cp {} "$dest" \;

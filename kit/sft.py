@@ -313,7 +313,7 @@ def run(cfg: Config) -> dict:
               "trainer": f"trl {trl.__version__} SFTTrainer",
               "distributed_type": state.distributed_type.value,
               "engine": cfg.sharding.engine, "adapter_dtype": str(want).removeprefix("torch."),
-              **result}
+              "loading": cfg.model.loading, **result}
     if is_main:
         (out / "result.json").write_text(json.dumps(result, indent=2))
         say(f"{result['status']} at step {steps}: loss {train[0]} -> {train[-1]} (val {val[-1]})")

@@ -212,6 +212,7 @@ def test_sft_trainer_under_accelerate_launch_cpu_ddp_two_processes_saves_a_whole
     result = json.loads((out / "result.json").read_text())
     assert (result["status"], result["steps"], result["world_size"]) == ("completed", 4, 2), result
     assert (result["distributed_type"], result["engine"]) == ("MULTI_CPU", "ddp"), result
+    assert result["loading"] == "rank0", result
     assert len(set(result["lora_checksums"])) == 1, result  # both ranks hold the same adapter
     rows = jsonl.read(out / "metrics.jsonl")
     train = [r for r in rows if r["split"] == "train"]
