@@ -28,7 +28,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from kit import jsonl
-from kit.bench import load_matrix
+from kit.bench_matrix import load_matrix
 from kit.bench_report import PEAK_BF16_FLOPS
 from kit.config import Config, load_config
 from kit.shapes import flops_per_token, shape_of

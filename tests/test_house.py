@@ -43,7 +43,7 @@ PKG = "kit"
 # The house's layout. "x.*" means the package x and every module under it.
 KERNEL_SIDE = [
     "kit.config", "kit.estimate", "kit.shapes", "kit.launch", "kit.runs", "kit.widgets",
-    "kit.doctor.*", "kit.bench", "kit.bench_report", "kit.tour", "kit.__main__", "kit.child",
+    "kit.doctor.*", "kit.bench", "kit.bench_matrix", "kit.bench_report", "kit.tour", "kit.__main__", "kit.child",
     "kit.jsonl", "kit.findings", "kit.sharding_report", "kit.recompute_sweep", "kit.hardware",
     "kit.pitfalls",  # the package __init__ only: the registry of records
     "kit.datafile",  # reading and checking data files, before any process starts
