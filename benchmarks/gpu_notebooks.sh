@@ -33,7 +33,7 @@ for n in $WHICH; do case $n in
       nb 09-benchmarks -p matrix benchmarks/matrices/bench-8b-2gpu-round3.yaml -y "only: $ONLY" \
         -y "batches: [8]" -p equivalence_steps 0 -p inject_oom_at 0 ;;
   10) nb 10-scale-out -p device "$([ "$NPROC" -ge 2 ] && echo cuda || echo cpu)" ;;
-  11) nb 11-troubleshooting ;;
+  11) nb 11-troubleshooting -p nproc "$NPROC" ;;
   12) nb 12-capstone-real-model -p nproc "$NPROC" -p device cuda -p dtype bfloat16 ;;
   08) nb 08-checkpoints-resume-merge -p nproc "$NPROC" -p device cuda -p config kit/configs/llama-1b-gpu.yaml -p model kit:llama-1b -p dtype bfloat16 -p quantization nf4 ;;
 esac; done
