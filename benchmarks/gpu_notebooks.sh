@@ -10,6 +10,7 @@ OUT=${1:-/tmp/gpu_notebooks}; NPROC=${2:-1}; mkdir -p "$OUT"
 shift 2 2>/dev/null; WHICH=${*:-00 01 02}
 bash benchmarks/gpu_setup.sh
 [ -d .carry/smollm2-1 ] && bash benchmarks/carry_smollm2.sh install
+python3 -c "import importlib.metadata as m, torch; print(', '.join(f'{n} {m.version(n)}' for n in ('torch', 'transformers', 'peft', 'accelerate', 'bitsandbytes')), '|', torch.cuda.device_count(), 'x', torch.cuda.get_device_name(0))" | tee -a "$OUT/summary.txt"
 export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 nb() {  # notebook params...
   local name=$1; shift
