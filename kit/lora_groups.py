@@ -32,6 +32,7 @@ import types
 import torch
 
 from kit.config import ConfigError
+from kit.shapes import NO_SHARED_INPUT
 from kit.shapes import SHARED_INPUT_GROUPS as GROUPS  # q/k/v, gate/up: as the estimate counts
 
 
@@ -136,7 +137,5 @@ def enable(peft_model, recompute: bool = False) -> int:
             module.register_forward_pre_hook(_pre_hook, with_kwargs=True)
             count += len(groups)
     if count == 0:
-        raise ConfigError("lora.group_inputs: True is not allowed for this model; it has no "
-                          "adapted projections named " + " or ".join("/".join(g) for g in GROUPS)
-                          + " that share an input; allowed: false")
+        raise ConfigError(NO_SHARED_INPUT)
     return count

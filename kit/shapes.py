@@ -103,6 +103,18 @@ def lora_targets(shape: Shape, targets) -> dict[str, tuple[int, int]]:
 # Linear layers of one decoder layer that read the same input (kit.lora_groups groups their
 # adapters under lora.group_inputs).
 SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+NO_SHARED_INPUT = ("lora.group_inputs: True is not allowed for this model; it has no adapted "
+                   "projections named " + " or ".join("/".join(g) for g in SHARED_INPUT_GROUPS)
+                   + " that share an input; allowed: false")  # the doctor's and the ranks' line
+
+
+def shared_input_groups(adapted: list[str]) -> list[tuple[str, ...]]:
+    """The groups of SHARED_INPUT_GROUPS whose every member is among `adapted` (full module
+    names), under one parent: what lora.group_inputs can group in such a model."""
+    have = set(adapted)
+    parents = dict.fromkeys(n.rpartition(".")[0] for n in adapted)
+    return [tuple(f"{p}.{m}" if p else m for m in g) for p in parents for g in SHARED_INPUT_GROUPS
+            if all((f"{p}.{m}" if p else m) in have for m in g)]
 
 
 def dropped_inputs(shape: Shape, targets, grouped: bool = False) -> dict[str, int]:

@@ -6,10 +6,11 @@ import shutil
 
 import pytest
 import torch
+from conftest import TINY
 from levers import tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kit import builtin, lora, lora_groups
+from kit import builtin, lora, lora_groups, shapes
 from kit.config import ConfigError, load_config
 
 
@@ -92,6 +93,21 @@ def test_a_model_without_groups_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^lora.group_inputs: True is not allowed for this "
                                           r"model; .* allowed: false$"):
         lora_groups.enable(model)
+
+
+def test_the_doctor_refuses_a_model_without_groups_before_any_process_starts():
+    """The same line, from the model's modules on the meta device: before torchrun."""
+    from kit import doctor
+
+    def codes(*overrides):
+        found = doctor.preflight(TINY, overrides=["lora.group_inputs=true", *overrides])
+        return [(f.code, f.message) for f in found if f.level == "error"]
+
+    assert codes() == []  # all-linear: q/k/v and gate/up in every layer
+    assert codes("lora.target_modules=[q_proj,k_proj,v_proj]") == []
+    assert codes("lora.target_modules=[o_proj,down_proj]") == [
+        ("group_inputs_no_group", shapes.NO_SHARED_INPUT)]
+    assert codes("lora.target_modules=[q_proj,v_proj,up_proj]")[0][0] == "group_inputs_no_group"
 
 
 def test_grouped_compiled_layers_under_fsdp2_match_the_ungrouped_ones(tmp_path, monkeypatch):

@@ -8,6 +8,8 @@ found before it costs a GPU-hour. Each check reads the merged config tree throug
 The pitfall checks are records of kit.pitfalls, shared with load_config, the script scan and
 explain; here they run on a raw tree load_config cannot even build. The memory, data and
 environment checks are this module's own.
+Longer than 400 lines because the checks are one registry (CHECKS), in the order the report
+prints them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import importlib.util
 import math
 from collections.abc import Callable
 
-from kit import datafile
+from kit import datafile, shapes
 from kit.config import ConfigError, config_from_dict
 from kit.doctor.context import Context, complete_env, lookup, namespace, read_config
 from kit.findings import Finding, ordered
@@ -276,6 +278,26 @@ def _target_modules(c: Context) -> list[Finding]:
                  f"its linear layers: {', '.join(c.facts.linear_names())}")
         out.append(get(code).finding(where, field=field))
     return out
+
+
+@_check
+def _group_inputs(c: Context) -> list[Finding]:
+    """lora.group_inputs on a model (or target list) with no adapted q/k/v or gate/up under one
+    parent, e.g. fused projections: the ranks would refuse it after loading (kit.lora_groups)."""
+    if c.get("lora.group_inputs") is not True or c.facts is None:
+        return []
+    targets = c.get("lora.target_modules")
+    adapted = [n for n, kind in c.facts.modules.items() if kind == "Linear" and "lm_head" not in n]
+    if targets not in ("all-linear", None, "", []):  # PEFT's own matching, as _target_modules
+        from peft import LoraConfig
+        from peft.tuners.tuners_utils import check_target_module_exists
+
+        config = LoraConfig(target_modules=targets)
+        adapted = [n for n in adapted if check_target_module_exists(config, n)]
+    if shapes.shared_input_groups(adapted):
+        return []
+    return [Finding("error", "group_inputs_no_group", shapes.NO_SHARED_INPUT,
+                    "lora.group_inputs=false", "lora.group_inputs")]
 
 
 @_check
