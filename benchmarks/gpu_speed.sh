@@ -4,7 +4,7 @@
 # call, so it is started detached and polled with benchmarks/poll.sh (results file names it):
 #   setsid nohup bash benchmarks/gpu_speed.sh /tmp/speed > /tmp/speed.log 2>&1 &
 # MATRIX=benchmarks/matrices/<matrix>.yaml runs another matrix (default bench-8b.yaml; its model
-# is built first).
+# is built first); BENCH_NPROC=4 runs it on 4 GPUs (cases with their own nproc keep it).
 # Results: /tmp/speed/bench/{table.md,results.jsonl,bench.png}, /tmp/speed/nb06*, /tmp/speed/ckpt.
 set -uo pipefail
 OUT=${1:-/tmp/speed}; mkdir -p "$OUT"
@@ -20,7 +20,7 @@ start=$(date +%s)
 MATRIX=${MATRIX:-benchmarks/matrices/bench-8b.yaml}
 python3 -c "import sys, yaml; from kit import builtin; print(builtin.resolve(yaml.safe_load(open(sys.argv[1]))['model']))" "$MATRIX"
 echo "build: $(( $(date +%s) - start ))s"
-python3 -m kit.bench "$MATRIX" --out "$OUT/bench" ${BENCH_ONLY:+--only "$BENCH_ONLY"}
+python3 -m kit.bench "$MATRIX" --out "$OUT/bench" ${BENCH_ONLY:+--only "$BENCH_ONLY"} ${BENCH_NPROC:+--nproc "$BENCH_NPROC"}
 echo "bench: $(( $(date +%s) - start ))s"
 touch "$OUT/BENCH_DONE"
 if [ -z "${SKIP_EXTRAS:-}" ]; then
