@@ -83,7 +83,9 @@ def render(rows: list[dict], matrix: dict) -> str:
                          f"{_fmt(r and r['tokens_per_s_gpu'])} | {status(c['name'])} |")
         lines.append("")
 
-    caps = sorted({c.get("cap_gib") for c in matrix["cases"] if c.get("role") in ("baseline", "kit")},
+    ran = {r["case"] for r in rows}  # caps of cases not run (--only) get no row
+    caps = sorted({c.get("cap_gib") for c in matrix["cases"]
+                   if c.get("role") in ("baseline", "kit") and c["name"] in ran},
                   key=lambda x: (x is None, x))
     if caps:
         lines += ["### Kit vs the article recipe, per memory cap (best batch of each)", "",

@@ -8,7 +8,7 @@ import sys
 from conftest import ROOT
 
 from kit import bench_report, jsonl
-from kit.bench import load_matrix
+from kit.bench_matrix import load_matrix
 
 RECORDED = ROOT / "benchmarks" / "results" / "bench-8b-2xh200-run4.jsonl"
 MATRIX = ROOT / "benchmarks" / "matrices" / "bench-8b.yaml"
@@ -26,6 +26,15 @@ def test_recorded_run_renders_the_numbers_its_results_file_cites():
     assert "article-ddp" not in largest  # OOM at its only batch: nothing fitted
     kit24 = bench_report.fastest(best, matrix, "kit", 24)
     assert kit24["case"] == "kit-24-attention" and bench_report.fastest(best, matrix, "kit", 1) is None
+
+
+def test_a_run_of_some_cases_shows_only_their_caps():
+    """--only (notebook 09's `only`): caps whose cases did not run get no row of dashes."""
+    rows, matrix = jsonl.read(RECORDED), load_matrix(MATRIX)
+    some = [r for r in rows if r["case"] in ("article-40", "kit-40-matmuls")]
+    table = bench_report.render(some, matrix)
+    assert "| 40 | 6,686 (8, 21.4%) | 12,208 (4, 39.0%) |" in table and "| 1.83x |" in table
+    assert "| 24 |" not in table and "| 80 |" not in table
 
 
 def test_plot_writes_a_png_without_pyplot_or_torch(tmp_path):
