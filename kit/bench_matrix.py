@@ -15,6 +15,8 @@ import yaml
 
 
 def load_matrix(path: str | Path) -> dict:
+    """The matrix as a dict, every scaling case filled in from the case it scales; a bad value
+    raises ValueError in one line naming the case and field."""
     m = yaml.safe_load(Path(path).read_text())
     names = [c["name"] for c in m["cases"]]
     if len(set(names)) != len(names):

@@ -161,9 +161,8 @@ def scaling_table(best: dict[str, dict], matrix: dict) -> list[str]:
                      "| case | GPUs | batch/GPU | tokens/s/GPU | tokens/s, all GPUs | "
                      "peak GiB/GPU | all GPUs vs fewest | per GPU vs fewest |",
                      "|---|---|---|---|---|---|---|---|"]
-        for r in ran:
-            ref = ran[0]
-            total = r["tokens_per_s_gpu"] * r["world"]
+        for r in ran:  # against the fewest GPUs' row, ran[0]
+            total, ref = r["tokens_per_s_gpu"] * r["world"], ran[0]
             lines.append(f"| {r['case']} | {r['world']} | {r['batch']} | "
                          f"{_fmt(r['tokens_per_s_gpu'])} | {_fmt(total)} | "
                          f"{r['peak_alloc_gib']:.1f} | "
