@@ -110,6 +110,21 @@ def test_the_doctor_refuses_a_model_without_groups_before_any_process_starts():
     assert codes("lora.target_modules=[q_proj,v_proj,up_proj]")[0][0] == "group_inputs_no_group"
 
 
+def test_the_doctor_refuses_groups_on_fused_projections(tmp_path):
+    """Phi-3 computes q, k and v in one qkv_proj (and gate/up in one gate_up_proj): nothing to
+    group, known from its config alone (the model is built on the meta device)."""
+    from transformers import Phi3Config
+
+    from kit import doctor
+
+    Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=4, vocab_size=256, max_position_embeddings=128,
+               bos_token_id=1, eos_token_id=1, pad_token_id=0).save_pretrained(tmp_path)
+    found = doctor.preflight(TINY, overrides=[f"model.name={tmp_path}", "lora.group_inputs=true"])
+    assert [(f.code, f.message) for f in found if f.level == "error"] == [
+        ("group_inputs_no_group", shapes.NO_SHARED_INPUT)]
+
+
 def test_grouped_compiled_layers_under_fsdp2_match_the_ungrouped_ones(tmp_path, monkeypatch):
     """The kit's recipe as the benchmarks run it (training.compile=true, a selective recompute
     policy), FSDP2 and NF4 (a world of one), dropout off: the grouped layers compile without a
