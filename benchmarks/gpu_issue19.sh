@@ -11,9 +11,10 @@
 #         ~15 minutes; SmolLM2 carried first (benchmarks/carry_smollm2.sh: two calls), then .whl
 #   run4  benchmarks/matrices/bench-8b-2gpu-round3.yaml (gpu_speed.sh, the bench only); ~16
 #         minutes; BENCH_NPROC=4 for the 4-GPU variant
+#   run1x4  run 1 again with 4 shards (nvidia-h200-x4): bench-70b-2x24.yaml on 4 GPUs; ~8 minutes
 # Results: /tmp/i19/SET/ (tables, logs, executed notebooks); poll.sh packs them into $OUT.
 set -uo pipefail
-SET=${1:?run2, run3 or run4}; OUT=${2:-/tmp/i19}/$SET; mkdir -p "$OUT"
+SET=${1:?run2, run3, run4 or run1x4}; OUT=${2:-/tmp/i19}/$SET; mkdir -p "$OUT"
 start=$(date +%s)
 case $SET in
   run2) NPROC=2 bash benchmarks/gpu_sft_check.sh "$OUT/sft" /tmp/i19-sft-runs; echo "sft rc=$?"
@@ -21,7 +22,9 @@ case $SET in
   run3) bash benchmarks/gpu_notebooks.sh "$OUT" 2 12 03 08 09 10 11; echo "notebooks rc=$?" ;;
   run4) MATRIX=benchmarks/matrices/bench-8b-2gpu-round3.yaml SKIP_EXTRAS=1 \
           bash benchmarks/gpu_speed.sh "$OUT"; echo "bench rc=$?" ;;
-  *) echo "SET: $SET is not allowed; expected run2, run3 or run4"; exit 2 ;;
+  run1x4) MATRIX=benchmarks/matrices/bench-70b-2x24.yaml BENCH_NPROC=4 SKIP_EXTRAS=1 \
+          bash benchmarks/gpu_speed.sh "$OUT"; echo "bench rc=$?" ;;
+  *) echo "SET: $SET is not allowed; expected run2, run3, run4 or run1x4"; exit 2 ;;
 esac
 echo "$SET: $(( $(date +%s) - start ))s"
 touch "$OUT/DONE"
