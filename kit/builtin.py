@@ -286,10 +286,17 @@ def _convert_gguf(package: str, file: str, out: Path) -> None:
     model.generation_config = loaded.generation_config
     model.to(torch.bfloat16).save_pretrained(out)  # bf16, as SmolLM2 was published
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=file)
-    if tokenizer.pad_token is None:  # transformers before ~5.20 drops the file's padding token
+    keep_padding_token(tokenizer, config).save_pretrained(out)
+
+
+def keep_padding_token(tokenizer, config):
+    """The tokenizer with the model's padding token (else its end token) when it has none:
+    transformers 5.17 (the GPU image's) drops a GGUF file's padding token, 5.23 keeps it, and
+    batched generation pads."""
+    if tokenizer.pad_token is None:
         pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
         tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad)
-    tokenizer.save_pretrained(out)
+    return tokenizer
 
 
 def init_at_load(path) -> dict | None:

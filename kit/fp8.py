@@ -9,9 +9,9 @@ cast to FP8 (e4m3) with one scale per row, and the product runs in `torch._scale
 Hopper GPUs execute at about twice the bf16 rate; the output and every gradient stay bf16, and
 the adapters (LoRA) are untouched. It changes numerics: the loss difference it makes is measured
 (`benchmarks/results/fp8-8b-1xh100.md`; on a real model, `learn-smollm2-cpu.md`: the held-out loss
-after 10 steps 0.045 above the article recipe's, where two seeds differ by 0.029), so it is opt-in. Evaluation inside the run uses it too;
-the saved adapter is the same kind as always, and a plain PEFT reload computes in bf16, so its
-logits differ from the run's own by FP8's rounding.
+after 10 steps 0.045 above the article recipe's, where two seeds differ by 0.029), so it is
+opt-in. Evaluation inside the run uses it too; the saved adapter is the same kind as always, and
+a plain PEFT reload computes in bf16, so its logits differ from the run's own by FP8's rounding.
 
 Gap filled: bitsandbytes has no FP8 path for its 4-bit layers, and torchao's FP8 training
 converts nn.Linear layers whose weights it owns (trainable, bf16), not frozen 4-bit ones.

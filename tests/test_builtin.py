@@ -40,6 +40,16 @@ def test_smollm2_is_an_ordinary_folder_that_knows_paris(smollm2):
     assert "Paris" in reply, reply
 
 
+def test_a_tokenizer_that_lost_its_padding_token_gets_the_models_back(smollm2):
+    """What the conversion does where transformers drops the GGUF file's padding token."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer, config = AutoTokenizer.from_pretrained(smollm2), AutoConfig.from_pretrained(smollm2)
+    tokenizer.pad_token = None
+    assert builtin.keep_padding_token(tokenizer, config).pad_token == "<|im_end|>"
+    assert tokenizer.pad_token_id == config.pad_token_id == 2
+
+
 def test_kit_models_lists_shapes_and_prints_a_folder(smollm2):
     run = [sys.executable, "-m", "kit", "models"]
     listing = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=120)
