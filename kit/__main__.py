@@ -3,6 +3,7 @@
     python -m kit tour                        # run notebooks/NN-*.ipynb in order, headless
     python -m kit tour -p model kit:llama-1b -p device cuda --only 01 04
     python -m kit strip notebooks/*.ipynb     # clear outputs, except cells tagged keep_output
+    python -m kit keep notebooks/03-lora-adapters.ipynb launch/tour/03-lora-adapters.ipynb
     python -m kit jobs tiny-cpu --nnodes 2 --nproc-per-node 8 --out launch/big   # runs nothing
     python -m kit models                      # the built-in kit: models, their shapes, built or not
     python -m kit models path kit:smollm2-135m-instruct   # builds it if needed, prints its folder
@@ -29,6 +30,10 @@ def _parser() -> argparse.ArgumentParser:
     tour.add_argument("--notebooks", default=None, help="folder of notebooks (default: notebooks/)")
     strip = commands.add_parser("strip", help="clear outputs except in cells tagged keep_output")
     strip.add_argument("paths", nargs="+", type=Path)
+    keep = commands.add_parser("keep", help="record the checked outputs (cells tagged "
+                               "keep_output) of an executed copy in the committed notebook")
+    keep.add_argument("notebook", type=Path, help="the committed notebook")
+    keep.add_argument("executed", type=Path, help="its executed copy (e.g. from launch/tour/)")
     jobs = commands.add_parser(
         "jobs", help="write every way to launch a config on N nodes x M GPUs (run.sh, "
         "accelerate.yaml, job.sbatch, trainjob.yaml, pytorchjob.yaml); runs nothing")
@@ -73,6 +78,13 @@ def _command_strip(args) -> int:
 
     for path in args.paths:
         print(f"{path}: {tour.strip_outputs(path)} cell(s) cleared")
+    return 0
+
+
+def _command_keep(args) -> int:
+    from kit import tour
+
+    print(f"{args.notebook}: {tour.keep_outputs(args.notebook, args.executed)} checked cell(s) recorded")
     return 0
 
 

@@ -58,7 +58,15 @@ def _val_loss(run: _Run, rows: dict, size: int) -> float:
     """Mean loss over the validation rows (every rank its share), after the equivalence steps."""
     from kit import dist as kdist
 
+    from kit import quantize
+
     env, losses = run.env, []
+    # An eval forward without gradients on a CPU with AVX512-BF16 makes bitsandbytes repack each
+    # 4-bit weight in place into an inference-only layout; the article recipe's FSDP1 weights are
+    # views into a flat parameter, and its held-out loss came out wrong (6.71 against the kit's
+    # 6.35 after the same training; 6.35 for both with the repacking off: issue 28). The kit's
+    # recipe switches the repacking off when it loads; the measurement does so for both recipes.
+    quantize.keep_packing(run.model)
     run.model.eval()
     with torch.no_grad():
         for i in range(max(1, len(rows["input_ids"]) // (size * env.world_size))):

@@ -333,6 +333,68 @@ def scaling_summary(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def scaling_findings(runs: list[dict], flat: float = 0.05) -> list[dict]:
+    """Per (learning rate, scaling), in words: does |s·BA| shrink, stay or grow from the lowest
+    rank to the highest, and where does the highest rank's held-out loss end among the ranks.
+
+    What section 6's text relies on, in a form every CPU reproduces: at the larger learning rate
+    the runs amplify rounding (run_twice_one_ulp_apart measures it), so their second decimal
+    differs between CPUs, while these findings do not (the update ratios sit far from 0.8 and
+    1.25, and no loss within 0.02 of a neighbour decides one)."""
+    rows = []
+    for lr in sorted({run["lr"] for run in runs}):
+        for label in SCALINGS:
+            group = sorted((run for run in runs if (run["lr"], run["scaling"]) == (lr, label)),
+                           key=lambda run: run["r"])  # fmt: skip
+            ratio = group[-1]["|s·BA|"] / group[0]["|s·BA|"]
+            update = "shrinks" if ratio < 0.8 else "grows" if ratio > 1.25 else "about the same"
+            losses = [run["val_loss"] for run in group]
+            top = group[-1]
+            if max(losses) - min(losses) < flat:
+                ends = f"all ranks within {flat}"
+            elif top["val_loss"] == min(losses):
+                ends = f"r={top['r']} lowest"
+            elif top["val_loss"] == max(losses):
+                ends = f"r={top['r']} highest"
+            else:
+                ends = f"r={top['r']} between"
+            rows.append({"lr": lr, "scaling": label, "|s·BA| as r grows": update,
+                         "held-out loss": ends})
+    return rows
+
+
+def run_twice_one_ulp_apart(model: str, r: int, lr: float, steps: int, alpha: int = 16,
+                            rslora: bool = True, seed: int = 0) -> tuple[float, float]:  # fmt: skip
+    """Held-out loss of one scaling run, then of the same run with every base weight moved by
+    about one fp32 rounding step (a relative 1.2e-7, seeded): how much rounding the run
+    amplifies. Another CPU's kernels round differently by about that much."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from kit.quantize import load_on_cpu
+
+    base = load_on_cpu(model, method="none", dtype="float32")
+    nudged = copy.deepcopy(base)
+    noise = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in nudged.parameters():
+            p.mul_(1 + 1.2e-7 * torch.randn(p.shape, generator=noise))
+    train, val = sample_rows(model)
+    held_out = {k: v[:32] for k, v in val.items()}
+    found = []
+    for weights in (base, nudged):
+        config = LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, lora_dropout=0.0,
+                            target_modules="all-linear", task_type="CAUSAL_LM")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            peft_model = get_peft_model(weights, config)
+        train_adapters(peft_model, train, steps, lr, track=False)
+        with torch.no_grad(), one_thread():
+            found.append(peft_model(**held_out).loss.item())
+    return found[0], found[1]
+
+
 def plot_scaling_runs(runs: list[dict]):
     """One panel per (learning rate, scaling): each rank's training loss, step by step."""
     import matplotlib.pyplot as plt

@@ -71,6 +71,26 @@ def strip_outputs(path: Path) -> int:
     return changed
 
 
+def keep_outputs(path: Path, executed: Path) -> int:
+    """Copy the outputs of the cells tagged keep_output (the ones nbval compares) from an executed
+    copy of `path` (`python -m kit tour` writes them) into `path`, matched by cell id; every other
+    cell stays as committed. How a maintainer records checked outputs after a change that moves
+    them; returns how many cells changed."""
+    import nbformat
+
+    nb, ran = _read(path), {c.get("id"): c for c in _read(executed).cells}
+    changed = 0
+    for cell in nb.cells:
+        if KEEP_OUTPUT in cell.metadata.get("tags", []) and cell.get("id") in ran:
+            new = ran[cell.get("id")]
+            if (new.outputs, new.execution_count) != (cell.outputs, cell.execution_count):
+                cell.outputs, cell.execution_count = new.outputs, new.execution_count
+                changed += 1
+    if changed:
+        nbformat.write(nb, str(path))
+    return changed
+
+
 @dataclass
 class Outcome:
     notebook: str

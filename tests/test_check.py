@@ -237,3 +237,16 @@ def test_a_ranks_own_error_outranks_a_peer_that_died_of_a_signal_in_the_same_sec
                                       f"{summary}")
     failure = Run(tmp_path).failure()
     assert failure.rank == 1 and failure.message.startswith("InjectedFailure"), failure
+
+
+def test_the_hub_kernel_line_of_bitsandbytes_is_the_only_one_dropped():
+    """On a CPU with AVX512-BF16, importing bitsandbytes logs that it cannot fetch an optional
+    hub kernel; importing the kit drops exactly that record (any CPU: the record is sent by hand
+    to the logger bitsandbytes uses), and a kit run's stderr keeps everything else it logs."""
+    code = ("import logging, kit, bitsandbytes\n"
+            "log = logging.getLogger('bitsandbytes.backends.cpu.ops')\n"
+            "log.warning('Failed to load CPU gemm_4bit_forward from kernels-community: %s.', 'x')\n"
+            "log.warning('another bitsandbytes warning')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stderr.strip() == "another bitsandbytes warning", proc.stderr

@@ -109,6 +109,30 @@ def test_scaling_runs_scale_by_each_convention_from_the_same_start():
     assert [row["scaling"] for row in summary] == list(lora.SCALINGS)
     shrink = by[(paper, 64)]["|s·BA|"] / by[(paper, 4)]["|s·BA|"]
     assert summary[0]["|s·BA| r=64 / r=4"] == round(shrink, 1)
+    findings = lora.scaling_findings(runs)
+    assert [(row["lr"], row["scaling"]) for row in findings] == [(1e-3, s) for s in lora.SCALINGS]
+    assert findings[0]["|s·BA| as r grows"] == "shrinks" and shrink < 0.8
+    # The rounding probe is the same run (rsLoRA, r=4 here), then the run on nudged weights.
+    once, nudged = lora.run_twice_one_ulp_apart("kit:tiny-llama", 4, 1e-3, 3)
+    assert once == by[(rs, 4)]["val_loss"] and abs(once - nudged) < 1e-4
+
+
+def test_scaling_findings_name_where_the_highest_rank_ends():
+    """The words section 6 checks on every CPU, from made-up runs: the update's ratio classes
+    (0.8 and 1.25 apart from 'about the same') and the highest rank's place among the losses."""
+    from kit import lora
+
+    paper, rs, ratio = lora.SCALINGS
+    def runs(label, updates, losses):
+        return [{"lr": 0.01, "scaling": label, "r": r, "|s·BA|": u, "val_loss": v}
+                for r, u, v in zip((4, 16, 64), updates, losses, strict=True)]
+
+    made = (runs(paper, (1, 0.7, 0.5), (6.23, 6.24, 6.14)) + runs(rs, (1, 1.1, 1.2), (6.42, 6.34, 6.51))
+            + runs(ratio, (1, 3, 8), (6.40, 6.42, 6.43)))
+    found = {row["scaling"]: (row["|s·BA| as r grows"], row["held-out loss"])
+             for row in lora.scaling_findings(made)}
+    assert found == {paper: ("shrinks", "r=64 lowest"), rs: ("about the same", "r=64 highest"),
+                     ratio: ("grows", "all ranks within 0.05")}
 
 
 def test_adapter_state_against_the_base_counts_what_loading_holds():

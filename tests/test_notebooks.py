@@ -178,3 +178,25 @@ def test_strip_clears_outputs_but_keeps_checked_cells(tmp_path):
     assert tour.stored_outputs(path) == []
     kept = nbformat.read(str(path), as_version=4).cells[1]
     assert kept.outputs[0]["text"] == "1\n" and kept.execution_count == 2
+
+
+def test_keep_records_only_the_checked_cells_of_an_executed_copy(tmp_path):
+    """python -m kit keep: the executed copy's outputs land in the cells tagged keep_output and
+    nowhere else; a second call changes nothing."""
+    checked = nbformat.v4.new_code_cell("# NBVAL_CHECK_OUTPUT\nprint(6 * 7)")
+    checked.metadata["tags"] = [tour.KEEP_OUTPUT]
+    plain = nbformat.v4.new_code_cell("print('not kept')")
+    committed = tmp_path / "nb.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[checked, plain]), str(committed))
+    ran = nbformat.read(str(committed), as_version=4)
+    for i, cell in enumerate(ran.cells):
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"out {i}\n")]
+        cell.execution_count = i + 1
+    nbformat.write(ran, str(tmp_path / "ran.ipynb"))
+    proc = subprocess.run([sys.executable, "-m", "kit", "keep", str(committed),
+                           str(tmp_path / "ran.ipynb")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and "1 checked cell(s) recorded" in proc.stdout, proc.stderr
+    assert outputs_of_checked_cells(committed) == {checked.source: "out 0\n"}
+    assert tour.stored_outputs(committed) == []  # the plain cell stays clear
+    assert tour.keep_outputs(committed, tmp_path / "ran.ipynb") == 0
