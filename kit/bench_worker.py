@@ -57,7 +57,6 @@ def text_batch(rows: dict, index: int, rank: int, world: int, size: int, device)
 def _val_loss(run: _Run, rows: dict, size: int) -> float:
     """Mean loss over the validation rows (every rank its share), after the equivalence steps."""
     from kit import dist as kdist
-
     from kit import quantize
 
     env, losses = run.env, []

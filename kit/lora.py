@@ -1,5 +1,8 @@
 """LoRA adapters with PEFT: which modules get them, how many parameters train, in what dtype; and,
-for notebook 03, a few training steps in the kernel and the scale conventions run side by side."""
+for notebook 03, a few training steps in the kernel and the scale conventions run side by side.
+
+Longer than 400 lines because notebook 03's instruments (~250 lines) live beside the recipe's LoRA
+until kit/ gets a package of the notebooks' own."""
 
 from __future__ import annotations
 
@@ -338,9 +341,8 @@ def scaling_findings(runs: list[dict], flat: float = 0.05) -> list[dict]:
     rank to the highest, and where does the highest rank's held-out loss end among the ranks.
 
     What section 6's text relies on, in a form every CPU reproduces: at the larger learning rate
-    the runs amplify rounding (run_twice_one_ulp_apart measures it), so their second decimal
-    differs between CPUs, while these findings do not (the update ratios sit far from 0.8 and
-    1.25, and no loss within 0.02 of a neighbour decides one)."""
+    the runs amplify rounding (run_twice_one_ulp_apart), so their second decimal differs between
+    CPUs; these words do not (the ratios sit far from 0.8 and 1.25, no near-tie decides one)."""
     rows = []
     for lr in sorted({run["lr"] for run in runs}):
         for label in SCALINGS:
@@ -366,8 +368,7 @@ def scaling_findings(runs: list[dict], flat: float = 0.05) -> list[dict]:
 def run_twice_one_ulp_apart(model: str, r: int, lr: float, steps: int, alpha: int = 16,
                             rslora: bool = True, seed: int = 0) -> tuple[float, float]:  # fmt: skip
     """Held-out loss of one scaling run, then of the same run with every base weight moved by
-    about one fp32 rounding step (a relative 1.2e-7, seeded): how much rounding the run
-    amplifies. Another CPU's kernels round differently by about that much."""
+    about one fp32 rounding step (relative 1.2e-7, seeded): how much the run amplifies rounding."""
     import copy
 
     from peft import LoraConfig, get_peft_model
@@ -380,12 +381,10 @@ def run_twice_one_ulp_apart(model: str, r: int, lr: float, steps: int, alpha: in
     with torch.no_grad():
         for p in nudged.parameters():
             p.mul_(1 + 1.2e-7 * torch.randn(p.shape, generator=noise))
-    train, val = sample_rows(model)
-    held_out = {k: v[:32] for k, v in val.items()}
-    found = []
+    train, held_out = sample_rows(model)[0], {k: v[:32] for k, v in sample_rows(model)[1].items()}
+    found, config = [], LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, lora_dropout=0.0,
+                                   target_modules="all-linear", task_type="CAUSAL_LM")
     for weights in (base, nudged):
-        config = LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, lora_dropout=0.0,
-                            target_modules="all-linear", task_type="CAUSAL_LM")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             peft_model = get_peft_model(weights, config)

@@ -8,6 +8,8 @@ copies land in launch/tour/ (ignored by git); the committed notebooks stay outpu
 from __future__ import annotations
 
 import ast
+import contextlib
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +107,30 @@ class Outcome:
         return f"{status} {self.notebook:<34} {self.seconds:6.1f}s  {self.output}{tail}"
 
 
+@contextlib.contextmanager
+def this_environments_kernel():
+    """Jupyter looks up the notebooks' kernel (python3) in this environment's prefix first, where
+    setup.sh installs it, before the user-global folder that any other checkout's setup may have
+    overwritten. Inside a venv Jupyter does so anyway; this makes it so for a plain Python too."""
+    before = os.environ.get("JUPYTER_PREFER_ENV_PATH")
+    os.environ["JUPYTER_PREFER_ENV_PATH"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["JUPYTER_PREFER_ENV_PATH"]
+        else:
+            os.environ["JUPYTER_PREFER_ENV_PATH"] = before
+
+
+def kernel_python() -> str:
+    """The Python the notebooks' kernel runs, as kit.tour finds it."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    with this_environments_kernel():
+        return KernelSpecManager().get_kernel_spec("python3").argv[0]
+
+
 def run(path: Path, output: Path, parameters: dict | None = None, timeout: int = 900) -> Outcome:
     """Execute one notebook headless (kernel started in its folder, as Jupyter does)."""
     import papermill
@@ -112,10 +138,11 @@ def run(path: Path, output: Path, parameters: dict | None = None, timeout: int =
     output.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     try:
-        papermill.execute_notebook(
-            str(path), str(output), parameters=parameters or {}, cwd=str(path.parent),
-            progress_bar=False, execution_timeout=timeout,
-        )  # fmt: skip
+        with this_environments_kernel():
+            papermill.execute_notebook(
+                str(path), str(output), parameters=parameters or {}, cwd=str(path.parent),
+                progress_bar=False, execution_timeout=timeout,
+            )  # fmt: skip
         return Outcome(path.name, True, time.perf_counter() - start, output)
     except Exception as e:
         first = str(e).strip().splitlines()

@@ -20,6 +20,16 @@ def kit_home(tmp_path_factory):
     return Path(home)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def notebook_kernel():
+    """Notebooks run on this environment's kernel (setup.sh installs it into the environment's
+    prefix), as kit.tour runs them, even where a user-global python3 kernel points elsewhere."""
+    from kit import tour
+
+    with tour.this_environments_kernel():
+        yield
+
+
 def alive(pid: int) -> bool:
     """A process that exists and is not a zombie."""
     import psutil

@@ -1,0 +1,66 @@
+"""What setup.sh installs: the lock's versions, and a notebook kernel of this environment."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+
+def pins(path: Path) -> dict[str, str]:
+    found = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if "==" in line:
+            name, version = line.split("==")
+            found[re.sub(r"[-_.]+", "-", name).lower()] = version
+    return found
+
+
+def test_the_suite_runs_on_the_locked_versions():
+    """Where setup.sh installed torch itself (a CPU machine), every package of constraints.txt is
+    at its locked version: what CI tests is what a user installs. On a machine with its own torch
+    the torch-coupled packages are constraints-gpu.txt's instead."""
+    lock = pins(ROOT / "constraints.txt")
+    if md.version("torch").split("+")[0] != lock["torch"]:
+        pytest.skip(f"torch {md.version('torch')} is the machine's own (constraints-gpu.txt applies)")
+    installed = {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower(): d.version
+                 for d in md.distributions()}
+    moved = {name: (want, installed.get(name)) for name, want in lock.items()
+             if installed.get(name, "").split("+")[0] != want}
+    assert not moved, f"installed versions differ from constraints.txt (locked, installed): {moved}"
+
+
+def test_every_requirement_is_locked():
+    """Each range in requirements.txt has a locked version inside it in both lock files' union."""
+    from packaging.requirements import Requirement
+
+    lock = pins(ROOT / "constraints.txt")
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            req = Requirement(line)
+            name = re.sub(r"[-_.]+", "-", req.name).lower()
+            assert name in lock and req.specifier.contains(lock[name], prereleases=True), line
+    for name in pins(ROOT / "constraints-gpu.txt"):
+        assert name in lock, f"constraints-gpu.txt pins {name}, which the kit does not install"
+
+
+def test_the_notebook_kernel_is_this_environments(tmp_path):
+    """A user-global python3 kernel written by another checkout's setup (here: one pointing at a
+    Python that does not exist) does not take over: kit.tour's kernel is this environment's."""
+    stale = tmp_path / "user" / "kernels" / "python3"
+    stale.mkdir(parents=True)
+    (stale / "kernel.json").write_text(json.dumps({
+        "argv": ["/elsewhere/venv/bin/python3", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3", "language": "python"}))
+    env = {"JUPYTER_DATA_DIR": str(tmp_path / "user"), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-c", "from kit import tour; print(tour.kernel_python())"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert Path(proc.stdout.strip()).parent == Path(sys.executable).parent, proc.stdout
