@@ -16,6 +16,7 @@ reads to choose its value, and the one loader that checks them.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -329,7 +330,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         if path in RENAMED:
             raise ConfigError(f"{path}: renamed; use {RENAMED[path]}")
         if key not in names:
-            raise ConfigError(f"{path}: unknown key; allowed keys: {', '.join(names)}")
+            near = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            hint = f"did you mean {prefix}{near[0]}? " if near else ""
+            raise ConfigError(f"{path}: unknown key; {hint}allowed keys: {', '.join(names)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value if value is not None else {}, f"{path}.")

@@ -47,8 +47,10 @@ def test_benchmark_matrices_hold_valid_kit_configs(path):
     "overrides, message",
     [
         (["training.lr=-1"], "training.lr: -1.0 is not allowed; expected a number > 0"),
-        (["trainig.lr=1"], "trainig: unknown key; allowed keys: run, model,"),
-        (["training.lrr=1"], "training.lrr: unknown key; allowed keys: steps,"),
+        (["trainig.lr=1"], "trainig: unknown key; did you mean training? allowed keys: run, model,"),
+        (["training.lrr=1"], "training.lrr: unknown key; did you mean training.lr? allowed keys: steps,"),
+        (["training.step=30"], "training.step: unknown key; did you mean training.steps? allowed keys:"),
+        (["training.zzz=1"], "training.zzz: unknown key; allowed keys: steps,"),
         (["sharding.engine=zero3"], "sharding.engine: 'zero3' is not allowed; expected one of 'fsdp2', 'fsdp1', 'ddp'"),
         (["training.steps=ten"], "training.steps: 'ten' is not allowed; expected an integer"),
         (["training.batch_size=0"], "training.batch_size: 0 is not allowed; expected an integer >= 1"),
