@@ -114,6 +114,7 @@ def save_adapter(layout: AdapterLayout, state, folder: Path, tokenizer=None) -> 
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     verify_adapter(tmp, layout.shapes)
+    manifest.ordinary_modes(tmp)
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
     return folder

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from kit import ROOT
+from kit.builtin import kit_home
 from kit.config import ConfigError, DataConfig
 
 BUNDLED = {"kit:sample": "sample.jsonl", "kit:sample-chat": "sample-chat.jsonl"}
@@ -60,7 +61,9 @@ def read_rows(path: Path, field: str = "data.path", name: str = "") -> list[dict
         return read_rows_stdlib(path, field, name)
     try:
         with _quiet():
-            rows = load_dataset(BUILDERS[path.suffix], data_files=str(path), split="train")
+            # Its cache under KIT_HOME with the kit's other caches, not ~/.cache/huggingface.
+            rows = load_dataset(BUILDERS[path.suffix], data_files=str(path), split="train",
+                                cache_dir=str(kit_home() / "datasets"))
         rows = rows.to_list()
     except Exception as e:  # noqa: BLE001 - any failure of the reader becomes one line below
         # This fills a gap: datasets' error names no line (and an empty file ends in a bare

@@ -76,6 +76,19 @@ def resume_fields(config: dict | None) -> dict:
     return json.loads(json.dumps(out))  # tuples -> lists: compares equal to what was saved
 
 
+def ordinary_modes(folder: Path) -> Path:
+    """Give a written folder the modes any file the user writes gets (0o666 / 0o777 less the
+    umask): safetensors (>= 0.8) writes its files with mode 0600 and tempfile.mkdtemp makes 0700
+    folders, so an adapter or merged model would otherwise be unreadable to the user's group."""
+    mask = os.umask(0)
+    os.umask(mask)
+    folder = Path(folder)
+    folder.chmod(0o777 & ~mask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+    return folder
+
+
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -137,6 +137,7 @@ def merge_adapter(run_dir, out_dir, adapter: str | Path | None = None) -> Path:
             raise CheckpointError(f"{out_dir}: merged export is still quantized or holds no weights")
         if out_dir.exists():  # appeared while merging
             raise CheckpointError(f"out: '{out_dir}' exists; choose a new folder")
+        manifest.ordinary_modes(tmp)
         os.replace(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # the temporary folder made above, nothing else

@@ -333,6 +333,12 @@ def test_merged_export_matches_adapter_on_base(tiny_run, tmp_path):
     out = tiny_run  # the session's shared NF4 run (conftest): read, not changed
     merged = checkpoint.merge_adapter(out, tmp_path / "merged")
     assert "quantization_config" not in json.loads((merged / "config.json").read_text())
+    # The merged folder and the run's adapter have the modes any file of the user's gets, not
+    # safetensors' 0600 and mkdtemp's 0700 (shareable with the user's group, as the rest).
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in (merged, *merged.iterdir(), out / "adapter", *(out / "adapter").iterdir()):
+        assert path.stat().st_mode & 0o777 == (0o777 if path.is_dir() else 0o666) & ~mask, path
     plain = AutoModelForCausalLM.from_pretrained(merged).eval()  # no PEFT, no bitsandbytes
     with_adapter, _ = checkpoint.load_for_inference(out)
     probe = torch.load(out / "probe.pt")

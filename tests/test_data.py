@@ -233,3 +233,14 @@ def test_packed_batches_resume_and_one_row(tokenizer):
 
 
 # A packed training run that learns and saves: tests/test_train.py's ddp-nf4-packed case.
+
+
+def test_datasets_caches_the_file_under_kit_home(tmp_path, monkeypatch):
+    """The data file's `datasets` cache lives with the kit's other caches (KIT_HOME), not in
+    ~/.cache/huggingface."""
+    from kit import datafile
+
+    monkeypatch.setenv("KIT_HOME", str(tmp_path / "home"))
+    path = write(tmp_path, "jsonl")
+    assert len(datafile.read_rows(path)) == 40
+    assert any((tmp_path / "home" / "datasets").rglob("*.arrow"))
