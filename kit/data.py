@@ -28,6 +28,7 @@ from kit.config import ConfigError, DataConfig
 from kit.datafile import (  # noqa: F401
     BUILDERS,
     BUNDLED,
+    as_messages,
     check_file,
     read_checked,
     read_rows,
@@ -49,7 +50,7 @@ def _texts(rows: list[dict], cfg: DataConfig, tokenizer, name: str) -> list[str]
         return [r[column] for r in rows]
     if not tokenizer.chat_template:
         raise ConfigError("data.format: 'messages' needs a tokenizer with a chat template")
-    return [tokenizer.apply_chat_template(r[column], tokenize=False) for r in rows]
+    return [tokenizer.apply_chat_template(as_messages(r[column]), tokenize=False) for r in rows]
 
 
 def _encode(texts: list[str], tokenizer, max_len: int) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ before any process starts; kit.data (the rank side) tokenizes what it returns.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 from pathlib import Path
 
@@ -166,14 +167,33 @@ def columns_of(rows: list[dict]) -> list[str]:
     return list(dict.fromkeys(k for r in rows for k in r))
 
 
+# Chat roles a row may use; ShareGPT-style rows ({"from", "value"} in a `conversations` column,
+# the other common layout) are read as messages with their roles mapped to these.
+ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT = "conversations"
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+                  "assistant": "assistant", "tool": "tool", "observation": "tool"}
+
+
+def as_messages(value) -> list:
+    """A row's chat as {role, content} messages; ShareGPT's {from, value} turns mapped (a role
+    it does not know is kept as written, for the check to name)."""
+    if not isinstance(value, list):
+        return value
+    return [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"]}
+            if isinstance(m, dict) and "from" in m and "value" in m else m for m in value]
+
+
 def texts_column(rows: list[dict], cfg: DataConfig, name: str) -> tuple[str, str]:
-    """(format, column) the texts come from: data.format (auto: messages if that column exists)
-    and its field, which must be a column of the file `name`."""
+    """(format, column) the texts come from: data.format (auto: messages if that column exists,
+    or a ShareGPT `conversations` column, read as messages) and its field, which must be a column
+    of the file `name`."""
     columns = columns_of(rows)
     fmt = cfg.format
+    sharegpt = cfg.messages_field not in columns and SHAREGPT in columns
     if fmt == "auto":
-        fmt = "messages" if cfg.messages_field in columns else "text"
-    column = cfg.messages_field if fmt == "messages" else cfg.text_field
+        fmt = "messages" if cfg.messages_field in columns or sharegpt else "text"
+    column = (SHAREGPT if sharegpt else cfg.messages_field) if fmt == "messages" else cfg.text_field
     if column not in columns:
         field = "data.messages_field" if fmt == "messages" else "data.text_field"
         raise ConfigError(
@@ -225,9 +245,14 @@ def _problem(value, fmt: str) -> str:
         return "" if isinstance(value, str) else f"is {_short(value)}, not a string"
     if not isinstance(value, list) or not value:
         return f"is {_short(value)}, not a non-empty list"
-    for i, m in enumerate(value, 1):
+    for i, m in enumerate(as_messages(value), 1):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m.get("content") is None:
             return f"message {i} is {_short(m)}, not a {{role, content}} dict"
+        if m["role"] not in ROLES:
+            near = difflib.get_close_matches(m["role"], ROLES, n=1, cutoff=0.6)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            return (f"message {i} has the role {m['role']!r}{hint}, not one of "
+                    f"{', '.join(ROLES)}")
     return ""
 
 

@@ -244,3 +244,37 @@ def test_datasets_caches_the_file_under_kit_home(tmp_path, monkeypatch):
     path = write(tmp_path, "jsonl")
     assert len(datafile.read_rows(path)) == 40
     assert any((tmp_path / "home" / "datasets").rglob("*.arrow"))
+
+
+def chat_rows(tmp_path, name, rows):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_sharegpt_conversations_train_as_the_same_messages(tmp_path, tokenizer):
+    """ShareGPT rows ({from, value} turns in `conversations`) are read as chat messages: the
+    same tokens as the {role, content} file, with no option to set."""
+    turns = [("system", "Be brief."), ("user", "What is 2+2?"), ("assistant", "4")]
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    messages = [{"messages": [{"role": r, "content": c} for r, c in turns]}] * 8
+    sharegpt = [{"conversations": [{"from": names[r], "value": c} for r, c in turns]}] * 8
+    built = [data.build_datasets(DataConfig(path=chat_rows(tmp_path, f"{n}.jsonl", rows),
+                                            max_seq_len=32), tokenizer, seed=0)[0]
+             for n, rows in (("messages", messages), ("sharegpt", sharegpt))]
+    assert (built[0].tensors["input_ids"] == built[1].tensors["input_ids"]).all()
+    assert "<|assistant|> 4" in tokenizer.decode(built[1][0]["input_ids"])
+
+
+def test_a_role_typo_is_refused_naming_the_row_and_the_role(tmp_path):
+    """A role no chat template knows ("asistant") would train as written, without a word: the
+    check names the row, the role, the nearest allowed one and what is allowed."""
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}] * 3
+    rows.append({"messages": [{"role": "user", "content": "hi"}, {"role": "asistant", "content": "yo"}]})
+    cfg = DataConfig(path=chat_rows(tmp_path, "typo.jsonl", rows))
+    for stdlib in (True, False):  # the check step's reader and the ranks'
+        with pytest.raises(ConfigError) as e:
+            data.check_file(cfg, stdlib=stdlib)
+        assert str(e.value).count("\n") == 0 and "row 4 (line 4)" in str(e.value)
+        assert "message 2 has the role 'asistant' (did you mean 'assistant'?), not one of " \
+               "system, user, assistant, tool" in str(e.value)
