@@ -155,10 +155,16 @@ def loader(
     transformers' flash_attention_2 recognises (modeling_flash_attention_utils._is_packed_sequence
     wants batch size 1; the labels' shift stays inside rows, whose first label is -100)."""
     if len(rows) < batch_size * world:
-        kind = "packed rows" if "position_ids" in rows.tensors else "rows"  # packing: fewer rows
+        if not train:  # a small validation split: every row evaluated once, on fewer ranks
+            return short_split(rows, batch_size, rank, world, one_row)
+        packed = "position_ids" in rows.tensors  # packing joins samples: fewer rows
+        kind = "packed rows" if packed else "rows"
+        smaller = f"training.batch_size={len(rows) // world}, " if len(rows) >= world else ""
         raise ConfigError(
-            f"training.batch_size: {batch_size} is not allowed; {len(rows)} {kind} cannot fill "
-            f"{world} ranks x {batch_size}; use a smaller batch or more data"
+            f"training.batch_size: {batch_size} is not allowed; the training split has "
+            f"{len(rows)} {kind}, which cannot fill {world} ranks x {batch_size}; use "
+            f"{smaller}more rows in data.path, "
+            f"{'data.packing=false (one row per sample), ' if packed else ''}or fewer processes"
         )
     sampler = DistributedSampler(
         rows, num_replicas=world, rank=rank, shuffle=train, seed=seed, drop_last=True
@@ -170,6 +176,22 @@ def loader(
         rows, batch_size=batch_size, sampler=sampler, drop_last=True, generator=generator,
         collate_fn=_one_row if one_row else None,
     )
+
+
+def short_split(rows: Rows, batch_size: int, rank: int, world: int,
+                one_row: bool = False) -> list[dict]:
+    """Batches of a validation split too small to give every rank a full batch: row i goes to
+    rank i % world, and every rank gets the same number of batches of the same size (a sharded
+    model's forward is collective: each rank must run it as often as the others), filled up
+    with copies of row 0 whose labels are all -100, so that they add no loss and no tokens.
+    Every row is evaluated exactly once (DistributedSampler's drop_last would drop them all)."""
+    mine = list(range(rank, len(rows), world))
+    per_rank = -(-len(rows) // world)  # the most rows any rank gets
+    filler = {k: v.clone() for k, v in rows[0].items()}
+    filler["labels"].fill_(-100)
+    picked = [rows[i] for i in mine] + [filler] * (-(-per_rank // batch_size) * batch_size - len(mine))
+    collate = _one_row if one_row else default_collate
+    return [collate(picked[i:i + batch_size]) for i in range(0, len(picked), batch_size)]
 
 
 class Batches:

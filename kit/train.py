@@ -228,8 +228,9 @@ class Recipe:
                 break
             batch = self._to_device(batch)
             n = int((batch["labels"][:, 1:] != -100).sum())
-            loss = self.model(**batch, use_cache=False).loss.item()
-            totals += torch.tensor([loss * n, n], device=totals.device)
+            loss = self.model(**batch, use_cache=False).loss.item()  # every rank, collectively
+            if n:  # a small split's filler batch (kit.data.short_split) has no label: no loss
+                totals += torch.tensor([loss * n, n], device=totals.device)
         dist.all_reduce(totals)
         self.model.train()
         return (totals[0] / totals[1].clamp(min=1)).item()

@@ -278,3 +278,35 @@ def test_a_role_typo_is_refused_naming_the_row_and_the_role(tmp_path):
         assert str(e.value).count("\n") == 0 and "row 4 (line 4)" in str(e.value)
         assert "message 2 has the role 'asistant' (did you mean 'assistant'?), not one of " \
                "system, user, assistant, tool" in str(e.value)
+
+
+def test_a_small_validation_split_is_evaluated_once_on_fewer_ranks(tokenizer):
+    """3 validation rows, 2 ranks x batch 2 (too few for DistributedSampler's full batches, which
+    used to refuse the run): rank 0 evaluates rows 0 and 2, rank 1 row 1 beside a filler with
+    no labels; both run one batch (a sharded forward is collective). A training split that
+    small is refused, naming the split and remedies that exist."""
+    rows = data.Rows(data._encode([f"row {i} says hello" for i in range(3)], tokenizer, 8))
+    got = [data.loader(rows, 2, rank, 2, 0, train=False) for rank in (0, 1)]
+    assert [len(batches) for batches in got] == [1, 1]
+    assert (got[0][0]["input_ids"] == rows.tensors["input_ids"][[0, 2]]).all()
+    assert (got[1][0]["input_ids"][0] == rows.tensors["input_ids"][1]).all()
+    assert (got[1][0]["labels"][1] == -100).all()
+    labelled = sum(int((b["labels"] != -100).sum()) for batches in got for b in batches)
+    assert labelled == int((rows.tensors["labels"] != -100).sum())  # every row once
+    with pytest.raises(ConfigError) as e:
+        data.loader(rows, 2, 0, 2, 0, train=True)
+    assert str(e.value) == ("training.batch_size: 2 is not allowed; the training split has 3 "
+                            "rows, which cannot fill 2 ranks x 2; use training.batch_size=1, "
+                            "more rows in data.path, or fewer processes")
+
+
+@pytest.mark.slow
+def test_a_one_row_validation_file_trains_on_two_ranks(tmp_path):
+    """The case that stopped a first fine-tune: a validation split of one row, 2 processes."""
+    from conftest import read_run, torchrun
+
+    val = chat_rows(tmp_path, "val.jsonl", [{"text": "one held-out row of text"}])
+    torchrun(tmp_path / "run", "training.steps=2", "training.eval_every=2", f"data.val_path={val}")
+    _, metrics = read_run(tmp_path / "run")
+    evals = [m["loss"] for m in metrics if m.get("split") == "val"]
+    assert len(evals) == 1 and 0 < evals[0] < 20, metrics
