@@ -199,6 +199,9 @@ class DataConfig:
     packing: bool = False
     val_fraction: float = 0.1
     val_path: str = ""  # a separate validation file; overrides val_fraction
+    # Chat rows: the loss on the assistant's turns only (what is to be learned; the system prompt
+    # and the user's turns are context), or on every token (all). Text rows train on every token.
+    train_on: Literal["assistant", "all"] = "assistant"
 
 
 @dataclass

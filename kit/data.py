@@ -45,21 +45,67 @@ def warm_cache(cfg: DataConfig) -> None:
 
 
 def _texts(rows: list[dict], cfg: DataConfig, tokenizer, name: str) -> list[str]:
+    return _chats(rows, cfg, tokenizer, name)[0]
+
+
+def _chats(rows: list[dict], cfg: DataConfig, tokenizer, name: str):
+    """(texts, spans): each row's text (chat rows rendered by the chat template) and, where only
+    the assistant's turns train (chat rows, data.train_on=assistant), their character spans in
+    it; spans None: every token trains."""
     fmt, column = texts_column(rows, cfg, name)
     if fmt == "text":
-        return [r[column] for r in rows]
+        return [r[column] for r in rows], None
     if not tokenizer.chat_template:
         raise ConfigError("data.format: 'messages' needs a tokenizer with a chat template")
-    return [tokenizer.apply_chat_template(as_messages(r[column]), tokenize=False) for r in rows]
+    chats = [as_messages(r[column]) for r in rows]
+    texts = [tokenizer.apply_chat_template(m, tokenize=False) for m in chats]
+    if cfg.train_on == "all":
+        return texts, None
+    return texts, [assistant_spans(m, t, tokenizer) for m, t in zip(chats, texts, strict=True)]
 
 
-def _encode(texts: list[str], tokenizer, max_len: int) -> dict[str, torch.Tensor]:
+def assistant_spans(messages: list[dict], text: str, tokenizer) -> list[tuple[int, int]]:
+    """Where the assistant's turns stand in `text` (the chat rendered whole), as character spans:
+    each turn is what the template adds between the prompt that asks for it
+    (add_generation_prompt=True) and the chat that ends with it, its end-of-turn mark included.
+    This fills a gap: transformers' return_assistant_tokens_mask works only with templates that
+    mark turns with {% generation %}, which few models ship (SmolLM2's does not)."""
+    spans = []
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:k], tokenize=False,
+                                               add_generation_prompt=True)
+        through = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
+        if not (text.startswith(through) and through.startswith(before)):
+            raise ConfigError(
+                "data.train_on: 'assistant' is not allowed with this tokenizer: its chat template "
+                "does not render a chat as its first turns followed by the rest; use "
+                "data.train_on=all")
+        spans.append((len(before), len(through)))
+    if spans and messages[-1]["role"] == "assistant":  # the end-of-sequence token after the
+        spans[-1] = (spans[-1][0], len(text) + len(tokenizer.eos_token or ""))  # last reply
+    return spans
+
+
+def _trained(offsets, spans: list[tuple[int, int]]) -> list[bool]:
+    """Per token (its character offsets), whether it overlaps an assistant span (a token may
+    begin before one: " 23" takes the space that ends the generation prompt)."""
+    return [e > s and any(s < b and e > a for a, b in spans) for s, e in offsets]
+
+
+def _encode(texts: list[str], tokenizer, max_len: int, spans=None) -> dict[str, torch.Tensor]:
     texts = [t + tokenizer.eos_token for t in texts] if tokenizer.eos_token else texts
     enc = tokenizer(
-        texts, max_length=max_len, truncation=True, padding="max_length", return_tensors="pt"
+        texts, max_length=max_len, truncation=True, padding="max_length", return_tensors="pt",
+        return_offsets_mapping=spans is not None,
     )
     labels = enc["input_ids"].clone()
     labels[enc["attention_mask"] == 0] = -100  # no loss on padding
+    if spans is not None:  # nor on what is not the assistant's
+        keep = torch.tensor([_trained(o.tolist(), s) for o, s in zip(enc["offset_mapping"], spans,
+                                                                      strict=True)])
+        labels[~keep] = -100
     return {
         "input_ids": enc["input_ids"],
         "attention_mask": enc["attention_mask"],
@@ -67,7 +113,7 @@ def _encode(texts: list[str], tokenizer, max_len: int) -> dict[str, torch.Tensor
     }
 
 
-def _encode_packed(texts: list[str], tokenizer, max_len: int) -> dict[str, torch.Tensor]:
+def _encode_packed(texts: list[str], tokenizer, max_len: int, spans=None) -> dict[str, torch.Tensor]:
     """Samples (each truncated to max_len) packed greedily, in order, into rows of max_len tokens.
     transformers' DataCollatorWithFlattening joins each row's samples: position ids restart at 0,
     and every sample's first label is -100, so no token predicts across a boundary. The row's
@@ -76,15 +122,21 @@ def _encode_packed(texts: list[str], tokenizer, max_len: int) -> dict[str, torch
     from transformers import DataCollatorWithFlattening
 
     texts = [t + tokenizer.eos_token for t in texts] if tokenizer.eos_token else texts
-    samples = tokenizer(texts, max_length=max_len, truncation=True)["input_ids"]
-    groups: list[list[list[int]]] = []
+    enc = tokenizer(texts, max_length=max_len, truncation=True,
+                    return_offsets_mapping=spans is not None)
+    samples = [{"input_ids": ids} for ids in enc["input_ids"]]
+    if spans is not None:
+        for sample, offsets, span in zip(samples, enc["offset_mapping"], spans, strict=True):
+            sample["labels"] = [i if t else -100 for i, t in
+                                zip(sample["input_ids"], _trained(offsets, span), strict=True)]
+    groups: list[list[dict]] = []
     used = max_len + 1  # forces a first row
-    for ids in filter(None, samples):
-        if used + len(ids) > max_len:
+    for sample in filter(lambda s: s["input_ids"], samples):
+        if used + len(sample["input_ids"]) > max_len:
             groups.append([])
             used = 0
-        groups[-1].append(ids)
-        used += len(ids)
+        groups[-1].append(sample)
+        used += len(sample["input_ids"])
     flatten = DataCollatorWithFlattening()
     n_rows = len(groups)
     out = {
@@ -93,9 +145,9 @@ def _encode_packed(texts: list[str], tokenizer, max_len: int) -> dict[str, torch
         "position_ids": torch.zeros((n_rows, max_len), dtype=torch.long),
     }
     for i, group in enumerate(groups):
-        row = flatten([{"input_ids": ids} for ids in group], return_tensors="pt")
+        row = flatten(group, return_tensors="pt")
         n = row["input_ids"].shape[1]
-        last = n - len(group[-1])  # where the last sample starts
+        last = n - len(group[-1]["input_ids"])  # where the last sample starts
         for key in out:
             out[key][i, :n] = row[key][0]
         out["position_ids"][i, last:] = torch.arange(max_len - last)
@@ -103,11 +155,18 @@ def _encode_packed(texts: list[str], tokenizer, max_len: int) -> dict[str, torch
 
 
 def count_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Real (non-padding) tokens of a batch. Packed rows have no attention mask: their real tokens
-    are those with a label plus each sample's first (position 0; padding never restarts at 0)."""
+    """Real (non-padding) tokens of a batch. Packed rows have no attention mask: every token before
+    a row's last sample start is real (samples are packed end to end), and the last sample ends at
+    its last labelled token (the end-of-sequence token of a text, or of the last reply of a chat
+    when only the assistant's turns train; a last sample with no label at all counts its first
+    token only). The padding tail after it has no label and no sample start."""
     if "attention_mask" in batch:
         return int(batch["attention_mask"].sum())
-    return int(((batch["labels"] != -100) | (batch["position_ids"] == 0)).sum())
+    positions, labels = batch["position_ids"], batch["labels"]
+    index = torch.arange(positions.shape[-1], device=positions.device).expand_as(positions)
+    last_start = torch.where(positions == 0, index, -1).amax(dim=-1)
+    last_label = torch.where(labels != -100, index, -1).amax(dim=-1)
+    return int((torch.maximum(last_start, last_label) + 1).sum())
 
 
 class Rows(torch.utils.data.Dataset):
@@ -136,10 +195,12 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[Rows, Rows]:
     else:
         train, val = rows, rows[:64]
     encode = _encode_packed if cfg.packing else _encode
-    return tuple(
-        Rows(encode(_texts(part, cfg, tokenizer, name), tokenizer, cfg.max_seq_len))
-        for part, name in ((train, cfg.path), (val, cfg.val_path or cfg.path))
-    )
+
+    def tokenized(part: list[dict], name: str) -> Rows:
+        texts, spans = _chats(part, cfg, tokenizer, name)
+        return Rows(encode(texts, tokenizer, cfg.max_seq_len, spans))
+
+    return tokenized(train, cfg.path), tokenized(val, cfg.val_path or cfg.path)
 
 
 def _one_row(rows: list[dict]) -> dict[str, torch.Tensor]:

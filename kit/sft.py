@@ -110,6 +110,12 @@ def text_datasets(cfg: Config, tokenizer, world: int):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     rows = data.read_checked(d.path, d)
+    if d.train_on == "assistant" and data.texts_column(rows, d, d.path)[0] == "messages":
+        # TRL trains on every token of a rendered text (its assistant-only loss needs templates
+        # with {% generation %} marks): say so rather than train on the prompts without a word.
+        raise ConfigError("data.train_on: 'assistant' is not allowed with kit.sft on chat rows "
+                          "(TRL trains every token of the rendered chat); use data.train_on=all, "
+                          "or kit.train, which trains on the assistant's turns")
     if d.val_path:
         train, val = rows, data.read_checked(d.val_path, d, "data.val_path")
     elif d.val_fraction > 0:  # as kit.data.build_datasets

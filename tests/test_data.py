@@ -310,3 +310,36 @@ def test_a_one_row_validation_file_trains_on_two_ranks(tmp_path):
     _, metrics = read_run(tmp_path / "run")
     evals = [m["loss"] for m in metrics if m.get("split") == "val"]
     assert len(evals) == 1 and 0 < evals[0] < 20, metrics
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_chat_rows_train_on_the_assistants_turns(tmp_path, tokenizer, packing):
+    """data.train_on=assistant (the default): the labels of a chat row are its assistant turns
+    (each reply, its end of turn and the end-of-sequence token after the last one) and -100
+    elsewhere, the user's turn between two replies included; train_on=all trains every token."""
+    chat = [{"role": "user", "content": "Add 2 and 3."}, {"role": "assistant", "content": "5"},
+            {"role": "user", "content": "And 4?"}, {"role": "assistant", "content": "9"}]
+    path = chat_rows(tmp_path, "chat.jsonl", [{"messages": chat}] * 4)
+    found, real = {}, {}
+    for train_on in ("assistant", "all"):
+        cfg = DataConfig(path=path, max_seq_len=40, packing=packing, train_on=train_on, val_fraction=0)
+        rows = data.build_datasets(cfg, tokenizer, seed=0)[0]
+        found[train_on] = tokenizer.decode(rows[0]["input_ids"][rows[0]["labels"] != -100])
+        real[train_on] = data.count_tokens(rows.tensors)
+    assert real["assistant"] == real["all"]  # the prompt's tokens still count as real tokens
+    assert found["assistant"].startswith(" 5\n 9\n</s>") and "user" not in found["assistant"], found
+    assert "<|user|> And 4?" in found["all"] or "user|> And 4?" in found["all"]
+
+
+def test_kit_sft_says_it_cannot_train_only_the_assistants_turns(tokenizer):
+    """kit.sft hands texts to TRL, which trains every token: with chat rows and the default
+    data.train_on it refuses in one line instead of training on the prompts silently."""
+    from kit import sft
+    from kit.config import load_config
+
+    cfg = load_config(None, ["data.path=kit:sample-chat"])
+    with pytest.raises(ConfigError, match=r"^data.train_on: 'assistant' is not allowed with kit.sft"):
+        sft.text_datasets(cfg, tokenizer, 2)
+    train, _ = sft.text_datasets(load_config(None, ["data.path=kit:sample-chat", "data.train_on=all"]),
+                                 tokenizer, 2)
+    assert "<|user|>" in train[0]["text"]
