@@ -7,6 +7,7 @@
     python -m kit jobs tiny-cpu --nnodes 2 --nproc-per-node 8 --out launch/big   # runs nothing
     python -m kit models                      # the built-in kit: models, their shapes, built or not
     python -m kit models path kit:smollm2-135m-instruct   # builds it if needed, prints its folder
+    python -m kit chat launch/my-run --prompt "Hi" --compare  # a run's adapter answers (and its base)
 
 Add a command: write `_command_<name>(args)` and register its arguments in `_parser`.
 """
@@ -47,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     jobs.add_argument("--pvc", help="the PersistentVolumeClaim holding the checkout, data and "
                       "outputs (default: kit-workspace)")
     jobs.add_argument("--time", help="Slurm's time limit (default 01:00:00)")
+    chat = commands.add_parser("chat", add_help=False,
+                               help="talk to a run's adapter on its base model (python -m kit chat -h)")
+    chat.add_argument("rest", nargs=argparse.REMAINDER)
     models = commands.add_parser("models", help="list the built-in kit: models (shape, built or "
                                  "not, folder); 'models path NAME' builds one and prints its folder")
     models_of = models.add_subparsers(dest="action")
@@ -131,6 +135,11 @@ def _command_models(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["chat"]:  # its own parser, -h included (argparse's REMAINDER drops "-h")
+        from kit import chat
+
+        return chat.main(argv[1:])
     args = _parser().parse_args(argv)
     return globals()[f"_command_{args.command}"](args)
 

@@ -59,6 +59,7 @@ RANK_SIDE = [
     "kit.layers", "kit.engines", "kit.sharding", "kit.checkpoint", "kit.data", "kit.loss",
     "kit.dist", "kit.faults", "kit.checks", "kit.article", "kit.bench_worker", "kit.memory",
     "kit.attention", "kit.attention_bench", "kit.pitfalls.reproduce", "kit.merge",
+    "kit.chat",  # an adapter on its base, talked to in its own process
     "kit.sft", "kit.sft_setup",  # TRL's SFTTrainer under accelerate launch
     "kit.loading", "kit.loading_rank",  # model.loading: full | rank0 | stream
     "kit.offload",  # training.offload_activations

@@ -1,0 +1,55 @@
+"""python -m kit chat: a run's adapter answers through the chat template, from any copy of the run."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from kit import chat
+from kit.config import ConfigError
+
+
+def kit_chat(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kit", "chat", *map(str, args)], cwd=ROOT,
+                          input=stdin, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_chat_answers_from_a_run_copied_elsewhere_as_it_does_in_process(tiny_run, tmp_path):
+    """The run folder copied to another place (another machine's): its config names the base
+    model, so the adapter still loads; --compare gives the base's reply beside it; a checkpoint's
+    adapter folder works as the run folder does; the replies are those of kit.chat.replies."""
+    from kit.merge import load_for_inference
+
+    moved = tmp_path / "elsewhere" / "run"
+    shutil.copytree(tiny_run, moved)
+    proc = kit_chat(moved, "--prompt", "Add 2 and 3.", "--compare", "--max-new-tokens", "6")
+    assert proc.returncode == 0 and proc.stderr.strip() == "", proc.stderr
+    said = dict(line.split(": ", 1) for line in proc.stdout.splitlines())
+    assert list(said) == ["adapter", "base"]
+    model, tokenizer = load_for_inference(moved)
+    assert chat.replies(model, tokenizer, "Add 2 and 3.", True, 6) == said
+    step = next((moved / "checkpoints").iterdir()) / "adapter"
+    assert kit_chat(step, "--prompt", "Add 2 and 3.", "--max-new-tokens", "6").returncode == 0
+
+
+@pytest.mark.slow
+def test_chat_repl_keeps_the_conversation_until_an_empty_line(tiny_run):
+    proc = kit_chat(tiny_run, "--max-new-tokens", "4", stdin="Hello.\n/reset\nAdd 2 and 3.\n\nnot read\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("you> ") == 4 and proc.stdout.count("model> ") == 2, proc.stdout
+
+
+def test_chat_names_what_it_cannot_chat_with(tmp_path):
+    with pytest.raises(ConfigError, match="is not a run folder"):
+        chat.locate(tmp_path)
+    (tmp_path / "adapter_config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="is an adapter outside any run folder"):
+        chat.locate(tmp_path)
+    proc = kit_chat(tmp_path / "nothing")
+    assert proc.returncode == 2 and proc.stderr.startswith("chat: RUN_OR_ADAPTER:")
+    assert len(proc.stderr.strip().splitlines()) == 1
