@@ -172,6 +172,7 @@ def count_tokens(batch: dict[str, torch.Tensor]) -> int:
 class Rows(torch.utils.data.Dataset):
     def __init__(self, tensors: dict[str, torch.Tensor]):
         self.tensors = tensors
+        self.covers = "every token"  # what the labels train: or "the assistant's turns"
 
     def __len__(self) -> int:
         return len(self.tensors["input_ids"])
@@ -198,9 +199,25 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[Rows, Rows]:
 
     def tokenized(part: list[dict], name: str) -> Rows:
         texts, spans = _chats(part, cfg, tokenizer, name)
-        return Rows(encode(texts, tokenizer, cfg.max_seq_len, spans))
+        rows = Rows(encode(texts, tokenizer, cfg.max_seq_len, spans))
+        rows.covers = "every token" if spans is None else "the assistant's turns"
+        return rows
 
     return tokenized(train, cfg.path), tokenized(val, cfg.val_path or cfg.path)
+
+
+def summary(train: Rows, val: Rows, cfg: DataConfig, world: int, batch_size: int,
+            grad_accum: int, steps: int) -> str:  # fmt: skip
+    """One line: what the run will see of its data (rows per split and per rank, tokens, what the
+    loss covers) and how many epochs its steps make (each step takes batch x accumulation rows on
+    every rank; the last incomplete batch of an epoch is dropped)."""
+    kind = "packed rows" if cfg.packing else "rows"
+    per_step = batch_size * grad_accum * world
+    per_epoch = max(1, len(train) // (batch_size * world) // grad_accum)
+    return (f"data: {len(train)} training {kind} ({len(train) // world} per rank), "
+            f"{count_tokens(train.tensors):,} tokens; {len(val)} validation {kind}; loss on "
+            f"{train.covers}; {steps} steps x {per_step} {kind} = {steps / per_epoch:.1f} epochs "
+            f"({per_epoch} steps each)")
 
 
 def _one_row(rows: list[dict]) -> dict[str, torch.Tensor]:

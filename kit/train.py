@@ -80,6 +80,9 @@ class Recipe:
         self.train_rows, self.val_rows = data.build_datasets(
             cfg.data, self.tokenizer, cfg.training.seed
         )
+        self.say(data.summary(self.train_rows, self.val_rows, cfg.data, env.world_size,
+                              cfg.training.batch_size, cfg.training.grad_accum,
+                              cfg.training.steps))
         self.adapter_layout = checkpoint.AdapterLayout(self.peft_model)  # before sharding
         self._check_same_init()
         self.params = lora.trainable_summary(self.peft_model)

@@ -343,3 +343,16 @@ def test_kit_sft_says_it_cannot_train_only_the_assistants_turns(tokenizer):
     train, _ = sft.text_datasets(load_config(None, ["data.path=kit:sample-chat", "data.train_on=all"]),
                                  tokenizer, 2)
     assert "<|user|>" in train[0]["text"]
+
+
+def test_the_run_says_what_it_will_see_of_its_data(tmp_path, tokenizer):
+    """The ranks' one summary line: rows per split and per rank, tokens, what the loss covers,
+    and how many epochs the steps make (an epoch: the rows every rank's full batches take)."""
+    rows = [{"messages": [{"role": "user", "content": f"Add {i} and 1."},
+                          {"role": "assistant", "content": str(i + 1)}]} for i in range(12)]
+    cfg = DataConfig(path=chat_rows(tmp_path, "chat.jsonl", rows), max_seq_len=32, val_fraction=0.2)
+    train, val = data.build_datasets(cfg, tokenizer, seed=0)
+    line = data.summary(train, val, cfg, world=2, batch_size=2, grad_accum=1, steps=5)
+    tokens = data.count_tokens(train.tensors)
+    assert line == (f"data: 10 training rows (5 per rank), {tokens:,} tokens; 2 validation rows; "
+                    "loss on the assistant's turns; 5 steps x 4 rows = 2.5 epochs (2 steps each)")
