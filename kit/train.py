@@ -12,6 +12,7 @@ an exception on any rank is printed with its rank before torchrun stops the othe
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -394,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return check.main(argv[1:])
     path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
+    if "RANK" not in os.environ:  # a config's batch and steps mean other things on one process
+        print("kit.train: started without torchrun, so it runs one process (world size 1); "
+              "torchrun --standalone --nproc_per_node=N -m kit.train ... runs N", flush=True)
     return kdist.entry(lambda: run(load_config(path, overrides)))
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, read_run, torchrun
+from conftest import ROOT, TINY, read_run, torchrun
 
 pytestmark = pytest.mark.slow
 BF16_TOLERANCE = 0.02  # relative to the largest logit: a few bf16 ulps
@@ -79,3 +80,17 @@ def test_second_architecture_qwen2(tmp_path, engine):
     assert check_trained_and_saved(out)["load"]["mode"] == "stream"
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert "tiny-qwen2" in config["base_model_name_or_path"]
+
+
+@pytest.mark.slow
+def test_without_torchrun_the_recipe_says_it_runs_one_process(tmp_path):
+    """python -m kit.train (no torchrun) trains as a world of one, and says so first: the same
+    config under torchrun --nproc_per_node=2 sees twice the rows per step."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-m", "kit.train", str(TINY), "training.steps=1",
+                           f"run.output_dir={tmp_path / 'run'}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("kit.train: started without torchrun, so it runs one process"), first
+    assert "world=1" in proc.stdout
