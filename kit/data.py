@@ -206,11 +206,11 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[Rows, Rows]:
     return tokenized(train, cfg.path), tokenized(val, cfg.val_path or cfg.path)
 
 
-def summary(train: Rows, val: Rows, cfg: DataConfig, world: int, batch_size: int,
-            grad_accum: int, steps: int) -> str:  # fmt: skip
+def summary(train: Rows, val: Rows, cfg: DataConfig, training, world: int) -> str:
     """One line: what the run will see of its data (rows per split and per rank, tokens, what the
     loss covers) and how many epochs its steps make (each step takes batch x accumulation rows on
     every rank; the last incomplete batch of an epoch is dropped)."""
+    batch_size, grad_accum, steps = training.batch_size, training.grad_accum, training.steps
     kind = "packed rows" if cfg.packing else "rows"
     per_step = batch_size * grad_accum * world
     per_epoch = max(1, len(train) // (batch_size * world) // grad_accum)

@@ -36,6 +36,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def say_if_alone(module: str) -> None:
+    """One line when a recipe is started without torchrun: it then runs as a world of one, where
+    a config's batch and steps mean other things than under torchrun --nproc_per_node=2."""
+    if "RANK" not in os.environ:
+        print(f"{module}: started without torchrun, so it runs one process (world size 1); "
+              f"torchrun --standalone --nproc_per_node=N -m {module} ... runs N", flush=True)
+
+
 def init(device: str = "auto", timeout_min: int = 30) -> DistEnv:
     """Join (or form) the process group; device 'auto' is cuda when there is one."""
     if "RANK" not in os.environ:  # not under torchrun: a group of one

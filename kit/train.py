@@ -12,7 +12,6 @@ an exception on any rank is printed with its rank before torchrun stops the othe
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
@@ -78,12 +77,9 @@ class Recipe:
         if built.attention_warning:
             self.say(built.attention_warning)
         self.peft_model, self.tokenizer = built.model, built.tokenizer
-        self.train_rows, self.val_rows = data.build_datasets(
-            cfg.data, self.tokenizer, cfg.training.seed
-        )
-        self.say(data.summary(self.train_rows, self.val_rows, cfg.data, env.world_size,
-                              cfg.training.batch_size, cfg.training.grad_accum,
-                              cfg.training.steps))
+        self.train_rows, self.val_rows = data.build_datasets(cfg.data, self.tokenizer,
+                                                             cfg.training.seed)
+        self.say(data.summary(self.train_rows, self.val_rows, cfg.data, cfg.training, env.world_size))
         self.adapter_layout = checkpoint.AdapterLayout(self.peft_model)  # before sharding
         self._check_same_init()
         self.params = lora.trainable_summary(self.peft_model)
@@ -395,9 +391,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return check.main(argv[1:])
     path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
-    if "RANK" not in os.environ:  # a config's batch and steps mean other things on one process
-        print("kit.train: started without torchrun, so it runs one process (world size 1); "
-              "torchrun --standalone --nproc_per_node=N -m kit.train ... runs N", flush=True)
+    kdist.say_if_alone("kit.train")
     return kdist.entry(lambda: run(load_config(path, overrides)))
 
 

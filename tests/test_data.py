@@ -352,7 +352,9 @@ def test_the_run_says_what_it_will_see_of_its_data(tmp_path, tokenizer):
                           {"role": "assistant", "content": str(i + 1)}]} for i in range(12)]
     cfg = DataConfig(path=chat_rows(tmp_path, "chat.jsonl", rows), max_seq_len=32, val_fraction=0.2)
     train, val = data.build_datasets(cfg, tokenizer, seed=0)
-    line = data.summary(train, val, cfg, world=2, batch_size=2, grad_accum=1, steps=5)
+    from kit.config import TrainingConfig
+
+    line = data.summary(train, val, cfg, TrainingConfig(batch_size=2, grad_accum=1, steps=5), 2)
     tokens = data.count_tokens(train.tensors)
     assert line == (f"data: 10 training rows (5 per rank), {tokens:,} tokens; 2 validation rows; "
                     "loss on the assistant's turns; 5 steps x 4 rows = 2.5 epochs (2 steps each)")
