@@ -30,6 +30,22 @@ def notebook_kernel():
         yield
 
 
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def torchrun_variables_stay_as_they_were():
+    """kit.dist.init sets torchrun's variables when it forms a group of one inside pytest; no test
+    hands them on (a later child process would inherit RANK and a port still in use)."""
+    before = {k: os.environ.get(k) for k in TORCHRUN_VARIABLES}
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def alive(pid: int) -> bool:
     """A process that exists and is not a zombie."""
     import psutil

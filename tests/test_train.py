@@ -86,7 +86,10 @@ def test_second_architecture_qwen2(tmp_path, engine):
 def test_without_torchrun_the_recipe_says_it_runs_one_process(tmp_path):
     """python -m kit.train (no torchrun) trains as a world of one, and says so first: the same
     config under torchrun --nproc_per_node=2 sees twice the rows per step."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    # None of torchrun's variables, nor the port an in-process test's group of one left behind.
+    started = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items()
+           if k not in started and not k.startswith("TORCHELASTIC_")}
     proc = subprocess.run([sys.executable, "-m", "kit.train", str(TINY), "training.steps=1",
                            f"run.output_dir={tmp_path / 'run'}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
