@@ -10,7 +10,7 @@ import torch
 
 from kit import engines
 from kit.config import Config, ConfigError
-from kit.quantize import one_thread
+from kit.quantize import load_on_cpu, one_thread
 
 
 def linear_module_names(model) -> list[str]:
@@ -293,8 +293,6 @@ def scaling_runs(model: str, ranks, lrs, steps: int, alpha: int = 16, targets="a
 
     from peft import LoraConfig, get_peft_model
 
-    from kit.quantize import load_on_cpu
-
     base = load_on_cpu(model, method="none", dtype="float32")
     train, val = sample_rows(model)
     held_out = {k: v[:32] for k, v in val.items()}
@@ -373,15 +371,14 @@ def run_twice_one_ulp_apart(model: str, r: int, lr: float, steps: int, alpha: in
 
     from peft import LoraConfig, get_peft_model
 
-    from kit.quantize import load_on_cpu
-
     base = load_on_cpu(model, method="none", dtype="float32")
     nudged = copy.deepcopy(base)
     noise = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in nudged.parameters():
             p.mul_(1 + 1.2e-7 * torch.randn(p.shape, generator=noise))
-    train, held_out = sample_rows(model)[0], {k: v[:32] for k, v in sample_rows(model)[1].items()}
+    train, val = sample_rows(model)
+    held_out = {k: v[:32] for k, v in val.items()}
     found, config = [], LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, lora_dropout=0.0,
                                    target_modules="all-linear", task_type="CAUSAL_LM")
     for weights in (base, nudged):
