@@ -12,6 +12,7 @@ Folders live under ``$KIT_HOME/models`` (default ``~/.cache/kit/models``); build
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -209,10 +210,11 @@ def build(name: str, seed: int = 0) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
     try:
-        if name in CONVERTED:
-            _convert_gguf(*CONVERTED[name], tmp)
-        else:
-            _write_random(name, seed, tmp)
+        with _no_bars():
+            if name in CONVERTED:
+                _convert_gguf(*CONVERTED[name], tmp)
+            else:
+                _write_random(name, seed, tmp)
         try:
             os.rename(tmp, out)
         except OSError:  # another process finished first: theirs is identical
@@ -221,6 +223,21 @@ def build(name: str, seed: int = 0) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+@contextlib.contextmanager
+def _no_bars():
+    """A kit model's one-time build is the kit's own step, not the user's download: no progress
+    bars of the libraries it calls (transformers' shard writing, the GGUF conversion) on stderr."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def _write_random(name: str, seed: int, tmp: Path) -> None:

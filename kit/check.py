@@ -9,8 +9,14 @@ model.name points (kit.sources), the data file row by row (kit.datafile), the pr
 error-level findings for this machine (kit.doctor: pitfalls, GPUs, memory), and what the start
 would do to its run folder (kit.runfolder: a refused start, a finished run).
 
+On success it prints one line: what the run will see of its data, as the ranks will print it (the
+model's tokenizer, the rows tokenized: training and validation rows, per rank, tokens, what the
+loss covers, steps and epochs), and what the start does to its run folder (new, resumed).
+That line is the one step here that imports torch (kit.data.plan), and only in this command's own
+process: `check()`, which the notebook kernel calls, does not make it.
+
 Exit codes: 0 go on, 2 refused (one line per problem on stderr), 3 nothing to do (the run is
-finished; run.sh then exits 0 without starting torchrun). Imports no torch.
+finished; run.sh then exits 0 without starting torchrun). Importing it loads no torch.
 """
 
 from __future__ import annotations
@@ -74,7 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     if path and "=" in path:
         path, overrides = None, [path, *overrides]
     try:
-        plan = check(load_config(path, overrides), args.nproc, args.nnodes)
+        cfg = load_config(path, overrides)
+        plan = check(cfg, args.nproc, args.nnodes)
+        if plan.start is not None:
+            from kit import data  # torch, transformers: this process only (see above)
+
+            line = f"{data.plan(cfg, args.nproc * args.nnodes)}; run: {plan.message}"
     except ConfigError as e:
         for line in str(e).splitlines():
             sys.stderr.write(f"ConfigError: {line}\n")
@@ -84,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return NOTHING_TO_DO
     for note in plan.notes:
         print(note)
+    print(line)
     return 0
 
 

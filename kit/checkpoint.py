@@ -16,6 +16,7 @@ command line are `kit.merge`; both are re-exported here.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import shutil
@@ -48,7 +49,11 @@ class AdapterLayout:
     """Which model parameters form the adapter, their file keys and shapes. Build it from the PEFT
     model before sharding: PEFT's own key selection needs the unwrapped module tree."""
 
-    def __init__(self, peft_model, adapter_name: str = "default"):
+    def __init__(self, peft_model, adapter_name: str = "default", base: str | None = None):
+        """base: the base model as adapter_config.json names it (the config's model.name: a hub id,
+        a folder as given, a kit: model), instead of the folder it was loaded from, which for a
+        kit: model is under this machine's KIT_HOME. The live model keeps its folder: PEFT reads
+        it (a local config.json, else the hub) when it selects the adapter's keys."""
         from peft import get_peft_model_state_dict
 
         named = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
@@ -57,7 +62,9 @@ class AdapterLayout:
         saved = get_peft_model_state_dict(peft_model, state_dict=probe, adapter_name=adapter_name)
         self.file_key = {named[int(v)][0]: k for k, v in saved.items()}
         self.shapes = {self.file_key[n]: tuple(p.shape) for n, p in named if n in self.file_key}
-        self.config = peft_model.peft_config[adapter_name]
+        self.config = copy.deepcopy(peft_model.peft_config[adapter_name])
+        if base is not None:
+            self.config.base_model_name_or_path = base
         if not self.file_key:
             raise CheckpointError("the model has no trainable adapter parameters to save")
 

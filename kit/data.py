@@ -33,6 +33,7 @@ from kit.datafile import (  # noqa: F401
     read_checked,
     read_rows,
     read_rows_stdlib,
+    render_chats,
     resolve_path,
     texts_column,
 )
@@ -44,23 +45,27 @@ def warm_cache(cfg: DataConfig) -> None:
     check_file(cfg)
 
 
-def _texts(rows: list[dict], cfg: DataConfig, tokenizer, name: str) -> list[str]:
-    return _chats(rows, cfg, tokenizer, name)[0]
+def _texts(rows: list[dict], cfg: DataConfig, tokenizer, name: str,
+           field: str = "data.path") -> list[str]:
+    return _chats(rows, cfg, tokenizer, name, field)[0]
 
 
-def _chats(rows: list[dict], cfg: DataConfig, tokenizer, name: str):
-    """(texts, spans): each row's text (chat rows rendered by the chat template) and, where only
-    the assistant's turns train (chat rows, data.train_on=assistant), their character spans in
-    it; spans None: every token trains."""
+def _chats(rows: list[dict], cfg: DataConfig, tokenizer, name: str, field: str = "data.path"):
+    """(texts, spans): each row's text (chat rows rendered by the chat template, each row checked
+    against it: kit.datafile.render_chats) and, where only the assistant's turns train (chat
+    rows, data.train_on=assistant), their character spans in it; spans None: every token trains."""
     fmt, column = texts_column(rows, cfg, name)
     if fmt == "text":
         return [r[column] for r in rows], None
     if not tokenizer.chat_template:
         raise ConfigError("data.format: 'messages' needs a tokenizer with a chat template")
-    chats = [as_messages(r[column]) for r in rows]
-    texts = [tokenizer.apply_chat_template(m, tokenize=False) for m in chats]
+    texts = render_chats(rows, cfg, tokenizer, name, field)
     if cfg.train_on == "all":
         return texts, None
+    if not tokenizer.is_fast:  # the spans become labels through the fast tokenizers' offsets
+        raise ConfigError(f"data.train_on: 'assistant' needs a fast tokenizer (character offsets); "
+                          f"{type(tokenizer).__name__} is not one; allowed: data.train_on=all")
+    chats = [as_messages(r[column]) for r in rows]
     return texts, [assistant_spans(m, t, tokenizer) for m, t in zip(chats, texts, strict=True)]
 
 
@@ -182,28 +187,48 @@ class Rows(torch.utils.data.Dataset):
 
 
 def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[Rows, Rows]:
-    """(train, validation) tokenized rows; the split is seeded, identical on every rank."""
+    """(train, validation) tokenized rows; the split is seeded, identical on every rank. Each
+    file's rows are checked and rendered whole before the split, so a problem names its row."""
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     rows = read_checked(cfg.path, cfg)  # every row checked here, where rows keep their numbers
+    texts, spans = _chats(rows, cfg, tokenizer, cfg.path)
     if cfg.val_path:
-        train, val = rows, read_checked(cfg.val_path, cfg, "data.val_path")
-    elif cfg.val_fraction > 0:
-        # A seeded permutation: the same split on every rank and every machine.
-        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
-        n_val = max(1, round(len(rows) * cfg.val_fraction))
-        val, train = [rows[i] for i in order[:n_val]], [rows[i] for i in order[n_val:]]
+        val_rows = read_checked(cfg.val_path, cfg, "data.val_path")
+        train, val = (texts, spans), _chats(val_rows, cfg, tokenizer, cfg.val_path, "data.val_path")
     else:
-        train, val = rows, rows[:64]
+        if cfg.val_fraction > 0:
+            # A seeded permutation: the same split on every rank and every machine.
+            order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+            n_val = max(1, round(len(rows) * cfg.val_fraction))
+            val_idx, train_idx = order[:n_val], order[n_val:]
+        else:
+            train_idx, val_idx = range(len(rows)), range(min(64, len(rows)))
+        pick = lambda idx: ([texts[i] for i in idx], None if spans is None else [spans[i] for i in idx])  # noqa: E731
+        train, val = pick(train_idx), pick(val_idx)
     encode = _encode_packed if cfg.packing else _encode
 
-    def tokenized(part: list[dict], name: str) -> Rows:
-        texts, spans = _chats(part, cfg, tokenizer, name)
-        rows = Rows(encode(texts, tokenizer, cfg.max_seq_len, spans))
-        rows.covers = "every token" if spans is None else "the assistant's turns"
+    def tokenized(part) -> Rows:
+        rows = Rows(encode(part[0], tokenizer, cfg.max_seq_len, part[1]))
+        rows.covers = "every token" if part[1] is None else "the assistant's turns"
         return rows
 
-    return tokenized(train, cfg.path), tokenized(val, cfg.val_path or cfg.path)
+    return tokenized(train), tokenized(val)
+
+
+def plan(cfg, world: int) -> str:
+    """The data line the ranks print, made before they start (kit.check, run.sh's check step):
+    the model's tokenizer alone, the rows tokenized as the ranks will, and a training split too
+    small for every rank refused here rather than after every rank has loaded the model."""
+    from transformers import AutoTokenizer
+
+    from kit import builtin
+
+    tokenizer = AutoTokenizer.from_pretrained(builtin.resolve(cfg.model.name),
+                                              trust_remote_code=cfg.model.trust_remote_code)
+    train, val = build_datasets(cfg.data, tokenizer, cfg.training.seed)
+    fits(train, cfg.training.batch_size, world)
+    return summary(train, val, cfg.data, cfg.training, world)
 
 
 def summary(train: Rows, val: Rows, cfg: DataConfig, training, world: int) -> str:
@@ -232,18 +257,9 @@ def loader(
     one_row: each batch of packed rows joined into a single row, the only packed layout that
     transformers' flash_attention_2 recognises (modeling_flash_attention_utils._is_packed_sequence
     wants batch size 1; the labels' shift stays inside rows, whose first label is -100)."""
-    if len(rows) < batch_size * world:
-        if not train:  # a small validation split: every row evaluated once, on fewer ranks
-            return short_split(rows, batch_size, rank, world, one_row)
-        packed = "position_ids" in rows.tensors  # packing joins samples: fewer rows
-        kind = "packed rows" if packed else "rows"
-        smaller = f"training.batch_size={len(rows) // world}, " if len(rows) >= world else ""
-        raise ConfigError(
-            f"training.batch_size: {batch_size} is not allowed; the training split has "
-            f"{len(rows)} {kind}, which cannot fill {world} ranks x {batch_size}; use "
-            f"{smaller}more rows in data.path, "
-            f"{'data.packing=false (one row per sample), ' if packed else ''}or fewer processes"
-        )
+    if len(rows) < batch_size * world and not train:  # a small validation split: every row
+        return short_split(rows, batch_size, rank, world, one_row)  # once, on fewer ranks
+    fits(rows, batch_size, world)
     sampler = DistributedSampler(
         rows, num_replicas=world, rank=rank, shuffle=train, seed=seed, drop_last=True
     )
@@ -253,6 +269,21 @@ def loader(
     return DataLoader(
         rows, batch_size=batch_size, sampler=sampler, drop_last=True, generator=generator,
         collate_fn=_one_row if one_row else None,
+    )
+
+
+def fits(rows: Rows, batch_size: int, world: int) -> None:
+    """Refuse a training split that cannot give every rank one full batch, naming the remedies."""
+    if len(rows) >= batch_size * world:
+        return
+    packed = "position_ids" in rows.tensors  # packing joins samples: fewer rows
+    kind = "packed rows" if packed else "rows"
+    smaller = f"training.batch_size={len(rows) // world}, " if len(rows) >= world else ""
+    raise ConfigError(
+        f"training.batch_size: {batch_size} is not allowed; the training split has "
+        f"{len(rows)} {kind}, which cannot fill {world} ranks x {batch_size}; use "
+        f"{smaller}more rows in data.path, "
+        f"{'data.packing=false (one row per sample), ' if packed else ''}or fewer processes"
     )
 
 

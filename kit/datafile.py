@@ -211,6 +211,18 @@ def check_rows(name: str, rows: list[dict], cfg: DataConfig, field: str = "data.
         raise ConfigError(f"{where} holds no rows")
     fmt, column = texts_column(rows, cfg, name)
     bad = [(i, p) for i, r in enumerate(rows) if (p := _problem(r.get(column), fmt))]
+    allowed = (
+        "a string in data.text_field" if fmt == "text"
+        else "a non-empty list of {role, content} messages in data.messages_field"
+    )
+    refuse_rows(name, field, column, bad, f"every row needs {allowed}")
+
+
+def refuse_rows(name: str, field: str, column: str, bad: list[tuple[int, str]],
+                allowed: str) -> None:
+    """Raise one line naming the first bad row (index i, its problem) and the numbers of the
+    others: a .jsonl file's rows are numbered by line, the others' by record (from 1, a CSV's
+    header not counted). Nothing bad: nothing raised."""
     if not bad:
         return
     # Row numbers: a .jsonl file's line numbers (datasets skips blank lines, they count here),
@@ -228,13 +240,39 @@ def check_rows(name: str, rows: list[dict], cfg: DataConfig, field: str = "data.
         shown = ", ".join(str(number(i)) for i, _ in rest[:SHOWN])
         shown += ", ..." if len(rest) > SHOWN else ""
         more = f" ({len(rest)} more bad row{'s' if len(rest) > 1 else ''}: {shown})"
-    allowed = (
-        "a string in data.text_field" if fmt == "text"
-        else "a non-empty list of {role, content} messages in data.messages_field"
-    )
     at = number(first)
-    raise ConfigError(f"{where} row {at} ({which.format(at)}): {column!r} {problem}{more}; "
-                      f"every row needs {allowed}")
+    raise ConfigError(f"{field}: {name!r} row {at} ({which.format(at)}): {column!r} {problem}"
+                      f"{more}; {allowed}")
+
+
+def render_chats(rows: list[dict], cfg: DataConfig, tokenizer, name: str,
+                 field: str = "data.path") -> list[str]:
+    """Each chat row as the model's chat template renders it, checked against the template: a row
+    the template refuses (a role it raises on, turns out of the order it wants) or renders
+    without one of its messages (templates that know no such role drop it, silently) is refused
+    in one line naming the row, the message and its role. Needs no torch: the tokenizer is given."""
+    from jinja2 import TemplateError
+
+    column = texts_column(rows, cfg, name)[1]
+    texts, bad = [], []
+    for i, row in enumerate(rows):
+        chat = as_messages(row[column])
+        try:
+            text = tokenizer.apply_chat_template(chat, tokenize=False)
+        except TemplateError as e:
+            bad.append((i, f"is refused by the model's chat template: {str(e).splitlines()[0]}"))
+            texts.append("")
+            continue
+        lost = [(k, m["role"]) for k, m in enumerate(chat, 1)
+                if isinstance(m["content"], str) and m["content"].strip() not in text]
+        if lost:
+            k, role = lost[0]
+            bad.append((i, f"message {k} (role {role!r}) is not in the text the model's chat "
+                           "template makes of it"))
+        texts.append(text)
+    refuse_rows(name, field, column, bad, "allowed: roles and turns this model's chat template "
+                "renders (data.format=text trains on a text column as written)")
+    return texts
 
 
 def _problem(value, fmt: str) -> str:

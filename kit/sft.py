@@ -116,23 +116,23 @@ def text_datasets(cfg: Config, tokenizer, world: int):
         raise ConfigError("data.train_on: 'assistant' is not allowed with kit.sft on chat rows "
                           "(TRL trains every token of the rendered chat); use data.train_on=all, "
                           "or kit.train, which trains on the assistant's turns")
+    texts = data._texts(rows, d, tokenizer, d.path)  # each row rendered, checked by its number
     if d.val_path:
-        train, val = rows, data.read_checked(d.val_path, d, "data.val_path")
+        val_rows = data.read_checked(d.val_path, d, "data.val_path")
+        train, val = texts, data._texts(val_rows, d, tokenizer, d.val_path, "data.val_path")
     elif d.val_fraction > 0:  # as kit.data.build_datasets
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(t.seed)).tolist()
         n_val = max(1, round(len(rows) * d.val_fraction))
-        val, train = [rows[i] for i in order[:n_val]], [rows[i] for i in order[n_val:]]
+        val, train = [texts[i] for i in order[:n_val]], [texts[i] for i in order[n_val:]]
     else:
-        train, val = rows, rows[:64]
+        train, val = texts, texts[:64]
     for part, name in ((train, "training"), (val, "validation")):
         if len(part) < t.batch_size * world:
             raise ConfigError(f"training.batch_size: {t.batch_size} is not allowed; {len(part)} "
                               f"{name} rows cannot fill {world} ranks x {t.batch_size}")
     if not d.packing:  # packed, TRL makes fewer rows of these: `fit_packed` cuts them after
         val = val[: t.eval_batches * t.batch_size * world]
-    as_text = lambda part, name: Dataset.from_dict(  # noqa: E731
-        {d.text_field: data._texts(part, d, tokenizer, name)})
-    return as_text(train, d.path), as_text(val, d.val_path or d.path)
+    return Dataset.from_dict({d.text_field: train}), Dataset.from_dict({d.text_field: val})
 
 
 def fit_packed(trainer, cfg: Config, world: int) -> None:
@@ -278,7 +278,7 @@ def run(cfg: Config) -> dict:
         from kit import lora_groups
 
         lora_groups.enable(peft_model, recompute=cfg.lora.recompute)
-    layout = checkpoint.AdapterLayout(peft_model)  # before the trainer wraps the model
+    layout = checkpoint.AdapterLayout(peft_model, base=cfg.model.name)  # before the trainer wraps it
     params = lora.trainable_summary(peft_model)
     train_ds, eval_ds = text_datasets(cfg, tokenizer, world)
     rec = recorder(out, device, is_main, world, layout)

@@ -80,7 +80,8 @@ class Recipe:
         self.train_rows, self.val_rows = data.build_datasets(cfg.data, self.tokenizer,
                                                              cfg.training.seed)
         self.say(data.summary(self.train_rows, self.val_rows, cfg.data, cfg.training, env.world_size))
-        self.adapter_layout = checkpoint.AdapterLayout(self.peft_model)  # before sharding
+        self.adapter_layout = checkpoint.AdapterLayout(self.peft_model,  # before sharding
+                                                       base=cfg.model.name)
         self._check_same_init()
         self.params = lora.trainable_summary(self.peft_model)
         t, rc = cfg.training, cfg.training.recompute

@@ -1,13 +1,19 @@
-"""Reload a saved adapter in a fresh single process with plain PEFT (no FSDP, no kit) and compare
-its logits with the ones the trained, sharded model produced (`probe.pt`). Prints JSON."""
+"""Reload a saved adapter in a fresh single process with plain PEFT (no FSDP; of the kit only the
+folder a kit: base model name stands for) and compare its logits with the ones the trained,
+sharded model produced (`probe.pt`). Prints JSON.
+
+The base is named by the run's config, as adapter_config.json names it (kit:tiny-llama, a hub id
+or a folder): PEFT's own pattern for a base found elsewhere, PeftModel.from_pretrained(base, dir)."""
 
 import json
 import sys
 
 import torch
 import yaml
-from peft import AutoPeftModelForCausalLM
-from transformers import BitsAndBytesConfig
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+from kit.builtin import resolve
 
 run = sys.argv[1]
 device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
@@ -22,10 +28,11 @@ if cfg["quantization"]["method"] != "none":
         bnb_4bit_compute_dtype=dtype,
         bnb_4bit_quant_storage=dtype,
     )
-model = AutoPeftModelForCausalLM.from_pretrained(
-    f"{run}/adapter", dtype=dtype, quantization_config=quant,
+base = AutoModelForCausalLM.from_pretrained(
+    resolve(cfg["model"]["name"]), dtype=dtype, quantization_config=quant,
     **({"device_map": {"": 0}} if device == "cuda" else {}),
-).eval()
+)
+model = PeftModel.from_pretrained(base, f"{run}/adapter").eval()
 probe = torch.load(f"{run}/probe.pt")
 inputs = {"input_ids": probe["input_ids"].to(device), "attention_mask": probe["attention_mask"].to(device)}
 mask = probe["attention_mask"].bool()

@@ -197,6 +197,32 @@ def test_the_doctor_preflight_finds_what_would_fail(case, tmp_path):
     assert [f for f in findings if f.level == "error"], case
 
 
+def test_the_check_step_says_what_the_run_will_see_before_it_starts(trained):
+    """run.sh's check step prints one line before torchrun starts any rank: the data line that
+    rank 0 prints after loading (the same rows per split and per rank, tokens, what the loss
+    covers, steps and epochs), and what the start does to the run folder."""
+    log = (trained / "run.log").read_text().splitlines()
+    checked = one_line("\n".join(line for line in log if line.startswith("data: ")))
+    ranks = [line.split(":", 1)[1] for line in log if line.startswith("[default0]:data: ")]
+    assert checked.startswith("data: 432 training rows (216 per rank), ")
+    assert ranks == [checked.removesuffix(f"; run: {trained}: starting at step 0")], (checked, ranks)
+    assert log.index(checked) < next(i for i, line in enumerate(log) if line.startswith("["))
+
+
+def test_a_training_split_too_small_for_the_ranks_is_refused_by_the_check(tmp_path):
+    """Three short rows pack into one row, which cannot give 2 ranks a batch each (the doctor,
+    counting rows without a tokenizer, sees 3): one line from the check step, with remedies that
+    exist, before any rank loads the model (it used to come from the ranks after loading)."""
+    rows = _bad_data(tmp_path, "".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(3)))
+    proc = check_cli(TINY, f"run.output_dir={tmp_path / 'run'}", f"data.path={rows}",
+                     f"data.val_path={rows}", "data.packing=true", "training.batch_size=1")
+    assert proc.returncode == 2 and one_line(proc.stderr) == (
+        "ConfigError: training.batch_size: 1 is not allowed; the training split has 1 packed "
+        "rows, which cannot fill 2 ranks x 1; use more rows in data.path, data.packing=false "
+        "(one row per sample), or fewer processes"), proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 # --------------------------------------------------------------------------- ranks
 
 def test_a_run_that_cannot_save_fails_after_its_first_step(tmp_path):

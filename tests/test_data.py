@@ -358,3 +358,37 @@ def test_the_run_says_what_it_will_see_of_its_data(tmp_path, tokenizer):
     tokens = data.count_tokens(train.tensors)
     assert line == (f"data: 10 training rows (5 per rank), {tokens:,} tokens; 2 validation rows; "
                     "loss on the assistant's turns; 5 steps x 4 rows = 2.5 epochs (2 steps each)")
+
+
+# A template that renders only the user's and the assistant's turns, and refuses two user turns in
+# a row, as many shipped templates do (raise_exception is transformers' own helper).
+PICKY_TEMPLATE = (
+    "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == 'user' and "
+    "messages[loop.index0 - 1]['role'] == 'user' %}{{ raise_exception('Conversation roles must "
+    "alternate user/assistant/user/assistant') }}{% endif %}{% if m['role'] in ['user', "
+    "'assistant'] %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("bad, says", [
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+     "message 1 (role 'system') is not in the text the model's chat template makes of it"),
+    ([{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}],
+     "is refused by the model's chat template: Conversation roles must alternate"),
+], ids=["role-the-template-drops", "turns-the-template-refuses"])
+def test_roles_are_checked_against_the_models_chat_template(tmp_path, tokenizer, bad, says):
+    """A role this model's template does not render would train as nothing, silently, and a
+    template's own refusal is a traceback from jinja: both are one line naming the row."""
+    import copy
+
+    picky = copy.deepcopy(tokenizer)
+    picky.chat_template = PICKY_TEMPLATE
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    cfg = DataConfig(path=chat_rows(tmp_path, "chat.jsonl", [good] * 3 + [{"messages": bad}] + [good]))
+    with pytest.raises(ConfigError) as e:
+        data.build_datasets(cfg, picky, seed=0)
+    line = str(e.value)
+    assert line.count("\n") == 0 and line.startswith(f"data.path: {cfg.path!r} row 4 (line 4): "
+                                                     f"'messages' {says}"), line
+    assert line.endswith("allowed: roles and turns this model's chat template renders "
+                         "(data.format=text trains on a text column as written)")
+    assert data.build_datasets(cfg, tokenizer, seed=0)  # the kit's own template renders them all

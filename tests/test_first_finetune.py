@@ -30,6 +30,11 @@ def test_forty_chat_rows_train_on_the_first_try_and_the_result_chats(tmp_path):
     run = torchrun(tmp_path / "run", f"data.path={mine}", config=RECIPE)
     said = next(line for line in run.stdout.splitlines() if "]:data: " in line)  # rank 0's
     assert " 1 validation packed rows; loss on the assistant's turns; " in said, said
+    # The check step said the same before any rank started, and that the run folder is new.
+    checked = next(line for line in run.stdout.splitlines() if line.startswith("data: "))
+    assert checked == f"{said.split(']:', 1)[1]}; run: {tmp_path / 'run'}: starting at step 0"
+    adapter = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == "kit:smollm2-135m-instruct"  # not this KIT_HOME
     held = [json.loads(line)["messages"] for line in HELD_OUT.read_text().splitlines()]
     questions, answers = [m[0]["content"] for m in held], [m[1]["content"] for m in held]
     model, tokenizer = load_for_inference(tmp_path / "run")
