@@ -12,6 +12,7 @@ nothing of the kit: every module may import ``ROOT`` from it.
 """
 
 import logging
+import warnings
 from pathlib import Path
 
 # The checkout: ranks run here, launch/ lives here, relative data paths resolve here.
@@ -32,3 +33,8 @@ class _NoHubKernelLine(logging.Filter):
 
 
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NoHubKernelLine())
+
+# transformers 5 renamed `is_gradient_checkpointing`; PEFT still calls the old name when it wraps a
+# model, so every rank of every run printed the notice, which only PEFT's authors can act on.
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                        category=FutureWarning)

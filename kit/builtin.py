@@ -294,7 +294,21 @@ def _convert_gguf(package: str, file: str, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = gguf_path(package, file)
-    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=file, dtype=torch.float32)
+    print(f"kit: converting {file} (from the {package} package) once, into {out.parent}",
+          flush=True)
+    # The GGUF reader's bar is plain tqdm, which transformers' progress-bar switch does not reach:
+    # switched off here, for this one call, through the name that module calls.
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = lambda *a, **k: bar(*a, **{**k, "disable": True})
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=file,
+                                                      dtype=torch.float32)
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
     config = loaded.config
     config.__dict__.pop("quantization_config", None)  # the GGUF file's: the copy is a plain model
     with torch.random.fork_rng(devices=[]):  # its random initialisation is overwritten below

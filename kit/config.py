@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -365,6 +366,9 @@ def _set_override(tree: dict, item: str) -> None:
     node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
 
 
+RUN_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+
+
 def _check(cfg: Config) -> None:
     """Range and combination checks that types alone cannot express."""
 
@@ -374,6 +378,13 @@ def _check(cfg: Config) -> None:
 
     t, d, lo, m, rc = cfg.training, cfg.data, cfg.lora, cfg.model, cfg.training.recompute
     need(m.name.strip() != "", "model.name", m.name, "expected a hub id, a local path or kit:<name>")
+    # A name stays a name: launch/<run.name>/ must not climb out of launch/ (run.output_dir is the
+    # key for a folder elsewhere).
+    need(re.fullmatch(RUN_NAME, cfg.run.name) is not None, "run.name", cfg.run.name,
+         "expected letters, digits, '.', '_' or '-', starting with a letter or digit (it names a "
+         "folder under launch/; run.output_dir=<path> writes elsewhere)")
+    # Every generator the run seeds takes seed + rank, and torch's take at most 2**64 - 1.
+    need(0 <= t.seed < 2**63, "training.seed", t.seed, "expected an integer from 0 to 2**63 - 1")
     ranges = [  # (field, its value, smallest allowed)
         *((f"training.{n}", getattr(t, n), 1)
           for n in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every")),

@@ -66,6 +66,10 @@ def init(device: str = "auto", timeout_min: int = 30) -> DistEnv:
             timeout=timedelta(minutes=timeout_min),
             device_id=dev if use_cuda else None,
         )
+    if rank != 0:  # one loading bar per run, rank 0's: the others' interleave with it on stderr
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     return DistEnv(rank, local_rank, world, dev)
 
 

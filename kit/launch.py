@@ -22,7 +22,6 @@ metrics, failure, attach) is kit/runs.py.
 
 from __future__ import annotations
 
-import re
 import shlex
 import shutil
 import sys
@@ -32,7 +31,7 @@ from pathlib import Path
 from kit import ROOT, runfolder
 from kit.check import check as check_start
 from kit.check import inputs as check_inputs
-from kit.config import Config, ConfigError, apply_overrides, config_from_dict, load_config
+from kit.config import Config, apply_overrides, config_from_dict, load_config
 
 # The run handle lives in kit.runs; notebooks import it from here with launch.
 from kit.runs import DONE, Follow, Run, RunFailed, command, runs  # noqa: F401
@@ -69,10 +68,9 @@ def resolve(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
         if not path.exists() and (CONFIGS / f"{path}.yaml").is_file():
             path = CONFIGS / f"{path}.yaml"
         cfg = load_config(path, overrides)
-    cfg.run.name = name or cfg.run.name
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cfg.run.name):
-        raise ConfigError(f"run.name: {cfg.run.name!r} is not allowed; expected letters, digits, "
-                          "'.', '_' or '-' (it names a folder)")
+    if name:
+        cfg.run.name = name
+        cfg = config_from_dict(cfg.to_dict())  # the name checked as the config's own is
     return cfg
 
 

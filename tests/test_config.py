@@ -93,6 +93,15 @@ def test_benchmark_matrices_hold_valid_kit_configs(path):
          "training.checkpoint_keeps: renamed; use training.recompute.keeps (inputs, matmuls, "
          "mlp_matmuls, attention_matmuls; mlp -> mlp_matmuls"),
         (["training.recompute.every=0"], "training.recompute.every: 0 is not allowed; expected an integer >= 1"),
+        # Once a rank traceback (torch's "Overflow when unpacking long long"), and a run folder
+        # written outside launch/: one line each, from whatever loads the config.
+        (["training.seed=18446744073709551617"], "training.seed: 18446744073709551617 is not "
+         "allowed; expected an integer from 0 to 2**63 - 1"),
+        (["training.seed=-1"], "training.seed: -1 is not allowed"),
+        (["run.name=../../x"], "run.name: '../../x' is not allowed; expected letters, digits, "
+         "'.', '_' or '-', starting with a letter or digit (it names a folder under launch/; "
+         "run.output_dir=<path> writes elsewhere)"),
+        (["run.name=a/b"], "run.name: 'a/b' is not allowed"),
     ],
 )
 def test_bad_values_get_one_line_naming_the_field(overrides, message):
