@@ -252,6 +252,7 @@ def save_training_state(*, wrapped, engine, optimizer, scheduler, batches, step,
     torch.save(_rng_state(env.device), tmp / f"rng-rank{env.rank}.pt")
     adapter_state = gather_trainable(wrapped)
     faults.maybe_fail_in_save(step, env.rank)
+    faults.maybe_slow_save()
     dist.barrier()  # every rank's files exist from here on
     if env.is_main:
         save_adapter(layout, adapter_state, tmp / "adapter", tokenizer)

@@ -181,3 +181,19 @@ def check_adapter(folder: str | Path, expected: dict | None = None) -> list[Find
             )
         ]
     return []
+
+
+def same_init(peft_model, world_size: int) -> None:
+    """Every rank must start from the same adapter: FSDP keeps each rank's own slice of it, so a
+    rank that initialised differently would silently train a stitched-together model (a
+    collective: every rank calls it, before sharding)."""
+    import torch.distributed as dist
+
+    from kit.checkpoint import checksum
+
+    mine = checksum({n: p.detach().cpu() for n, p in peft_model.named_parameters()
+                     if p.requires_grad})
+    sums = [None] * world_size
+    dist.all_gather_object(sums, mine)
+    if len(set(sums)) != 1:
+        raise RuntimeError(f"LoRA initialisation differs across ranks (checksums {sums})")

@@ -66,11 +66,15 @@ def init(device: str = "auto", timeout_min: int = 30) -> DistEnv:
             timeout=timedelta(minutes=timeout_min),
             device_id=dev if use_cuda else None,
         )
-    if rank != 0:  # one loading bar per run, rank 0's: the others' interleave with it on stderr
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
     return DistEnv(rank, local_rank, world, dev)
+
+
+def joined(env: DistEnv) -> None:
+    """Every rank's one line of its own (the run's other lines are rank 0's): which rank, which
+    process and device, in a log where torchrun prefixes each line with the rank."""
+    backend = dist.get_backend() if dist.is_initialized() else "none"
+    print(f"rank {env.rank} of {env.world_size}: pid {os.getpid()}, {env.device}, {backend}",
+          flush=True)
 
 
 @contextlib.contextmanager
@@ -96,9 +100,10 @@ def cleanup() -> None:
 
 
 def entry(body) -> int:
-    """A rank's entry point around `body()` (kit.train, kit.sft): a ConfigError is one line and
-    exit 2; any other exception has each traceback line prefixed with the rank, then re-raised
-    (torchrun's @record writes it to the rank's error file)."""
+    """A rank's entry point around `body()` (kit.train, kit.sft), whose int is the exit code (any
+    other value: 0): a ConfigError is one line and exit 2; any other exception has each
+    traceback line prefixed with the rank, then re-raised (torchrun's @record writes it to the
+    rank's error file)."""
     import sys
     import traceback
 
@@ -106,7 +111,7 @@ def entry(body) -> int:
 
     rank = os.environ.get("RANK", "0")
     try:
-        body()
+        code = body()
     except ConfigError as e:  # bad input: one line, no traceback
         sys.stderr.write(f"[rank {rank}] ConfigError: {e}\n")
         return 2
@@ -115,4 +120,4 @@ def entry(body) -> int:
         sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
         sys.stderr.flush()
         raise
-    return 0
+    return code if isinstance(code, int) else 0

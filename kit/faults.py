@@ -9,6 +9,8 @@ collective: exactly the situation a real crash (OOM, a bad batch) creates on one
 tests and notebook 07 check that the launcher names the failed rank and shows its traceback
 instead of hanging. KIT_FAIL_STEP defaults to 1. KIT_FAIL_SIGNAL=SIGKILL makes that rank die of
 the signal instead (no exception, no error file: what the kernel's OOM killer does to a process).
+They act on a run's first attempt only: a rank restarted (run.sh's KIT_RESTART_COUNT or
+torchrun's TORCHELASTIC_RESTART_COUNT > 0) resumes and goes on, as after a real one-off crash.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class InjectedFailure(RuntimeError):
 def maybe_fail(step: int, rank: int) -> None:
     """Raise InjectedFailure if KIT_FAIL_RANK names this rank and KIT_FAIL_STEP this step."""
     fail_rank = os.environ.get("KIT_FAIL_RANK", "")
-    if fail_rank == "" or int(fail_rank) != rank:
+    if fail_rank == "" or int(fail_rank) != rank or _restarted():
         return
     if step == int(os.environ.get("KIT_FAIL_STEP", "1")):
         if os.environ.get("KIT_FAIL_SIGNAL"):
@@ -37,8 +39,18 @@ def maybe_fail(step: int, rank: int) -> None:
 def maybe_fail_in_save(step: int, rank: int) -> None:
     """KIT_FAIL_SAVE_STEP=N: every rank dies in the middle of writing checkpoint N (shards written,
     not yet marked complete), as a killed job would; resume must skip that checkpoint."""
-    if os.environ.get("KIT_FAIL_SAVE_STEP", "") == str(step):
+    if os.environ.get("KIT_FAIL_SAVE_STEP", "") == str(step) and not _restarted():
         os._exit(17)  # no cleanup, no exception handling: a hard kill
+
+
+def maybe_slow_save() -> None:
+    """KIT_SLOW_SAVE_S=N: every save takes N seconds more, between writing its files and marking
+    it complete (a large model's save, on a test's scale): a second stop request lands inside."""
+    seconds = float(os.environ.get("KIT_SLOW_SAVE_S", "0") or 0)
+    if seconds > 0:
+        import time
+
+        time.sleep(seconds)
 
 
 def maybe_fail_gather(rank: int) -> None:
@@ -47,3 +59,8 @@ def maybe_fail_gather(rank: int) -> None:
     if os.environ.get("KIT_FAIL_GATHER") == "1":
         raise RuntimeError(f"injected: the adapter cannot be gathered on rank {rank} "
                            "(KIT_FAIL_GATHER is set)")
+
+
+def _restarted() -> bool:
+    return any(os.environ.get(name, "0") not in ("", "0")
+               for name in ("KIT_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"))

@@ -43,6 +43,13 @@ PORT = 29500  # node 0's rendezvous port, where nothing else sets MASTER_PORT
 WORKSPACE = "/workspace"  # where a pod mounts the volume; the checkout is WORKSPACE/kit
 SECRET, SECRET_KEY = "hf-token", "token"  # HF_TOKEN's Secret, by name (optional: may not exist)
 SHM = "16Gi"  # /dev/shm in a pod: NCCL's intra-node buffers and data loader workers
+# Restarts on a cluster: run.sh starts a node's torchrun again this many times after a rank fails
+# (each restart resumes from the last valid checkpoint), and the PyTorchJob its pods as many times.
+RESTARTS = 3
+# What a pod runs: the run's run.sh, resuming (a new run's folder has nothing to resume and
+# starts at step 0; a finished one is left as it is), so a restarted pod continues the run.
+RESUME = "training.resume=auto"
+GRACE_S = 30  # Kubernetes' SIGTERM-to-SIGKILL period, as the ranks' preemption save expects
 # The torch-distributed runtime's trainer job and container (kit/schemas' runtime example).
 TRAINER_JOB, TRAINER_CONTAINER = "trainer-node", "trainer"
 FILES = ("accelerate.yaml", "job.sbatch", "trainjob.yaml", "pytorchjob.yaml")  # and run.sh
@@ -210,6 +217,13 @@ SBATCH = """\
 #SBATCH --exclusive
 #SBATCH --time={time}
 #SBATCH --output={folder}/logs/slurm-%j.out
+# Preemption and time limits: requeued, never lost. SIGUSR1 120 s before --time ends (and
+# Slurm's SIGTERM when it preempts) makes the ranks save a checkpoint and run.sh exit 75
+# (kit.preempt); the job then requeues itself, and the requeued job (SLURM_RESTART_COUNT > 0)
+# resumes from that checkpoint with no option added. After a rank crashes, run.sh starts torchrun
+# again (KIT_MAX_RESTARTS times), whose ranks resume the same way.
+#SBATCH --requeue
+#SBATCH --signal=USR1@120
 set -euo pipefail
 RUN_DIR={folder_q}   # sbatch runs a copy of this script: the folder is named here
 # Node 0 is the allocation's first host: it hosts the c10d rendezvous (run.sh, NODE_RANK=0).
@@ -220,12 +234,18 @@ export MASTER_PORT="${{MASTER_PORT:-{port}}}"
 export NNODES="$SLURM_JOB_NUM_NODES"
 export NPROC_PER_NODE="${{NPROC_PER_NODE:-{nproc}}}"
 export RDZV_ID="$SLURM_JOB_ID"          # a requeued job meets afresh
+export KIT_MAX_RESTARTS="${{KIT_MAX_RESTARTS:-{restarts}}}"
+rc=0
 # One task per node, with all the node's CPUs (a task gets one otherwise): its torchrun starts
 # the node's {nproc} ranks. NODE_RANK is the node's SLURM_NODEID, expanded on that node (hence
 # the single quotes). A node that fails stops the others.
 # shellcheck disable=SC2016
 srun --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=1 \\
-  bash -c 'NODE_RANK="$SLURM_NODEID" exec bash "$0" "$@"' "$RUN_DIR/run.sh" "$@"
+  bash -c 'NODE_RANK="$SLURM_NODEID" exec bash "$0" "$@"' "$RUN_DIR/run.sh" "$@" || rc=$?
+if [ "$rc" = 75 ]; then  # preempted, its checkpoint saved: run again from the queue
+  scontrol requeue "$SLURM_JOB_ID" || true
+fi
+exit "$rc"
 """
 
 
@@ -235,7 +255,7 @@ def sbatch(cfg: Config, folder: Path, nnodes: int, nproc: int, time: str) -> str
                           "spaces (Slurm's #SBATCH --output line names it)")
     return SBATCH.format(name=cfg.run.name, nnodes=nnodes, nproc=nproc, date=_now(),
                          rel=_rel(folder), time=time, folder=folder,
-                         folder_q=shlex.quote(str(folder)), port=PORT)
+                         folder_q=shlex.quote(str(folder)), port=PORT, restarts=RESTARTS)
 
 
 # --------------------------------------------------------------------------- Kubernetes
@@ -245,7 +265,7 @@ def _env() -> list[dict]:
     """The trainer container's environment: what run.sh exports, NCCL's report level, where the
     kit is, and HF_TOKEN from a Secret by name (optional: a built-in model needs none)."""
     plain = {**launch.RUN_ENV, "NCCL_DEBUG": "WARN", "KIT_ROOT": f"{WORKSPACE}/kit",
-             "PYTHON": "python3"}
+             "PYTHON": "python3", "KIT_MAX_RESTARTS": RESTARTS}
     env = [{"name": k, "value": str(v)} for k, v in plain.items()]
     secret = {"name": SECRET, "key": SECRET_KEY, "optional": True}
     return env + [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": secret}}]
@@ -268,7 +288,7 @@ def trainjob(cfg: Config, pod_dir: str, nnodes: int, nproc: int, image: str, pvc
         "metadata": {"name": _k8s_name(cfg.run.name)},
         "spec": {
             "runtimeRef": {"name": "torch-distributed"},
-            "trainer": {"image": image, "command": ["bash", f"{pod_dir}/run.sh"],
+            "trainer": {"image": image, "command": ["bash", f"{pod_dir}/run.sh", RESUME],
                         "numNodes": nnodes, "numProcPerNode": nproc,
                         "resourcesPerNode": {"limits": {"nvidia.com/gpu": nproc}},
                         "env": _env()},
@@ -286,20 +306,22 @@ def pytorchjob(cfg: Config, pod_dir: str, nnodes: int, nproc: int, image: str, p
 
     def replicas(n: int) -> dict:
         container = {"name": "pytorch",  # the operator finds its container by this name
-                     "image": image, "command": ["bash", f"{pod_dir}/run.sh"],
+                     "image": image, "command": ["bash", f"{pod_dir}/run.sh", RESUME],
                      "env": _env(),
                      "ports": [{"name": "pytorchjob-port", "containerPort": PORT}],
                      "resources": {"limits": {"nvidia.com/gpu": nproc}},
                      "volumeMounts": mounts}
         return {"replicas": n, "restartPolicy": "OnFailure",
-                "template": {"spec": {"containers": [container], "volumes": volumes}}}
+                "template": {"spec": {"containers": [container], "volumes": volumes,
+                                      "terminationGracePeriodSeconds": GRACE_S}}}
 
     specs = {"Master": replicas(1)}
     if nnodes > 1:
         specs["Worker"] = replicas(nnodes - 1)
     return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
             "metadata": {"name": _k8s_name(cfg.run.name)},
-            "spec": {"nprocPerNode": str(nproc), "pytorchReplicaSpecs": specs}}
+            "spec": {"nprocPerNode": str(nproc), "pytorchReplicaSpecs": specs,
+                     "runPolicy": {"backoffLimit": RESTARTS}}}
 
 
 def _manifest(doc: dict, cfg: Config, pod_dir: str, pvc: str) -> str:

@@ -142,7 +142,6 @@ fi
 echo $$ > "$NODE_DIR/pid.$$" && mv -f "$NODE_DIR/pid.$$" "$NODE_DIR/pid"
 rm -f "$NODE_DIR/exit_code"
 trap 'echo $? > "$NODE_DIR/exit_code"' EXIT
-trap 'exit 143' TERM                   # after torchrun has stopped its ranks: exit_code 143
 if [ -t 1 ]; then exec > >(tee -a "$NODE_DIR/run.log") 2>&1; fi   # the notebook redirects itself
 
 # Across nodes NCCL reads these; export them before run.sh (job.sbatch, a manifest's env):
@@ -187,9 +186,57 @@ fi
 cd "$KIT_ROOT"
 # torchrun: --log-dir keeps each rank's output and error.json (a failed rank's traceback, written
 # by the entry point's @record); --tee also streams them here, each line prefixed [defaultN]:.
-( set -x; exec "$PYTHON" -m torch.distributed.run "${{RDZV[@]}}" --nproc_per_node="$NPROC_PER_NODE" \\
-  --log-dir "$RUN_DIR/logs" --redirects 3 --tee 3 \\
-  -m {module} {args} "$@" )
+# A stop request (Kubernetes' SIGTERM to this script, Slurm's SIGTERM, or its SIGUSR1 ahead of a
+# time limit) reaches torchrun as SIGTERM: bash passes nothing on by itself. torchrun forwards it
+# to every rank, which saves a checkpoint and exits 75 (kit.preempt), and kills what is left 30 s
+# later. A second request, 2 s or more after the first, ends torchrun and the ranks at once (a
+# checkpoint being written stays step-N.tmp, which no resume takes).
+STOP_AT=""
+TORCHRUN=""
+# shellcheck disable=SC2329  # the trap below invokes it
+on_stop() {{
+  if [ -z "$STOP_AT" ]; then
+    STOP_AT=$SECONDS
+    if [ -n "$TORCHRUN" ]; then kill -TERM "$TORCHRUN" 2>/dev/null || true; fi
+  elif [ $((SECONDS - STOP_AT)) -ge 2 ] && [ -n "$TORCHRUN" ]; then
+    pkill -KILL -P "$TORCHRUN" 2>/dev/null || true
+    kill -KILL "$TORCHRUN" 2>/dev/null || true
+  fi
+}}
+trap on_stop TERM INT USR1
+# A failed start is started again, KIT_MAX_RESTARTS times (0 here; the Slurm and Kubernetes
+# files set 3), each by a fresh torchrun (its own rendezvous: torchrun's in-place --max-restarts
+# was seen to leave gloo connecting to the last attempt's ports); KIT_RESTART_COUNT > 0 makes the
+# ranks resume from the last valid checkpoint by themselves (kit.runfolder). Never after a stop.
+ATTEMPT=0
+while :; do
+  if [ "$ATTEMPT" -gt 0 ] && [ "$NNODES" != 1 ]; then  # every node restarts: meet afresh
+    RDZV=("${{RDZV[@]/--rdzv-id=*/--rdzv-id=$RDZV_ID-restart-$ATTEMPT}}")
+  fi
+  ( set -x; exec "$PYTHON" -m torch.distributed.run "${{RDZV[@]}}" --nproc_per_node="$NPROC_PER_NODE" \\
+    --log-dir "$RUN_DIR/logs" --redirects 3 --tee 3 \\
+    -m {module} {args} "$@" ) &
+  TORCHRUN=$!
+  while :; do  # wait returns early (128 + n) when a trapped signal arrives: wait again
+    rc=0; wait "$TORCHRUN" || rc=$?
+    if ! kill -0 "$TORCHRUN" 2>/dev/null; then  # gone: its own exit status, kept by bash
+      rc=0; wait "$TORCHRUN" || rc=$?
+      break
+    fi
+  done
+  if [ "$rc" = 0 ] || [ -n "$STOP_AT" ] || [ "$ATTEMPT" -ge "${{KIT_MAX_RESTARTS:-0}}" ]; then
+    break
+  fi
+  ATTEMPT=$((ATTEMPT + 1))
+  export KIT_RESTART_COUNT="$ATTEMPT"
+  echo "=== restart $ATTEMPT of ${{KIT_MAX_RESTARTS}} after exit code $rc, $(date '+%F %T')"
+done
+# Preempted: the ranks saved and wrote result.json "preempted" in this start (newer than pid).
+if [ -n "$(find "$RUN_DIR/result.json" -newer "$NODE_DIR/pid" 2>/dev/null)" ] &&
+   grep -q '"status": "preempted"' "$RUN_DIR/result.json"; then
+  exit 75
+fi
+exit "$rc"
 """
 # What the recipe's run.sh passes kit.train: its config and where to write.
 TRAIN_ARGS = ("{config}", "run.output_dir={run_dir}", "run.dist_timeout_min={timeout}")

@@ -104,13 +104,39 @@ PLUMBING = {"run.sh", "pid", "exit_code", "stop_requested"} | LAUNCHERS
 LIVE = ("run.log", "logs")
 
 
+# A restart of the same run by what started it: run.sh after a failed attempt (KIT_MAX_RESTARTS),
+# torchrun --max-restarts (its restarted ranks), a requeued Slurm job (the job script again,
+# check step included).
+RESTARTS = ("KIT_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+
+
+def restart(environ=os.environ) -> str | None:
+    """'NAME=N' when this start is restart N of the same run (RESTARTS), else None. A restart
+    resumes by itself: training.resume "" counts as "auto" (never over a finished run, and a new
+    run's folder has nothing to resume, so it starts at step 0)."""
+    for name in RESTARTS:
+        count = environ.get(name, "0")
+        if count.isdigit() and int(count) > 0:
+            return f"{name}={count}"
+    return None
+
+
 def plan(cfg: Config, world_size: int, folder: Path | None = None, ranks: bool = False) -> Plan:
     """What starting `cfg` on `world_size` ranks would do to its run folder (default
     cfg.output_dir). Raises ConfigError (one line) for a start that would replace a run.
-    ranks: planned by the ranks themselves, whose own start is already writing run.log/logs."""
+    ranks: planned by the ranks themselves, whose own start is already writing run.log/logs.
+    A restart of the same run (`restart`) plans as training.resume=auto, and says so."""
+    restarted = restart() if not cfg.training.resume and not cfg.run.start_over else None
+    decided = _plan(cfg, world_size, folder, ranks, "auto" if restarted else cfg.training.resume)
+    if restarted:
+        decided.notes.insert(0, f"a restart of this run ({restarted}): training.resume=auto")
+    return decided
+
+
+def _plan(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume: str) -> Plan:
     out = Path(folder or cfg.output_dir)
     keep = PLUMBING | set(LIVE if ranks else ())
-    resume, steps = cfg.training.resume, cfg.training.steps
+    steps = cfg.training.steps
     if cfg.run.start_over and resume:
         raise ConfigError(f"run.start_over: true is not allowed with training.resume={resume!r}; "
                           "start over or resume, not both")

@@ -2,7 +2,7 @@
 kernel or a terminal.
 
     run = Run.attach("try1")     # launch/try1, or a folder path
-    run.status                   # prepared | running | completed | failed | stopped
+    run.status                   # prepared | running | completed | failed | stopped | preempted
     run.wait(); run.stop(); run.metrics(); run.result(); run.tail(20); run.failure()
 
 A process is the only state; nothing lives in the kernel, so a run survives a kernel restart and
@@ -28,7 +28,8 @@ import psutil
 from kit import ROOT, jsonl
 from kit.config import Config, load_config
 
-DONE = ("completed", "failed", "stopped")
+DONE = ("completed", "failed", "stopped", "preempted")
+EXIT_PREEMPTED = 75  # kit.preempt's: the ranks saved a checkpoint on a stop request and left
 
 
 class RunFailed(RuntimeError):
@@ -130,7 +131,8 @@ class Run:
 
     @property
     def status(self) -> str:
-        """prepared | running | completed | failed | stopped."""
+        """prepared | running | completed | failed | stopped | preempted (a stop request from
+        outside, e.g. a cluster's SIGTERM, after which the ranks saved a checkpoint: resumable)."""
         if self.processes():
             return "running"
         if not (self.folder / "pid").exists():
@@ -139,7 +141,7 @@ class Run:
             return "completed"
         if (self.folder / "stop_requested").exists():
             return "stopped"
-        return "failed"
+        return "preempted" if self.exit_code == EXIT_PREEMPTED else "failed"
 
     def wait(self, timeout: float | None = None, step: int | None = None, poll_s: float = 0.5,
              on_update: Callable[[Run], None] | None = None) -> str:
@@ -165,15 +167,21 @@ class Run:
             raise self.failure()
         return status
 
-    def stop(self, grace_s: float = 10.0) -> str:
-        """SIGTERM to every process of the run, SIGKILL to those left after grace_s."""
+    def stop(self, grace_s: float = 30.0) -> str:
+        """SIGTERM to every process of the run, SIGKILL to those left after grace_s. The ranks
+        finish their step and save a checkpoint first (kit.preempt): training.resume=auto
+        continues from it. Kubernetes' default grace period is the default here too."""
         procs = self.processes()
         if not procs:
             return self.status
         (self.folder / "stop_requested").write_text(datetime.now().isoformat() + "\n")
         for p in procs:
             _signal(p, signal.SIGTERM)
-        _, alive = psutil.wait_procs(procs, timeout=grace_s)
+        # Polled, not psutil.wait_procs: a run started by another interpreter leaves its bash a
+        # zombie there until that one reaps it, and wait_procs counts a zombie as running.
+        deadline = time.monotonic() + grace_s
+        while (alive := [p for p in procs if _alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.1)
         if alive or self.processes():
             left = list({p.pid: p for p in alive + self.processes()}.values())
             for p in left:

@@ -32,6 +32,7 @@ from kit import (
     model,
     offload,
     pitfalls,
+    preempt,
     recompute,
     runfolder,
     sources,
@@ -51,6 +52,7 @@ class Recipe:
     def setup(self) -> None:
         cfg = self.cfg
         self.env = env = kdist.init(cfg.training.device, cfg.run.dist_timeout_min)
+        kdist.joined(env)
         self.engine = engines.get(cfg.sharding.engine)
         self.engine.check(cfg, env.world_size)  # before any model is loaded
         machine = {"device": env.device.type, "ranks": env.world_size, "packages": {}}
@@ -82,7 +84,7 @@ class Recipe:
         self.say(data.summary(self.train_rows, self.val_rows, cfg.data, cfg.training, env.world_size))
         self.adapter_layout = checkpoint.AdapterLayout(self.peft_model,  # before sharding
                                                        base=cfg.model.name)
-        self._check_same_init()
+        checks.same_init(self.peft_model, self.env.world_size)  # before sharding
         self.params = lora.trainable_summary(self.peft_model)
         t, rc = cfg.training, cfg.training.recompute
         self.say(
@@ -161,28 +163,13 @@ class Recipe:
                     f"the adapter cannot be saved: {key} gathers as {tuple(t.shape)}, expected "
                     f"{tuple(want)} (checked after the first step, before training on)")
 
-    def _check_same_init(self) -> None:
-        """Every rank must start from the same adapter: FSDP keeps each rank's own slice of it,
-        so a rank that initialised differently would silently train a stitched-together model."""
-        mine = checkpoint.checksum(
-            {n: p.detach().cpu() for n, p in self.peft_model.named_parameters() if p.requires_grad}
-        )
-        sums = [None] * self.env.world_size
-        dist.all_gather_object(sums, mine)
-        if len(set(sums)) != 1:
-            raise RuntimeError(f"LoRA initialisation differs across ranks (checksums {sums})")
-
     def _scheduler(self):
         from transformers import get_scheduler
 
         t = self.cfg.training
         name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
-        return get_scheduler(
-            name[t.scheduler],
-            self.optimizer,
-            num_warmup_steps=t.warmup_steps,
-            num_training_steps=t.steps,
-        )
+        return get_scheduler(name[t.scheduler], self.optimizer, num_warmup_steps=t.warmup_steps,
+                             num_training_steps=t.steps)
 
     # ------------------------------------------------------------------ train
     def _to_device(self, batch: dict) -> dict:
@@ -245,6 +232,7 @@ class Recipe:
         bar = tqdm(total=t.steps, initial=self.start_step, desc="train", disable=not env.is_main,
                    mininterval=1.0)
         lora_start = checks.trainable_snapshot(self.model)  # this rank's shard
+        self.preempt = preempt.Preemption().install()  # SIGTERM, SIGUSR1: save, then stop
         for step in range(self.start_step + 1, last + 1):
             row = self.train_step()
             row.update(step=step, lr=self.scheduler.get_last_lr()[0])
@@ -256,19 +244,25 @@ class Recipe:
             if step == self.start_step + 1 and (c.save_adapter or c.save_every):
                 self._prove_save()
             faults.maybe_fail(step, env.rank)
-            if c.save_every and step % c.save_every == 0:
-                folder = checkpoint.save_training_state(
-                    wrapped=self.model, engine=self.engine, optimizer=self.optimizer,
-                    scheduler=self.scheduler, batches=self.train_batches, step=step, env=env,
-                    fmt=c.format,
-                    output_dir=self.out, layout=self.adapter_layout, keep_last=c.keep_last,
-                    tokenizer=self.tokenizer,
-                )
-                self.say(f"checkpoint: {folder}")
+            saved = c.save_every and step % c.save_every == 0
+            if saved:
+                self.say(f"checkpoint: {self._checkpoint(step)}")
+            if self.preempt.stop_here(self, step, saved):  # asked to stop (kit.preempt)
+                self.status, last = "preempted", step
+                break
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4f}")
         bar.close()
         self.last_step = last
+
+    def _checkpoint(self, step: int):
+        """Checkpoint `step` (kit.checkpoint: atomic, verified, a collective); its folder."""
+        c = self.cfg.checkpointing
+        return checkpoint.save_training_state(
+            wrapped=self.model, engine=self.engine, optimizer=self.optimizer,
+            scheduler=self.scheduler, batches=self.train_batches, step=step, env=self.env,
+            fmt=c.format, output_dir=self.out, layout=self.adapter_layout, keep_last=c.keep_last,
+            tokenizer=self.tokenizer)
 
     def _check(self, row: dict, step: int, lora_start: dict) -> None:
         """In-run checks (kit.checks): NaN/inf, a slow rank, adapters that do not move."""
@@ -338,7 +332,8 @@ class Recipe:
         train = [r["loss"] for r in self.history if r["split"] == "train"] or [None]
         val = [r for r in self.history if r["split"] == "val"]
         result = {
-            "status": "completed" if self.last_step == self.cfg.training.steps else "stopped",
+            "status": getattr(self, "status", None) or (
+                "completed" if self.last_step == self.cfg.training.steps else "stopped"),
             "steps": self.last_step,
             "first_loss": train[0],
             "final_loss": train[-1],
@@ -373,6 +368,10 @@ def run(cfg: Config) -> dict:
         recipe.cleanup()
         return {"status": "finished", "message": recipe.plan.message}
     recipe.train()
+    if getattr(recipe, "status", None) == "preempted":  # its checkpoint holds the adapter
+        result = recipe.finish({})
+        recipe.cleanup()
+        return result
     result = recipe.finish(recipe.save())
     # Only on success: after a failure, destroy_process_group under NCCL waits for peers stuck in
     # a collective, so the failed rank would never exit and torchrun would never notice (measured
@@ -393,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         return check.main(argv[1:])
     path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
     kdist.say_if_alone("kit.train")
-    return kdist.entry(lambda: run(load_config(path, overrides)))
+    finished = lambda: run(load_config(path, overrides)).get("status")  # noqa: E731
+    return kdist.entry(lambda: preempt.EXIT_PREEMPTED if finished() == "preempted" else 0)
 
 
 if __name__ == "__main__":

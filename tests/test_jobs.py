@@ -60,7 +60,8 @@ def test_manifests_fit_their_crds(folders, nnodes):
     trainer = train["spec"]["trainer"]
     assert (trainer["numNodes"], trainer["numProcPerNode"]) == (nnodes, 4)
     assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 4}
-    assert trainer["command"] == ["bash", f"/workspace/{folder.name}/run.sh"]  # beside the kit
+    # beside the kit; a restarted pod resumes the run (a new one starts at step 0)
+    assert trainer["command"] == ["bash", f"/workspace/{folder.name}/run.sh", "training.resume=auto"]
     assert train["spec"]["runtimeRef"]["name"] == "torch-distributed"
     # The runtime sets PET_* itself and refuses them in a TrainJob's env.
     assert not [e["name"] for e in trainer["env"] if e["name"].startswith("PET_")]
@@ -75,9 +76,11 @@ def test_manifests_fit_their_crds(folders, nnodes):
     assert torch_job["spec"]["nprocPerNode"] == "4"
     assert specs["Master"]["replicas"] == 1
     assert specs.get("Worker", {}).get("replicas") == (nnodes - 1 or None)
+    assert torch_job["spec"]["runPolicy"]["backoffLimit"] == jobs.RESTARTS
     for spec in specs.values():
         assert spec["restartPolicy"] == "OnFailure"
         pod = spec["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] == 30  # the ranks' preemption save fits
         container = pod["containers"][0]
         assert container["name"] == "pytorch" and container["image"] == jobs.IMAGE
         assert container["resources"]["limits"] == {"nvidia.com/gpu": 4}

@@ -1,0 +1,125 @@
+"""What clusters do to runs, done for real on 2 CPU processes (kit.preempt, run.sh, kit.runfolder):
+a stop request saves the step and exits resumable, a restart resumes by itself, a second request
+exits at once without a half-written checkpoint, a rank killed mid-step is restarted by torchrun.
+
+Each compares with one run that was never interrupted (fp32 without quantization: exact on CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import TINY, read_run, torchrun
+
+from kit import manifest
+from kit.launch import launch
+
+pytestmark = pytest.mark.slow
+STEPS = 60
+ARGS = ["model.dtype=float32", "quantization.method=none", f"training.steps={STEPS}",
+        "training.eval_every=0", "checkpointing.save_every=20", "checkpointing.keep_last=0"]
+
+
+def losses(out: Path, after: int = 0) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_run(out)[1] if m["split"] == "train"
+            and m["step"] > after}
+
+
+def tree(folder: Path) -> dict[str, str]:
+    return {p.relative_to(folder).as_posix(): manifest.sha256(p)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """The run that was never interrupted."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    torchrun(out, *ARGS)
+    return out
+
+
+def started(out: Path, env: dict | None = None, at_step: int = 3):
+    run = launch(TINY, [f"run.output_dir={out}", *ARGS], nproc=2, env=env)
+    run.wait(step=at_step, timeout=300)
+    return run
+
+
+def ended(run, timeout: float = 120) -> float:
+    began = time.monotonic()
+    while run.processes():
+        assert time.monotonic() - began < timeout, run.output()[-3000:]
+        time.sleep(0.1)
+    return time.monotonic() - began
+
+
+def restart(out: Path) -> subprocess.CompletedProcess:
+    """The job started again as a requeued Slurm job starts it: the same run.sh."""
+    return subprocess.run(["bash", str(out / "run.sh")], env={**os.environ, "SLURM_RESTART_COUNT": "1"},
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_a_stop_request_saves_the_step_and_a_restart_resumes_by_itself(tmp_path, straight):
+    """SIGTERM to run.sh alone (what Kubernetes sends a pod's first process): the ranks finish the
+    step, save it, write result.json "preempted" and run.sh exits 75; the same run.sh started
+    again as a restart resumes from that step with no option added, and every later step's loss
+    is the uninterrupted run's."""
+    out = tmp_path / "run"
+    run = started(out)
+    os.kill(int((out / "pid").read_text()), signal.SIGTERM)
+    assert ended(run) < 30  # well inside Kubernetes' 30 s grace period
+    result = read_run(out)[0]
+    step = result["steps"]
+    assert (run.exit_code, run.status, result["status"]) == (75, "preempted", "preempted")
+    assert 3 <= step < STEPS and (out / "checkpoints" / f"step-{step:06d}").is_dir()
+    assert f"preempted (SIGTERM): checkpoint {out / 'checkpoints' / f'step-{step:06d}'} at step " \
+           f"{step}" in run.output()
+    saved = tree(out / "checkpoints")
+    proc = restart(out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "a restart of this run (SLURM_RESTART_COUNT=1): training.resume=auto" in proc.stdout
+    assert f"resumed from {out / 'checkpoints' / f'step-{step:06d}'} at step {step}" in proc.stdout
+    assert losses(out, step) == losses(straight, step)  # exact: fp32 on CPU
+    assert {k: v for k, v in tree(out / "checkpoints").items() if k in saved} == saved
+
+
+def test_a_second_request_exits_at_once_leaving_no_half_written_checkpoint(tmp_path, straight):
+    """A save that takes long (KIT_SLOW_SAVE_S) and a second request to run.sh 3 s after the
+    first: torchrun and the ranks end at once, the checkpoint being written stays step-N.tmp
+    (never resumed), and a restart starts over from the start, exactly."""
+    out = tmp_path / "run"
+    run = started(out, env={"KIT_SLOW_SAVE_S": "20"})
+    script = int((out / "pid").read_text())
+    os.kill(script, signal.SIGTERM)
+    time.sleep(3)
+    os.kill(script, signal.SIGTERM)
+    assert ended(run) < 15  # not the 20 s the save would have taken
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts and all(name.endswith(".tmp") for name in ckpts), ckpts  # none completed
+    proc = restart(out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ".tmp" in proc.stdout and "starting at step 0" in proc.stdout  # named, then skipped
+    assert losses(out) == losses(straight)
+
+
+def test_a_rank_killed_mid_step_is_restarted_and_resumes(tmp_path, straight):
+    """kill -9 of rank 1 after step 25 (what the kernel's OOM killer does), with torchrun allowed
+    one restart (KIT_MAX_RESTARTS=1; the Slurm and Kubernetes files set 3): run.sh starts
+    torchrun again, whose ranks resume from step 20 by themselves and finish as if nothing
+    happened."""
+    out = tmp_path / "run"
+    run = launch(TINY, [f"run.output_dir={out}", *ARGS], nproc=2, env={
+        "KIT_FAIL_RANK": "1", "KIT_FAIL_STEP": "25", "KIT_FAIL_SIGNAL": "SIGKILL",
+        "KIT_MAX_RESTARTS": "1"})
+    ended(run, timeout=300)
+    assert run.exit_code == 0, run.output()[-3000:]
+    text = run.output()
+    assert "=== restart 1 of 1 after exit code 1" in text
+    assert "a restart of this run (KIT_RESTART_COUNT=1)" in text
+    assert f"resumed from {out / 'checkpoints' / 'step-000020'} at step 20" in text
+    assert losses(out, 20) == losses(straight, 20)
+    assert json.loads((out / "result.json").read_text())["status"] == "completed"
