@@ -139,7 +139,7 @@ def save_adapter(layout: AdapterLayout, state, folder: Path, tokenizer=None) -> 
 #
 # Each checkpoint is written into step-N.tmp and renamed when complete, so a process killed mid-save
 # leaves a .tmp folder that resume reports and skips. Resume checks the manifest first (a truncated
-# or changed file, another model or LoRA shape, another world size) and falls back to the newest
+# or changed file, another model or LoRA shape) and falls back to the newest
 # checkpoint without a problem.
 
 
@@ -147,7 +147,7 @@ def find_resume(resume: str, output_dir, cfg=None, world_size: int | None = None
                 ) -> tuple[Path | None, list[str]]:
     """The checkpoint folder `training.resume` names, plus one note per newer checkpoint skipped.
     With `cfg` (a Config or its to_dict()) and `world_size`, a checkpoint must also have been made
-    with the same resume fields (kit.manifest.RESUME_FIELDS) and world size; without: files only.
+    with the same resume fields (kit.manifest.RESUME_FIELDS) (any world size); without: files only.
     "auto" with no valid checkpoint: (None, notes); the caller decides. A path: it must be valid."""
     if not resume:
         return None, []

@@ -9,9 +9,8 @@ flash_attention_2 reads the boundaries from position_ids, but only in a batch of
 `loader(one_row=True)`). The model must run without a KV cache (config.use_cache=False), or
 transformers ignores the packing and attention crosses samples.
 
-Notebook 12 reads back what a fine-tune taught: `packed_mask` (the mask transformers builds for a
-packed row), `chat_replies` (greedy replies through the chat template) and `score` (the form that
-kit/data/answer-format.jsonl teaches, counted)."""
+Notebook 12 reads back what a fine-tune taught: `packed_mask` (a packed row's mask), `chat_replies`
+(greedy replies through the chat template) and `score` (the form answer-format.jsonl teaches)."""
 
 from __future__ import annotations
 
@@ -40,14 +39,8 @@ from kit.datafile import (  # noqa: F401
 
 
 def warm_cache(cfg: DataConfig) -> None:
-    """Read the files once so that `datasets` has cached them (call on one rank first); every
-    row is checked, so a bad file stops the run before a model is loaded."""
+    """Read (and check) the files once, so that `datasets` has cached them: one rank first."""
     check_file(cfg)
-
-
-def _texts(rows: list[dict], cfg: DataConfig, tokenizer, name: str,
-           field: str = "data.path") -> list[str]:
-    return _chats(rows, cfg, tokenizer, name, field)[0]
 
 
 def _chats(rows: list[dict], cfg: DataConfig, tokenizer, name: str, field: str = "data.path"):
@@ -260,9 +253,7 @@ def loader(
     if len(rows) < batch_size * world and not train:  # a small validation split: every row
         return short_split(rows, batch_size, rank, world, one_row)  # once, on fewer ranks
     fits(rows, batch_size, world)
-    sampler = DistributedSampler(
-        rows, num_replicas=world, rank=rank, shuffle=train, seed=seed, drop_last=True
-    )
+    sampler = Sampler(rows, num_replicas=world, rank=rank, shuffle=train, seed=seed, drop_last=True)
     # A generator of its own: creating an iterator draws a seed from it, and drawing from the
     # global RNG instead would shift dropout after a resume restores the RNG states.
     generator = torch.Generator().manual_seed(seed)
@@ -277,14 +268,12 @@ def fits(rows: Rows, batch_size: int, world: int) -> None:
     if len(rows) >= batch_size * world:
         return
     packed = "position_ids" in rows.tensors  # packing joins samples: fewer rows
-    kind = "packed rows" if packed else "rows"
     smaller = f"training.batch_size={len(rows) // world}, " if len(rows) >= world else ""
     raise ConfigError(
-        f"training.batch_size: {batch_size} is not allowed; the training split has "
-        f"{len(rows)} {kind}, which cannot fill {world} ranks x {batch_size}; use "
-        f"{smaller}more rows in data.path, "
-        f"{'data.packing=false (one row per sample), ' if packed else ''}or fewer processes"
-    )
+        f"training.batch_size: {batch_size} is not allowed; the training split has {len(rows)} "
+        f"{'packed rows' if packed else 'rows'}, which cannot fill {world} ranks x {batch_size}; "
+        f"use {smaller}more rows in data.path, "
+        f"{'data.packing=false (one row per sample), ' if packed else ''}or fewer processes")
 
 
 def short_split(rows: Rows, batch_size: int, rank: int, world: int,
@@ -303,12 +292,34 @@ def short_split(rows: Rows, batch_size: int, rank: int, world: int,
     return [collate(picked[i:i + batch_size]) for i in range(0, len(picked), batch_size)]
 
 
+class Sampler(DistributedSampler):
+    """DistributedSampler that can begin an epoch past the first `skip` samples of its order. It
+    gives rank r the samples r, r + W, r + 2W, ...: after k per rank, the first k * W were seen,
+    so a resume on any number of ranks continues there, none repeated, none skipped (on the same
+    number, each rank draws exactly the batches it would have drawn next)."""
+
+    skip = 0
+
+    def __iter__(self):
+        if not self.skip:
+            return super().__iter__()
+        order = (torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(
+            self.seed + self.epoch)).tolist() if self.shuffle else list(range(len(self.dataset))))
+        rest = order[: self.total_size][self.skip:]  # drop_last: as DistributedSampler
+        return iter(rest[self.rank::self.num_replicas][: len(self)])
+
+    def __len__(self) -> int:
+        return max(0, self.total_size - self.skip) // self.num_replicas
+
+
 class Batches:
     """Endless batches with a new shuffle each epoch (same on every rank, different slices), and
-    a position (epoch, batch index) that a checkpoint saves and a resume restores."""
+    a position (epoch, samples of it seen over every rank) that a checkpoint saves and a resume
+    restores, on the same number of ranks or another (kit.data.Sampler)."""
 
     def __init__(self, dl: DataLoader):
         self.dl, self.epoch, self.index, self._it = dl, 0, 0, None
+        self.start = 0  # samples of this epoch skipped at its start (a resume)
 
     def __iter__(self):
         return self
@@ -316,22 +327,27 @@ class Batches:
     def __next__(self) -> dict:
         if self._it is None:
             self.dl.sampler.set_epoch(self.epoch)
+            self.dl.sampler.skip = self.start
             self._it = iter(self.dl)
-            for _ in range(self.index):  # resuming mid-epoch: skip what was already seen
-                next(self._it)
         try:
             batch = next(self._it)
         except StopIteration:
-            self.epoch, self.index, self._it = self.epoch + 1, 0, None
+            self.epoch, self.index, self.start, self._it = self.epoch + 1, 0, 0, None
             return next(self)
         self.index += 1
         return batch
 
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
+    def seen(self) -> int:
+        """Samples of the current epoch seen so far, over every rank."""
+        return self.start + self.index * self.dl.batch_size * self.dl.sampler.num_replicas
 
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.index, self._it = state["epoch"], state["index"], None
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "samples": self.seen()}
+
+    def load_state_dict(self, state: dict) -> None:  # no "samples": an older kit, same ranks
+        start = state.get("samples", state["index"] * self.dl.batch_size * self.dl.sampler.num_replicas)
+        self.epoch, self.index, self.start, self._it = state["epoch"], 0, start, None
+        self.dl.sampler.skip = start  # len(self.dl): the epoch's batches left
 
 
 # --------------------------------------------------------------------- what a fine-tune taught

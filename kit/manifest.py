@@ -125,14 +125,29 @@ def read(folder: Path) -> dict | None:
     return marker if isinstance(marker, dict) else None
 
 
+def world_note(folder: Path, world_size: int, per_rank_rows: int) -> str | None:
+    """One line when checkpoint `folder` was written by another number of ranks than
+    `world_size` (per_rank_rows: training.batch_size x grad_accum), else None."""
+    saved = (read(Path(folder)) or {}).get("world_size")
+    if saved in (None, world_size):
+        return None
+    return (f"{folder} was written by {saved} ranks, this run has {world_size}: the adapter and "
+            "optimizer state are resharded and the data continues where it stopped (no sample "
+            f"repeated or skipped), but a step now takes {per_rank_rows * world_size} rows, not "
+            f"{per_rank_rows * saved}, and dropout draws from new per-rank streams: the losses "
+            f"from here are not those the {saved}-rank run would have had")
+
+
 def _show(value) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
 def problem(folder: Path, config: dict | None = None, world_size: int | None = None) -> str | None:
     """None when `folder` is a complete checkpoint whose every file has the size and checksum its
-    manifest lists and (when given) the same RESUME_FIELDS and world size as this run; else one
-    line naming the folder and the file or field."""
+    manifest lists and (when given) the same RESUME_FIELDS as this run; else one line naming the
+    folder and the file or field. Another world size is no problem: the sharded state reshards
+    (DCP) and the data position is kept in samples (kit.data.Sampler); `world_note` says what
+    differs then."""
     folder = Path(folder)
     if folder.name.endswith(".tmp"):
         return f"{folder}: incomplete (interrupted while saving)"
@@ -154,9 +169,6 @@ def problem(folder: Path, config: dict | None = None, world_size: int | None = N
         k, more = differ[0], differ[1:]
         also = f" (also differs: {', '.join(more)})" if more else ""
         return f"{folder}: made with {k}={_show(made[k])}, this run has {k}={_show(now[k])}{also}"
-    if world_size is not None and saved.get("world_size") != world_size:
-        return (f"{folder}: written by {saved.get('world_size')} ranks, this run has "
-                f"{world_size}: an exact resume needs the same world size")
     for rel, want in files.items():
         path = folder / rel
         try:

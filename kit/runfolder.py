@@ -197,6 +197,9 @@ def _plan(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume
                      f"steps up to {done} followed a {done}-step {cfg.training.scheduler} LR "
                      f"schedule, the steps from {step + 1} on follow a {steps}-step one (the LR "
                      f"jumps there): not the same as a {steps}-step run from the start")
+    t = cfg.training
+    if (other := manifest.world_note(ckpt, world_size, t.batch_size * t.grad_accum)) is not None:
+        notes.append(other)
     trim = _metrics_past(out, step)
     moved = [n for n in END if (out / n).exists()] + (["metrics.jsonl"] if trim else [])
     # Checkpoints past the one resumed (damaged ones auto skipped, or a timeline an explicit

@@ -116,10 +116,10 @@ def text_datasets(cfg: Config, tokenizer, world: int):
         raise ConfigError("data.train_on: 'assistant' is not allowed with kit.sft on chat rows "
                           "(TRL trains every token of the rendered chat); use data.train_on=all, "
                           "or kit.train, which trains on the assistant's turns")
-    texts = data._texts(rows, d, tokenizer, d.path)  # each row rendered, checked by its number
+    texts = data._chats(rows, d, tokenizer, d.path)[0]  # each row rendered, checked by its number
     if d.val_path:
         val_rows = data.read_checked(d.val_path, d, "data.val_path")
-        train, val = texts, data._texts(val_rows, d, tokenizer, d.val_path, "data.val_path")
+        train, val = texts, data._chats(val_rows, d, tokenizer, d.val_path, "data.val_path")[0]
     elif d.val_fraction > 0:  # as kit.data.build_datasets
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(t.seed)).tolist()
         n_val = max(1, round(len(rows) * d.val_fraction))

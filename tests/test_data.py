@@ -392,3 +392,38 @@ def test_roles_are_checked_against_the_models_chat_template(tmp_path, tokenizer,
     assert line.endswith("allowed: roles and turns this model's chat template renders "
                          "(data.format=text trains on a text column as written)")
     assert data.build_datasets(cfg, tokenizer, seed=0)  # the kit's own template renders them all
+
+
+@pytest.mark.parametrize("world_after", [1, 2, 3], ids=["2-to-1", "2-to-2", "2-to-3"])
+def test_the_data_continues_where_it_stopped_on_any_number_of_ranks(world_after):
+    """4 batches of 3 per rank on 2 ranks, then a resume on 1, 2 or 3: the rest of the epoch is
+    the shuffled order's next samples, none seen before, none skipped (but the few an incomplete
+    last batch drops); on 2 ranks, exactly the batches the ranks would have drawn next."""
+    import torch
+
+    rows = data.Rows({"input_ids": torch.arange(50).unsqueeze(1)})
+    ids = lambda b: b["input_ids"].flatten().tolist()  # noqa: E731
+    before, states = [], []
+    for rank in (0, 1):
+        batches = data.Batches(data.loader(rows, 3, rank, 2, 7, True))
+        before += [i for _ in range(4) for i in ids(next(batches))]
+        states.append(batches.state_dict())
+    assert states[0] == states[1] == {"epoch": 0, "index": 4, "samples": 24}
+    order = torch.randperm(50, generator=torch.Generator().manual_seed(7)).tolist()
+    assert sorted(before) == sorted(order[:24])
+    after, per_rank = [], []
+    for rank in range(world_after):
+        batches = data.Batches(data.loader(rows, 3, rank, world_after, 7, True))
+        batches.load_state_dict(states[0])
+        mine = [ids(next(batches)) for _ in range(len(batches.dl))]
+        per_rank.append(mine)
+        after += [i for batch in mine for i in batch]
+        assert batches.epoch == 0 and batches.seen() == 24 + 3 * world_after * len(batches.dl)
+    assert len(set(after)) == len(after) and not set(after) & set(before)
+    assert sorted(after) == sorted(order[24:24 + len(after)])  # the order's next samples
+    assert len(after) > 50 - 24 - 3 * world_after  # only an incomplete last batch per rank dropped
+    if world_after == 2:  # the same ranks: what they would have drawn next, batch for batch
+        straight = [data.Batches(data.loader(rows, 3, rank, 2, 7, True)) for rank in (0, 1)]
+        for rank, batches in enumerate(straight):
+            drawn = [ids(next(batches)) for _ in range(4 + len(per_rank[rank]))]
+            assert drawn[4:] == per_rank[rank]

@@ -123,3 +123,31 @@ def test_a_rank_killed_mid_step_is_restarted_and_resumes(tmp_path, straight):
     assert f"resumed from {out / 'checkpoints' / 'step-000020'} at step 20" in text
     assert losses(out, 20) == losses(straight, 20)
     assert json.loads((out / "result.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
+def test_a_run_resumes_on_another_number_of_ranks(tmp_path, before, after):
+    """Stopped at step 6 on `before` ranks, resumed on `after`: the sharded adapter and optimizer
+    state reshard, the run says what differs, the data goes on from the samples it had reached
+    (counted: step 6's position plus 6 steps of `after` ranks' rows) and the loss continues."""
+    import torch
+
+    from kit.config import load_config
+
+    out = tmp_path / "run"
+    args = [*ARGS[:2], "training.steps=12", "training.eval_every=0", "checkpointing.save_every=6"]
+    torchrun(out, *args, "training.stop_at_step=6", nproc=before)
+    run = torchrun(out, *args, "training.resume=auto", nproc=after)
+    step6 = out / "checkpoints" / "step-000006"
+    assert f"{step6} was written by {before} ranks, this run has {after}: the adapter and " \
+           "optimizer state are resharded and the data continues where it stopped" in run.stdout
+    assert f"resumed from {step6} at step 6" in run.stdout
+    t = load_config(TINY).training
+    seen = [torch.load(out / "checkpoints" / f"step-{s:06d}" / "trainer.pt",
+                       weights_only=False)["batches"]["samples"] for s in (6, 12)]
+    assert seen == [6 * t.batch_size * t.grad_accum * before,
+                    6 * t.batch_size * t.grad_accum * (before + after)]
+    result, metrics = read_run(out)
+    train = [m["loss"] for m in metrics if m["split"] == "train"]
+    assert result["status"] == "completed" and result["world_size"] == after and len(train) == 12
+    assert max(train[6:]) < train[0] and abs(train[6] - train[5]) < 0.5  # it went on, no restart
