@@ -112,8 +112,8 @@ RESTARTS = ("KIT_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_CO
 
 def restart(environ=os.environ) -> str | None:
     """'NAME=N' when this start is restart N of the same run (RESTARTS), else None. A restart
-    resumes by itself: training.resume "" counts as "auto" (never over a finished run, and a new
-    run's folder has nothing to resume, so it starts at step 0)."""
+    resumes by itself: as training.resume=auto (never over a finished run, and a new run's
+    folder has nothing to resume, so it starts at step 0)."""
     for name in RESTARTS:
         count = environ.get(name, "0")
         if count.isdigit() and int(count) > 0:
@@ -125,19 +125,23 @@ def plan(cfg: Config, world_size: int, folder: Path | None = None, ranks: bool =
     """What starting `cfg` on `world_size` ranks would do to its run folder (default
     cfg.output_dir). Raises ConfigError (one line) for a start that would replace a run.
     ranks: planned by the ranks themselves, whose own start is already writing run.log/logs.
-    A restart of the same run (`restart`) plans as training.resume=auto, and says so."""
-    restarted = restart() if not cfg.training.resume and not cfg.run.start_over else None
-    decided = _plan(cfg, world_size, folder, ranks, "auto" if restarted else cfg.training.resume)
+    A restart of the same run (`restart`) plans as training.resume=auto, whatever the first start
+    said: run.start_over and a training.resume path were for that start, and a restart obeying
+    them would throw away (or train again) every step since; it says so."""
+    restarted = restart()
+    resume, start_over = ("auto", False) if restarted else (cfg.training.resume, cfg.run.start_over)
+    decided = _plan(cfg, world_size, folder, ranks, resume, start_over)
     if restarted:
         decided.notes.insert(0, f"a restart of this run ({restarted}): training.resume=auto")
     return decided
 
 
-def _plan(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume: str) -> Plan:
+def _plan(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume: str,
+          start_over: bool) -> Plan:
     out = Path(folder or cfg.output_dir)
     keep = PLUMBING | set(LIVE if ranks else ())
     steps = cfg.training.steps
-    if cfg.run.start_over and resume:
+    if start_over and resume:
         raise ConfigError(f"run.start_over: true is not allowed with training.resume={resume!r}; "
                           "start over or resume, not both")
     result = _result(out)
@@ -150,7 +154,7 @@ def _plan(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume
     record = [n for n in LIVE if n in present and not ranks] + changed
 
     if not resume:
-        if trained and not cfg.run.start_over:
+        if trained and not start_over:
             raise ConfigError(
                 f"run.output_dir: {str(out)!r} holds an earlier run ({', '.join(trained)}); "
                 "allowed: training.resume=auto to continue it (a finished run is left as it "

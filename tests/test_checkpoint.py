@@ -397,6 +397,12 @@ def test_notebook_08_runs_under_papermill(tmp_path):
     # A damaged newest checkpoint: named, kept aside, the previous one resumed (still exact).
     assert "(truncated); using step-000003" in text
     assert "checkpoints: ['step-000006']" in text  # kept in earlier/, not deleted
+    # Section 7: a SIGTERM to run.sh saves the step; the restart on half the processes resumes.
+    assert "preempted, run.sh exit code 75, every process gone" in text
+    assert "a restart of this run (SLURM_RESTART_COUNT=1): training.resume=auto" in text
+    assert "was written by 2 ranks, this run has 1: the adapter and optimizer state are " \
+        "resharded" in text  # fmt: skip
+    assert "rows: True" in text  # the samples seen, counted
     assert "moved: adapter, result.json, probe.pt, metrics.jsonl, checkpoints/step-000006" in text
     # Every file from before the resume: byte-identical at its path or in earlier/, but for the
     # checkpoint retention pruned (keep_last=2) and the start's own run.sh/pid/exit_code.

@@ -43,8 +43,8 @@ def straight(tmp_path_factory) -> Path:
     return out
 
 
-def started(out: Path, env: dict | None = None, at_step: int = 3):
-    run = launch(TINY, [f"run.output_dir={out}", *ARGS], nproc=2, env=env)
+def started(out: Path, env: dict | None = None, at_step: int = 3, extra: tuple = ()):
+    run = launch(TINY, [f"run.output_dir={out}", *ARGS, *extra], nproc=2, env=env)
     run.wait(step=at_step, timeout=300)
     return run
 
@@ -66,10 +66,11 @@ def restart(out: Path) -> subprocess.CompletedProcess:
 def test_a_stop_request_saves_the_step_and_a_restart_resumes_by_itself(tmp_path, straight):
     """SIGTERM to run.sh alone (what Kubernetes sends a pod's first process): the ranks finish the
     step, save it, write result.json "preempted" and run.sh exits 75; the same run.sh started
-    again as a restart resumes from that step with no option added, and every later step's loss
-    is the uninterrupted run's."""
+    again as a restart resumes from that step with no option added (and despite the first
+    start's run.start_over=true, which a restart obeying it would throw every step away with),
+    and every later step's loss is the uninterrupted run's."""
     out = tmp_path / "run"
-    run = started(out)
+    run = started(out, extra=("run.start_over=true",))
     os.kill(int((out / "pid").read_text()), signal.SIGTERM)
     assert ended(run) < 30  # well inside Kubernetes' 30 s grace period
     result = read_run(out)[0]
