@@ -17,6 +17,7 @@ command line are `kit.merge`; both are re-exported here.
 from __future__ import annotations
 
 import copy
+import errno
 import hashlib
 import os
 import shutil
@@ -215,11 +216,50 @@ def _set_aside(folder: Path) -> Path | None:
     return aside
 
 
-def save_training_state(*, wrapped, engine, optimizer, scheduler, batches, step, env, fmt,
-                        output_dir, layout: AdapterLayout, keep_last: int = 0,
-                        tokenizer=None, config: dict | None = None) -> Path:
-    """Write checkpoint `step` (a collective: every rank calls it). Returns the folder. `config`:
-    the run's config tree for the manifest (default: the run folder's config.yaml)."""
+def save_training_state(**kwargs) -> Path:
+    """Write checkpoint `step` (a collective: every rank calls it; the arguments of
+    `_write_training_state`). Returns the folder. A disk that fills up during the save (or a
+    file-size or quota limit) ends it with one line, a CheckpointError naming the step and what a
+    restart does; the save in progress stays step-N.tmp, which no resume takes."""
+    from kit import faults
+
+    faults.maybe_fill_disk(kwargs["step"])
+    try:
+        return _write_training_state(**kwargs)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        why = _no_space(e)
+        if why is None:
+            raise
+        raise CheckpointError(
+            f"checkpoint step-{kwargs['step']:06d} cannot be written ({why}); it stays "
+            f"step-{kwargs['step']:06d}.tmp, which no resume takes; with space again, "
+            "training.resume=auto (or any restart) resumes from the checkpoint before") from None
+
+
+def _no_space(error: BaseException) -> str | None:
+    """What failed when `error`, or what caused it on any rank (DCP gathers each rank's), is a
+    write refused for space (a full disk, a quota, a file-size limit); else None."""
+    todo, seen = [error], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return f"[Errno {e.errno}] {e.strerror}"
+        if isinstance(e, RuntimeError) and "file write failed" in str(e):  # torch.save's writer
+            return str(e).splitlines()[0]
+        failures = getattr(e, "failures", None) or {}
+        todo += [e.__cause__, e.__context__,
+                 *(f[0] if isinstance(f, tuple) else f for f in failures.values())]
+    return None
+
+
+def _write_training_state(*, wrapped, engine, optimizer, scheduler, batches, step, env, fmt,
+                          output_dir, layout: AdapterLayout, keep_last: int = 0,
+                          tokenizer=None, config: dict | None = None) -> Path:
+    """save_training_state's work. `config`: the run's config tree for the manifest (default: the
+    run folder's config.yaml)."""
     import time
 
     import torch.distributed as dist

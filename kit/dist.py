@@ -101,13 +101,14 @@ def cleanup() -> None:
 
 def entry(body) -> int:
     """A rank's entry point around `body()` (kit.train, kit.sft), whose int is the exit code (any
-    other value: 0): a ConfigError is one line and exit 2; any other exception has each
-    traceback line prefixed with the rank, then re-raised (torchrun's @record writes it to the
-    rank's error file)."""
+    other value: 0): a ConfigError is one line and exit 2, a CheckpointError one line and exit 1;
+    any other exception has each traceback line prefixed with the rank, then re-raised
+    (torchrun's @record writes it to the rank's error file)."""
     import sys
     import traceback
 
     from kit.config import ConfigError
+    from kit.manifest import CheckpointError
 
     rank = os.environ.get("RANK", "0")
     try:
@@ -115,6 +116,9 @@ def entry(body) -> int:
     except ConfigError as e:  # bad input: one line, no traceback
         sys.stderr.write(f"[rank {rank}] ConfigError: {e}\n")
         return 2
+    except CheckpointError as e:  # a checkpoint that cannot be written or read: one line too
+        sys.stderr.write(f"[rank {rank}] CheckpointError: {e}\n")
+        return 1
     except BaseException:
         lines = traceback.format_exc().rstrip().splitlines()
         sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))

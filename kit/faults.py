@@ -43,6 +43,17 @@ def maybe_fail_in_save(step: int, rank: int) -> None:
         os._exit(17)  # no cleanup, no exception handling: a hard kill
 
 
+def maybe_fill_disk(step: int) -> None:
+    """KIT_FAIL_DISK_STEP=N: from checkpoint N on, no file this rank writes may grow past 64 KiB
+    (RLIMIT_FSIZE, SIGXFSZ ignored: the write fails with EFBIG), as on a disk that filled up."""
+    if os.environ.get("KIT_FAIL_DISK_STEP", "") == str(step) and not _restarted():
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))
+
+
 def maybe_slow_save() -> None:
     """KIT_SLOW_SAVE_S=N: every save takes N seconds more, between writing its files and marking
     it complete (a large model's save, on a test's scale): a second stop request lands inside."""

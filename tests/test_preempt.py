@@ -152,3 +152,27 @@ def test_a_run_resumes_on_another_number_of_ranks(tmp_path, before, after):
     train = [m["loss"] for m in metrics if m["split"] == "train"]
     assert result["status"] == "completed" and result["world_size"] == after and len(train) == 12
     assert max(train[6:]) < train[0] and abs(train[6] - train[5]) < 0.5  # it went on, no restart
+
+
+def test_a_full_disk_while_saving_ends_the_run_resumable(tmp_path, straight):
+    """Checkpoint 40 meets a full disk (KIT_FAIL_DISK_STEP: each rank's files may not grow past
+    64 KiB, so writes fail as on a full disk): the run ends with one line per rank naming the
+    step and what to do, no checkpoint half-written, step 20 byte-identical; with space again a
+    restart resumes from step 20 and finishes as if nothing happened."""
+    out = tmp_path / "run"
+    run = launch(TINY, [f"run.output_dir={out}", *ARGS], nproc=2, env={"KIT_FAIL_DISK_STEP": "40"})
+    ended(run, timeout=300)
+    text = run.output()
+    assert run.status == "failed" and run.exit_code != 0
+    said = [line for line in text.splitlines() if "CheckpointError: " in line]
+    assert said and "checkpoint step-000040 cannot be written ([Errno 27] File too large); it " \
+                    "stays step-000040.tmp, which no resume takes" in said[0], text[-3000:]
+    assert "Traceback" not in "\n".join(line for line in text.splitlines() if line.startswith("[default"))
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["step-000020", "step-000040.tmp"], names
+    saved = tree(out / "checkpoints" / "step-000020")
+    proc = restart(out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / 'step-000020'} at step 20" in proc.stdout
+    assert losses(out, 20) == losses(straight, 20)
+    assert tree(out / "checkpoints" / "step-000020") == saved
