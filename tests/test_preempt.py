@@ -30,6 +30,11 @@ def losses(out: Path, after: int = 0) -> dict[int, float]:
             and m["step"] > after}
 
 
+def same_adapter(a: Path, b: Path) -> bool:
+    """The adapters the two runs saved hold the same tensors (each rank's checksum of them)."""
+    return read_run(a)[0]["lora_checksums"] == read_run(b)[0]["lora_checksums"]
+
+
 def tree(folder: Path) -> dict[str, str]:
     return {p.relative_to(folder).as_posix(): manifest.sha256(p)
             for p in sorted(folder.rglob("*")) if p.is_file()}
@@ -85,7 +90,21 @@ def test_a_stop_request_saves_the_step_and_a_restart_resumes_by_itself(tmp_path,
     assert "a restart of this run (SLURM_RESTART_COUNT=1): training.resume=auto" in proc.stdout
     assert f"resumed from {out / 'checkpoints' / f'step-{step:06d}'} at step {step}" in proc.stdout
     assert losses(out, step) == losses(straight, step)  # exact: fp32 on CPU
+    assert same_adapter(out, straight)
     assert {k: v for k, v in tree(out / "checkpoints").items() if k in saved} == saved
+
+
+def test_a_stop_request_during_a_save_lets_it_finish_and_stops_there(tmp_path, straight):
+    """SIGTERM while checkpoint 20 is being written (KIT_SLOW_SAVE_S makes it take 5 s): the save
+    completes, no second one is written, and the run stops there, resumable from step 20."""
+    out = tmp_path / "run"
+    run = started(out, env={"KIT_SLOW_SAVE_S": "5"}, at_step=20)
+    os.kill(int((out / "pid").read_text()), signal.SIGTERM)
+    ended(run)
+    assert (run.exit_code, read_run(out)[0]["status"], read_run(out)[0]["steps"]) == (75, "preempted", 20)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000020"]
+    assert "preempted (SIGTERM): checkpoint the one above at step 20" in run.output()
+    assert manifest.problem(out / "checkpoints" / "step-000020") is None
 
 
 def test_a_second_request_exits_at_once_leaving_no_half_written_checkpoint(tmp_path, straight):
@@ -122,7 +141,7 @@ def test_a_rank_killed_mid_step_is_restarted_and_resumes(tmp_path, straight):
     assert "=== restart 1 of 1 after exit code 1" in text
     assert "a restart of this run (KIT_RESTART_COUNT=1)" in text
     assert f"resumed from {out / 'checkpoints' / 'step-000020'} at step 20" in text
-    assert losses(out, 20) == losses(straight, 20)
+    assert losses(out, 20) == losses(straight, 20) and same_adapter(out, straight)
     assert json.loads((out / "result.json").read_text())["status"] == "completed"
 
 
@@ -174,5 +193,5 @@ def test_a_full_disk_while_saving_ends_the_run_resumable(tmp_path, straight):
     proc = restart(out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / 'step-000020'} at step 20" in proc.stdout
-    assert losses(out, 20) == losses(straight, 20)
+    assert losses(out, 20) == losses(straight, 20) and same_adapter(out, straight)
     assert tree(out / "checkpoints" / "step-000020") == saved
