@@ -95,11 +95,12 @@ def test_a_stop_request_saves_the_step_and_a_restart_resumes_by_itself(tmp_path,
 
 
 def test_a_stop_request_during_a_save_lets_it_finish_and_stops_there(tmp_path, straight):
-    """SIGTERM while checkpoint 20 is being written (KIT_SLOW_SAVE_S makes it take 5 s): the save
+    """SIGUSR1 (what Slurm's --signal=USR1@120 sends ahead of a time limit) while checkpoint 20
+    is being written (KIT_SLOW_SAVE_S makes it take 5 s): run.sh passes it on as SIGTERM, the save
     completes, no second one is written, and the run stops there, resumable from step 20."""
     out = tmp_path / "run"
     run = started(out, env={"KIT_SLOW_SAVE_S": "5"}, at_step=20)
-    os.kill(int((out / "pid").read_text()), signal.SIGTERM)
+    os.kill(int((out / "pid").read_text()), signal.SIGUSR1)
     ended(run)
     assert (run.exit_code, read_run(out)[0]["status"], read_run(out)[0]["steps"]) == (75, "preempted", 20)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000020"]
