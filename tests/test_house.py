@@ -63,6 +63,7 @@ RANK_SIDE = [
     "kit.sft", "kit.sft_setup",  # TRL's SFTTrainer under accelerate launch
     "kit.loading", "kit.loading_rank",  # model.loading: full | rank0 | stream
     "kit.offload",  # training.offload_activations
+    "kit.preempt",  # a stop request: the step saved, exit 75
     "kit.order_rank",  # notebook 05's cases: each order of operations, run
 ]
 KERNEL_HEAVY = ("torch", "transformers", "peft", "bitsandbytes", "ipywidgets")
