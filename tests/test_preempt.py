@@ -76,8 +76,7 @@ def test_a_stop_request_saves_the_step_and_a_restart_resumes_by_itself(tmp_path,
     and every later step's loss is the uninterrupted run's."""
     out = tmp_path / "run"
     run = started(out, extra=("run.start_over=true",))
-    os.kill(int((out / "pid").read_text()), signal.SIGTERM)
-    assert ended(run) < 30  # well inside Kubernetes' 30 s grace period
+    assert run.preempt() < 30  # SIGTERM to run.sh alone: well inside Kubernetes' grace period
     result = read_run(out)[0]
     step = result["steps"]
     assert (run.exit_code, run.status, result["status"]) == (75, "preempted", "preempted")
@@ -100,8 +99,7 @@ def test_a_stop_request_during_a_save_lets_it_finish_and_stops_there(tmp_path, s
     completes, no second one is written, and the run stops there, resumable from step 20."""
     out = tmp_path / "run"
     run = started(out, env={"KIT_SLOW_SAVE_S": "5"}, at_step=20)
-    os.kill(int((out / "pid").read_text()), signal.SIGUSR1)
-    ended(run)
+    run.preempt(signal.SIGUSR1)
     assert (run.exit_code, read_run(out)[0]["status"], read_run(out)[0]["steps"]) == (75, "preempted", 20)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000020"]
     assert "preempted (SIGTERM): checkpoint the one above at step 20" in run.output()
