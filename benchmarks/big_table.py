@@ -1,5 +1,5 @@
 """One row per finished recipe run (RUN folders): what loading cost, the steady step's speed and
-memory, and the memory estimator's prediction for the same setup (kit.estimate), as Markdown.
+memory, and the memory estimator's prediction for the same setup (kit.budget.estimate), as Markdown.
 
     python3 benchmarks/big_table.py RUN [RUN ...]
 """
@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kit import jsonl  # noqa: E402
+from kit.budget.estimate import Setup, estimate  # noqa: E402
 from kit.config import load_config  # noqa: E402
-from kit.estimate import Setup, estimate  # noqa: E402
+from kit.folder import jsonl  # noqa: E402
 
 print("| run | batch x seq | load s | host peak MiB (after load) | GPU GiB after load | "
       "tokens/s (median, steps 3+) | peak GiB | estimate GiB | estimate error | loss first -> last |")

@@ -9,9 +9,10 @@ import sys
 
 import torch
 
-from kit import builtin, engines, model
-from kit import dist as kdist
 from kit.config import load_config
+from kit.inputs import builtin
+from kit.recipe import dist as kdist
+from kit.recipe import engines, model
 
 
 def state(cfg, env):

@@ -1,6 +1,6 @@
 """model.loading on this CPU, 2 processes, from a checkpoint large enough for the model's bytes to
 outweigh the libraries' (default kit:llama-1b: Llama-3.2-1B's shape, 2.5 GB of bf16 safetensors,
-written once under $KIT_HOME). One torchrun per mode (kit.loading_report.measure), so each row's
+written once under $KIT_HOME). One torchrun per mode (kit.lab.loading_report.measure), so each row's
 peaks are its own; prints a markdown table per rank and the ratio of what each load added.
 
     python3 benchmarks/cpu_loading.py [MODEL] > benchmarks/results/loading-1b-cpu.md
@@ -9,7 +9,7 @@ peaks are its own; prints a markdown table per rank and the ratio of what each l
 import sys
 import time
 
-from kit import loading_report
+from kit.lab import loading_report
 
 model = sys.argv[1] if len(sys.argv) > 1 else "kit:llama-1b"
 start = time.time()

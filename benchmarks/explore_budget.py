@@ -1,7 +1,7 @@
 """What a compiled decoder layer keeps for backward, per activation memory budget (issue 6).
 
 One decoder layer of Llama-3-8B's shape (random weights), NF4 + LoRA r16 on all linear layers
-(dropout 0.05), as the kit builds it (kit.model.build); eager, then compiled at budgets 1.0 / 0.5 /
+(dropout 0.05), as the kit builds it (kit.recipe.model.build); eager, then compiled at budgets 1.0 / 0.5 /
 0.3 / 0.15, optionally under FSDP2 (world of one). Per row: dynamo graphs and graph breaks,
 activation bytes kept for backward (saved-tensor hooks; parameters excluded), peak memory and
 forward+backward time.
@@ -16,14 +16,14 @@ import torch
 
 
 def build(path: str, device: str):
-    """The one-layer model, built as the recipe builds it (kit.model.build: NF4 with double quant
+    """The one-layer model, built as the recipe builds it (kit.recipe.model.build: NF4 with double quant
     and bf16 storage, LoRA r16 on all linear layers in bf16, sdpa, nothing recomputed: the
     compiler's budget decides), from a local folder written here once."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kit import builtin
-    from kit import model as kmodel
     from kit.config import load_config
+    from kit.inputs import builtin
+    from kit.recipe import model as kmodel
 
     if not os.path.exists(path):
         cfg = LlamaConfig(vocab_size=1024, hidden_size=4096, intermediate_size=14336,
@@ -99,13 +99,13 @@ def main():
     a = ap.parse_args()
     import torch._functorch.config as fc
 
-    from kit.recompute import compile_layers
+    from kit.recipe.recompute import compile_layers
 
     if a.fsdp:
         import torch.distributed as dist
 
-        from kit import sharding
         from kit.config import load_config
+        from kit.lab import sharding
         dist.init_process_group("nccl" if a.device == "cuda" else "gloo",
                                 init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
     rows = []

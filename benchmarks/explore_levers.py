@@ -3,7 +3,7 @@
     python3 benchmarks/explore_levers.py OUT_DIR
 
 An exploration run (not the benchmark: no sharding, one process): it builds the Llama-3-8B-shaped
-kit model once as the recipe does (kit.model.build: NF4, LoRA r16 on all linear layers, dropout
+kit model once as the recipe does (kit.recipe.model.build: NF4, LoRA r16 on all linear layers, dropout
 0.05, adapters in bf16 as FSDP's mixed precision computes them, every layer recomputed), then times
 variants in the same process at sequence length 2048 on synthetic tokens: attention backend, loss,
 checkpointing (full / every 2nd layer / none), batch, LoRA dropout, torch.compile of the decoder
@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kit import builtin
-from kit import loss as kloss
-from kit import model as kmodel
 from kit.config import load_config
-from kit.recompute import enable_activation_checkpointing
+from kit.inputs import builtin
+from kit.recipe import loss as kloss
+from kit.recipe import model as kmodel
+from kit.recipe.recompute import enable_activation_checkpointing
 
 SEQ = 2048
 OUT = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/explore")

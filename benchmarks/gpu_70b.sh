@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The 70B shape (Llama-2-70B's, the first article's model) trained on ONE GPU with the kit's
 # recipe: kit:llama-70b has no weights on disk, each tensor is initialised on the GPU at load and
-# quantized to NF4 as it is made (kit.loading.initialise). LoRA r16 on all linear layers, packed
+# quantized to NF4 as it is made (kit.recipe.loading.initialise). LoRA r16 on all linear layers, packed
 # rows of 2048 tokens (the bundled sample), FSDP2 on one process, whole-layer recompute, the
 # fused loss, 20 steps, at batch 1 and 2. table.md: load time, host and GPU memory after load,
-# tokens/s, peak GPU memory and the memory estimator's prediction beside it (kit.estimate).
+# tokens/s, peak GPU memory and the memory estimator's prediction beside it (kit.budget.estimate).
 #   bash benchmarks/fetch_gpu_wheels.sh        # here, once: fills .whl/gpu (carried)
 #   setsid nohup bash benchmarks/gpu_70b.sh /tmp/big > /tmp/big.log 2>&1 &   # there
 #   python3 benchmarks/big_table.py /tmp/big/runs/70b-b1 /tmp/big/runs/70b-b2  # the table

@@ -16,7 +16,7 @@ echo "pytest -m gpu rc=$? $(tail -1 "$OUT/pytest-gpu.log")" | tee "$OUT/progress
 python3 - "$OUT" <<'PY' | tee "$OUT/table.md"
 import json, subprocess, sys
 from pathlib import Path
-from kit.launch import run_to_end
+from kit.run.launch import run_to_end
 out = Path(sys.argv[1])
 print("| model.loading | status | loaded as | load s | host MiB peak | loss step 1 -> 30 | peak GiB | reload: max logit diff |")
 print("|---|---|---|---|---|---|---|---|")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The house check on one GPU (issue 13: same behaviour after the restructure): the GPU-marked
 # tests, the recipe on a 1.24B Llama under FSDP2, FSDP1 and FSDP2 with the speed levers (each
-# started through kit.launch.run_to_end, each adapter reloaded with plain PEFT), notebook 04's
+# started through kit.run.launch.run_to_end, each adapter reloaded with plain PEFT), notebook 04's
 # per-rank report on the GPU, then the 8B pair of benchmarks/matrices/bench-8b-1gpu-house.yaml.
 # Longer than one device call: started detached and polled:
 #   setsid nohup bash benchmarks/gpu_house_check.sh /tmp/house > /tmp/house.log 2>&1 &
@@ -21,8 +21,8 @@ echo "pytest -m gpu rc=$? $(tail -1 "$OUT/pytest-gpu.log")"
 python3 - "$OUT" <<'PY'
 import json, subprocess, sys, time
 from pathlib import Path
-from kit.launch import run_to_end
-from kit.sharding_report import bytes_per_rank, launch_report
+from kit.run.launch import run_to_end
+from kit.lab.sharding_report import bytes_per_rank, launch_report
 out = Path(sys.argv[1])
 cases = {"1b-fsdp2": [], "1b-fsdp1": ["sharding.engine=fsdp1"],
          "1b-fsdp2-levers": ["training.compile=true", "training.loss=fused",

@@ -4,7 +4,7 @@
 #   mkdir -p /tmp/i19; (setsid nohup bash benchmarks/gpu_issue19.sh SET /tmp/i19 > /tmp/i19/speed.log 2>&1 < /dev/null &)
 #   OUT=$OUT bash benchmarks/poll.sh /tmp/i19/SET 560 DONE          # again until DONE
 # SET:
-#   run2  kit.sft under accelerate with the generated FSDP2 and FSDP1 YAMLs on 2 processes
+#   run2  kit.recipe.sft under accelerate with the generated FSDP2 and FSDP1 YAMLs on 2 processes
 #         (gpu_sft_check.sh, NPROC=2), then run.sh as two nodes beside one node x 2
 #         (gpu_nodes_check.sh); ~8 minutes; .whl carried
 #   run3  notebooks 12 03 08 09 10 11 with GPU parameters on 2 processes (gpu_notebooks.sh);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # model.loading on ONE GPU from an 8B checkpoint written locally (kit:llama-8b, Llama-3-8B's
 # shape, random weights, 16 GB of bf16 safetensors): each mode in its own process
-# (python -m kit.loading_rank: load, LoRA r16, FSDP2, one forward), so each row's peaks are its
+# (python -m kit.lab.loading_rank: load, LoRA r16, FSDP2, one forward), so each row's peaks are its
 # own. With one process rank0 is full (nobody to receive), so the modes are full and stream.
 # table.md: seconds, peak host memory and its file-backed part, device memory after sharding and
 # its peak while loading, the model's own bytes, and the digests (equal: the same model).
@@ -15,7 +15,7 @@ python3 -c "from kit import builtin; print(builtin.build('llama-8b'))" > "$OUT/b
 echo "build: rc=$? in $(( $(date +%s) - start ))s" | tee -a "$OUT/progress.txt"
 for mode in ${MODES:-full stream}; do
   start=$(date +%s)
-  torchrun --standalone --nproc_per_node=1 -m kit.loading_rank kit/configs/llama-1b-gpu.yaml \
+  torchrun --standalone --nproc_per_node=1 -m kit.lab.loading_rank kit/configs/llama-1b-gpu.yaml \
     --report "$OUT/report" model.name=kit:llama-8b model.loading="$mode" > "$OUT/$mode.log" 2>&1
   echo "$mode: rc=$? in $(( $(date +%s) - start ))s" | tee -a "$OUT/progress.txt"
 done

@@ -27,7 +27,7 @@ jobs_for() {  # folder nnodes nproc
 }
 mkdir -p "$RUNS"
 jobs_for "$RUNS/two-nodes" 2 1
-PORT=$(python3 -c "from kit.nodes import free_port; print(free_port())")
+PORT=$(python3 -c "from kit.run.nodes import free_port; print(free_port())")
 t=$(date +%s)
 for node in 0 1; do
   CUDA_VISIBLE_DEVICES=$node NNODES=2 NODE_RANK=$node MASTER_ADDR=127.0.0.1 MASTER_PORT=$PORT \

@@ -29,7 +29,7 @@ for n in $WHICH; do case $n in
         -p heads 32 -p kv_heads 8 -p head_dim 64 -p model kit:llama-1b -p nproc 1 \
         -y 'recompute_settings: ["training.recompute.enabled=false", "training.recompute.enabled=true", "training.recompute.every=2", "training.recompute.every=4"]' -p steps 6 -p seq_len 2048 -p batch_size 4 ;;
   07) nb 07-launch-multi-gpu -p config llama-1b-gpu -p model kit:llama-1b -p device cuda -p nproc "$NPROC" -p steps 20 ;;
-  03) nb 03-lora-adapters ;;  # trains in the kernel, on the CPU, by design (kit.quantize.load_on_cpu)
+  03) nb 03-lora-adapters ;;  # trains in the kernel, on the CPU, by design (kit.recipe.quantize.load_on_cpu)
   09) if [ "$NPROC" -ge 2 ]; then ONLY="[article-80, kit-80-fp8-g]"; else ONLY="[article-80-1gpu, kit-80-fp8-g-1gpu]"; fi
       nb 09-benchmarks -p matrix benchmarks/matrices/bench-8b-2gpu-round3.yaml -y "only: $ONLY" \
         -y "batches: [8]" -p equivalence_steps 0 -p inject_oom_at 0 ;;

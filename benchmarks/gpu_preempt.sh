@@ -13,7 +13,7 @@ python3 - "$OUT" <<'PY' 2>&1 | tee "$OUT/preempt.log"
 import json, os, signal, subprocess, sys, time
 from pathlib import Path
 
-from kit.launch import launch
+from kit.run.launch import launch
 
 out = Path(sys.argv[1]) / "run"
 overrides = [f"run.output_dir={out}", "model.name=kit:llama-8b", "data.max_seq_len=2048",

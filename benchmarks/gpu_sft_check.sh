@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# kit.sft (TRL's SFTTrainer under `accelerate launch`) on ONE GPU with FSDP, for real: a 1.24B
+# kit.recipe.sft (TRL's SFTTrainer under `accelerate launch`) on ONE GPU with FSDP, for real: a 1.24B
 # Llama (kit:llama-1b, random weights the kit builds on the GPU), NF4 + LoRA r16, packed rows of
 # up to 512 tokens, batch 4, 40 steps. Each launcher is written by `python -m kit jobs` into a
-# new run folder; each saved adapter is verified as the kit does (python -m kit.checkpoint
+# new run folder; each saved adapter is verified as the kit does (python -m kit.recipe.checkpoint
 # verify) and reloaded with plain peft.PeftModel.from_pretrained on the base (its logits and its
-# loss on the sample must change). FSDP2 first; then FSDP1 on one process, which kit.jobs
+# loss on the sample must change). FSDP2 first; then FSDP1 on one process, which kit.run.jobs
 # refuses, launched anyway through accelerate (its FSDP1 config for 2 processes,
-# --num_processes 1): kit.sft refuses it too, in one line (before, it trained step 1 and then
+# --num_processes 1): kit.recipe.sft refuses it too, in one line (before, it trained step 1 and then
 # failed gathering the adapter: benchmarks/results/sft-fsdp-1xh100.md).
 # With NPROC=2 (two GPUs; issue 19, run 2) both engines train on 2 processes through the
 # generated FSDP2 and FSDP1 accelerate YAMLs, loading on rank 0 (model.loading=auto under
@@ -19,7 +19,7 @@ set -uo pipefail
 OUT=${1:-/tmp/sft-check}; RUNS=${2:-/tmp/sft-runs}; NPROC=${NPROC:-1}; mkdir -p "$OUT"
 if [ -e "$RUNS" ]; then echo "$RUNS exists: the run folders must be new"; exit 2; fi
 # bitsandbytes (NF4), trl, datasets and what datasets needs that the image lacks (dill,
-# multiprocess; pandas, pyarrow, fsspec, xxhash, huggingface_hub are the image's), and kit.jobs'
+# multiprocess; pandas, pyarrow, fsspec, xxhash, huggingface_hub are the image's), and kit.run.jobs'
 # jsonschema (it checks the Kubernetes manifests it writes) with its own three.
 python3 -m pip install -q --no-index --no-deps --no-cache-dir --find-links .whl/gpu \
   bitsandbytes trl datasets dill multiprocess jsonschema jsonschema-specifications referencing \
@@ -41,24 +41,24 @@ OVR=(data.max_seq_len=512 data.packing=true data.val_fraction=0.25 training.batc
      training.steps=40 training.eval_every=10)
 start=$(date +%s)
 
-# name, extra overrides, --nproc-per-node for kit.jobs, extra accelerate arguments, timeout
+# name, extra overrides, --nproc-per-node for kit.run.jobs, extra accelerate arguments, timeout
 launch() {
   local name=$1 over=$2 nproc=$3 accargs=$4 limit=$5 dir=$RUNS/$1
   # shellcheck disable=SC2086
   python3 -m kit jobs "$CONFIG" "${OVR[@]}" $over --nnodes 1 --nproc-per-node "$nproc" \
     --out "$dir" > "$OUT/$name.log" 2>&1 || { echo "$name: kit jobs rc=$?"; return; }
-  local cmd="${ACC[*]} launch --config_file $dir/accelerate.yaml $accargs -m kit.sft $dir/config.yaml"
+  local cmd="${ACC[*]} launch --config_file $dir/accelerate.yaml $accargs -m kit.recipe.sft $dir/config.yaml"
   echo "$cmd" > "$RUNS/$name.cmd"; echo "+ $cmd" | tee -a "$OUT/$name.log"
   local t; t=$(date +%s)
   # shellcheck disable=SC2086
   timeout "$limit" "${ACC[@]}" launch --config_file "$dir/accelerate.yaml" $accargs \
-    -m kit.sft "$dir/config.yaml" >> "$OUT/$name.log" 2>&1
+    -m kit.recipe.sft "$dir/config.yaml" >> "$OUT/$name.log" 2>&1
   local rc=$?
   echo "$rc $(( $(date +%s) - t ))" > "$RUNS/$name.rc"
   echo "$name: rc=$rc in $(( $(date +%s) - t ))s (at $(( $(date +%s) - start ))s)"
   grep -E "trainable of|^adapter:|^completed|Error|error:" "$OUT/$name.log" | grep -v Warning | head -8
   if [ -d "$dir/adapter" ]; then
-    python3 -m kit.checkpoint verify "$dir/adapter" > "$RUNS/$name.verify" 2>&1
+    python3 -m kit.recipe.checkpoint verify "$dir/adapter" > "$RUNS/$name.verify" 2>&1
     echo "verify rc=$? $(cat "$RUNS/$name.verify")" | tee -a "$OUT/$name.log"
     python3 - "$dir" > "$RUNS/$name.reload" 2>> "$OUT/$name.log" <<'PY'
 # Plain PEFT: the base as the kit loads it (NF4 onto the GPU), then from_pretrained the adapter.
@@ -90,7 +90,7 @@ PY
 }
 
 launch fsdp2 "" "$NPROC" "" 300
-# FSDP1 on one process: kit.jobs' refusal (pitfall fsdp1_no_shard), then the launch anyway.
+# FSDP1 on one process: kit.run.jobs' refusal (pitfall fsdp1_no_shard), then the launch anyway.
 python3 -m kit jobs "$CONFIG" "${OVR[@]}" sharding.engine=fsdp1 --nnodes 1 --nproc-per-node 1 \
   --out "$RUNS/fsdp1-refused" > "$RUNS/fsdp1.refused" 2>&1; echo "kit jobs fsdp1 x1: rc=$? $(cat "$RUNS/fsdp1.refused")"
 if [ "$NPROC" = 1 ]; then
@@ -120,7 +120,7 @@ for name in ("fsdp2", "fsdp1"):
     train = [x for x in rows if x["split"] == "train"]
     tps = sorted(x["tokens_per_s"] for x in train[3:] or train)
     peak = max((x["peak_mem_gib"] for x in rows), default=None)
-    errors = [x.strip() for x in read(out / f"{name}.log").splitlines()  # kit.sft's own lines
+    errors = [x.strip() for x in read(out / f"{name}.log").splitlines()  # kit.recipe.sft's own lines
               if x.startswith("[rank") and "Error" in x and "Warning" not in x]
     status = r.get("status") or f"failed (rc {rc})" + (f": `{errors[-1][:160]}`" if errors else "")
     a = r.get("adapter") or {}

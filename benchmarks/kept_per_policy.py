@@ -5,10 +5,10 @@ per token and layer, in units of hidden-size values (CPU, float32, a few seconds
     python3 benchmarks/kept_per_policy.py matmuls inputs        # some
 
 The kit model `kit:tiny-llama-8b-ratios` (2 layers, hidden 128, the 8B shape's ratios), built as
-the recipe builds it (kit.model.build: load in NF4 -> LoRA -> recompute per the policy -> loss ->
-train mode), then compiled per layer (kit.recompute.compile_layers). "none" is
+the recipe builds it (kit.recipe.model.build: load in NF4 -> LoRA -> recompute per the policy -> loss ->
+train mode), then compiled per layer (kit.recipe.recompute.compile_layers). "none" is
 training.recompute.enabled=false. Bytes are counted with saved-tensor hooks
-(kit.memory.measure_saved_activations) at two sequence lengths; the difference removes what does
+(kit.lab.memory.measure_saved_activations) at two sequence lengths; the difference removes what does
 not grow with tokens (weights included), and the logits' share (vocabulary / hidden per token,
 spread over the layers) is subtracted. Results: benchmarks/results/profile-8b-1xh100.md.
 """
@@ -17,8 +17,10 @@ import sys
 
 import torch
 
-from kit import builtin, memory, model, recompute
 from kit.config import load_config
+from kit.inputs import builtin
+from kit.lab import memory
+from kit.recipe import model, recompute
 
 T = 256
 POLICIES = ["none", *recompute.KEEPS]

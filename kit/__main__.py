@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
 def _command_tour(args) -> int:
     import yaml
 
-    from kit import tour
+    from kit.run import tour
 
     parameters = {name: yaml.safe_load(value) for name, value in args.parameter}
     folder = Path(args.notebooks) if args.notebooks else tour.NOTEBOOKS
@@ -78,7 +78,7 @@ def _command_tour(args) -> int:
 
 
 def _command_strip(args) -> int:
-    from kit import tour
+    from kit.run import tour
 
     for path in args.paths:
         print(f"{path}: {tour.strip_outputs(path)} cell(s) cleared")
@@ -86,15 +86,15 @@ def _command_strip(args) -> int:
 
 
 def _command_keep(args) -> int:
-    from kit import tour
+    from kit.run import tour
 
     print(f"{args.notebook}: {tour.keep_outputs(args.notebook, args.executed)} checked cell(s) recorded")
     return 0
 
 
 def _command_jobs(args) -> int:
-    from kit import jobs
     from kit.config import ConfigError
+    from kit.run import jobs
 
     given = {k: getattr(args, k) for k in ("image", "pvc", "time") if getattr(args, k) is not None}
     try:
@@ -111,7 +111,8 @@ def _command_jobs(args) -> int:
 
 
 def _command_models(args) -> int:
-    from kit import builtin, shapes
+    from kit.budget import shapes
+    from kit.inputs import builtin
 
     if args.action == "path":
         key = args.name.removeprefix(builtin.PREFIX)
@@ -137,7 +138,7 @@ def _command_models(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["chat"]:  # its own parser, -h included (argparse's REMAINDER drops "-h")
-        from kit import chat
+        from kit.recipe import chat
 
         return chat.main(argv[1:])
     args = _parser().parse_args(argv)

@@ -39,13 +39,13 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     # A hub id, a local checkpoint folder, or a model the kit builds itself ("kit:tiny-llama",
-    # "kit:tiny-qwen2", "kit:llama-1b", "kit:llama-8b": random weights, see kit/builtin.py).
+    # "kit:tiny-qwen2", "kit:llama-1b", "kit:llama-8b": random weights, see kit/inputs/builtin.py).
     name: str = "kit:tiny-llama"
     # Dtype of everything that is not 4-bit: norms, embeddings, compute. bf16 on GPUs; this CPU has
     # no bf16 instructions, so above ~40M params prefer float32 when running on CPU.
     dtype: DType = "bfloat16"
     trust_remote_code: bool = False
-    # How each rank gets the weights (kit/loading.py). full: every rank reads the checkpoint and
+    # How each rank gets the weights (kit/recipe/loading.py). full: every rank reads the checkpoint and
     # quantizes it, then holds the whole model until sharding; rank0: rank 0 does, the others
     # build the model on the meta device and receive it by broadcast; stream (FSDP2, FSDP1): each
     # rank reads one tensor at a time, quantizes it on its device and keeps only its shard: no
@@ -63,7 +63,7 @@ class QuantizationConfig:
     # Dtype the packed 4-bit bytes are stored in. "auto" = model.dtype, which is what FSDP needs to
     # flatten/shard them next to the bf16 norms; uint8 only works for DDP / FSDP2.
     storage: Literal["auto", "uint8", "bfloat16", "float16", "float32"] = "auto"
-    # Run the frozen 4-bit layers' matmuls in FP8 with a scale per row (kit.fp8; Hopper GPUs run
+    # Run the frozen 4-bit layers' matmuls in FP8 with a scale per row (kit.recipe.fp8; Hopper GPUs run
     # FP8 at about twice the bf16 rate). Changes numerics, so off unless asked; adapters stay bf16.
     fp8_matmul: bool = False
 
@@ -79,11 +79,11 @@ class LoraConfig:
     # which must flatten one dtype per unit, so there they take model.dtype.
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     # Recompute each adapter's dropout and down-projection in backward instead of storing the
-    # dropout mask and the dropped copy of the input (kit.lora.recompute_adapters): same result,
+    # dropout mask and the dropped copy of the input (kit.recipe.lora.recompute_adapters): same result,
     # less activation memory; the speed levers (kit.bench) use it.
     recompute: bool = False
     # Adapters that read one input (q/k/v; gate/up) drop it once and run their down-projections
-    # as one matmul (kit.lora_groups): fewer, larger kernels. The members share one dropout mask
+    # as one matmul (kit.recipe.lora_groups): fewer, larger kernels. The members share one dropout mask
     # instead of three, which changes what is learned a little (measured in benchmarks/results/).
     group_inputs: bool = False
 
@@ -110,7 +110,7 @@ class ShardingConfig:
 @dataclass
 class AttentionConfig:
     # flash_attention_2 needs the flash-attn package (GPU only); sdpa includes a flash kernel too.
-    # sdpa_<backend> pins PyTorch SDPA to one kernel (kit.attention): flash, efficient, cudnn, math.
+    # sdpa_<backend> pins PyTorch SDPA to one kernel (kit.recipe.attention): flash, efficient, cudnn, math.
     implementation: Literal[
         "eager", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math",
         "flex_attention", "flash_attention_2",
@@ -127,7 +127,7 @@ class RecomputeConfig:
     # Recompute every k-th decoder layer only (1: all). Fewer recomputed layers: less compute,
     # more activation memory.
     every: int = 1
-    # What a recomputed layer keeps for backward (kit.recompute):
+    # What a recomputed layer keeps for backward (kit.recipe.recompute):
     # inputs: only its input; backward reruns the whole layer (~1/3 more compute, least memory).
     # matmuls: the results of the frozen linear layers, attention and the adapters; backward
     #   reruns only norms, RoPE, SiLU, dropout: no matmul twice, about half the memory of
@@ -139,7 +139,7 @@ class RecomputeConfig:
     #   MLP's down projection; gate/up are recomputed (half of the matmul work twice): about half
     #   the memory of matmuls.
     keeps: Literal["inputs", "matmuls", "mlp_matmuls", "attention_matmuls"] = "inputs"
-    # Run each layer's MLP this many tokens at a time, keeping only its input (kit.recompute):
+    # Run each layer's MLP this many tokens at a time, keeping only its input (kit.recipe.recompute):
     # at long sequences its gate/up intermediates are a layer's widest tensors (at the 8B shape
     # 56 KiB per token each). 0: off. Eager layers with keeps=inputs (or recompute off) only.
     mlp_tile_tokens: int = 0
@@ -155,16 +155,16 @@ class TrainingConfig:
     warmup_steps: int = 2
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     max_grad_norm: float = 1.0  # 0 disables clipping
-    # What a decoder layer keeps for backward and recomputes (kit.recompute).
+    # What a decoder layer keeps for backward and recomputes (kit.recipe.recompute).
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     # "hf": transformers' loss (upcasts all logits to fp32 at once); "chunked": the same loss in
-    # fp32 over chunks of tokens, recomputed in backward (kit.loss): ~2.6 GB less per 2k tokens
+    # fp32 over chunks of tokens, recomputed in backward (kit.recipe.loss): ~2.6 GB less per 2k tokens
     # with a 128k vocabulary; "fused": the output head and the loss together, a chunk of tokens
     # at a time, gradient taken in forward: no logits for the whole batch ever exist (a further
     # ~1 GB per 2k tokens at 128k vocabulary). Needs a frozen output head; in training the
     # model's output then holds no logits (evaluation still gets them).
     loss: Literal["hf", "chunked", "fused"] = "hf"
-    # What autograd keeps for backward waits in pinned host memory (kit.offload): with whole-layer
+    # What autograd keeps for backward waits in pinned host memory (kit.recipe.offload): with whole-layer
     # recompute, each layer's input; with recompute off, all the layers keep. Saves GPU memory,
     # costs host memory and PCIe copies (a side stream overlaps them with compute). GPUs only.
     offload_activations: bool = False
@@ -196,7 +196,7 @@ class DataConfig:
     messages_field: str = "messages"
     max_seq_len: int = 32  # longer: more context, activation memory grows linearly (sdpa)
     # Pack several samples into each row (no padding); attention never crosses samples (position
-    # ids restart per sample). See kit.data.
+    # ids restart per sample). See kit.recipe.data.
     packing: bool = False
     val_fraction: float = 0.1
     val_path: str = ""  # a separate validation file; overrides val_fraction
@@ -225,7 +225,7 @@ class RunConfig:
     name: str = "default"
     output_dir: str = ""  # "": launch/<name>
     # Start over in an output_dir that holds an earlier run: its files move, byte for byte, into
-    # <output_dir>/earlier/<time>/ (kit.runfolder); nothing is deleted. Off: such a start is
+    # <output_dir>/earlier/<time>/ (kit.folder.runfolder); nothing is deleted. Off: such a start is
     # refused, so re-running a command never touches what was trained.
     start_over: bool = False
     # Collective timeout (NCCL/gloo). Raise it when gathering or saving a large model takes long.

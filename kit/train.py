@@ -1,7 +1,7 @@
 """The training recipe: NF4 base + LoRA + FSDP2/FSDP1/DDP, one code path for CPU and GPUs.
 
     torchrun --nproc_per_node=2 -m kit.train kit/configs/tiny-cpu.yaml sharding.engine=fsdp1
-    python -m kit.train --check kit/configs/tiny-cpu.yaml --nproc 2   # the check step alone
+    python -m kit check kit/configs/tiny-cpu.yaml --nproc 2   # the check step alone (kit.run.check)
 
 Order of operations (each step is its own module): process group -> load (quantized) model ->
 LoRA -> activation checkpointing + train mode -> shard -> optimizer -> train -> save adapter.
@@ -19,8 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from kit import (
-    builtin,
+from kit import pitfalls
+from kit.config import Config, ConfigError, load_config
+from kit.folder import runfolder
+from kit.inputs import builtin, sources
+from kit.recipe import (
     checkpoint,
     checks,
     data,
@@ -28,17 +31,13 @@ from kit import (
     faults,
     loading,
     lora,
-    memory,
+    meters,
     model,
     offload,
-    pitfalls,
     preempt,
     recompute,
-    runfolder,
-    sources,
 )
-from kit import dist as kdist
-from kit.config import Config, ConfigError, load_config
+from kit.recipe import dist as kdist
 
 
 class Recipe:
@@ -59,7 +58,7 @@ class Recipe:
         for _, violation in pitfalls.machine_violations(cfg, machine):
             raise ConfigError(str(violation))
         sources.check_model(cfg.model.name)
-        # What this start does to the run folder (kit.runfolder): decided by rank 0 (it hashes
+        # What this start does to the run folder (kit.folder.runfolder): decided by rank 0 (it hashes
         # the checkpoints' files once) before any rank writes; nothing trained is replaced in place.
         self.plan = self._broadcast_plan()
         if self.plan.start is None:  # finished: nothing to do, nothing touched
@@ -72,10 +71,10 @@ class Recipe:
             builtin.resolve(cfg.model.name)
             data.warm_cache(cfg.data)
         loaded = time.perf_counter()
-        built = model.build(cfg, env.device)  # model.loading (kit.loading)
+        built = model.build(cfg, env.device)  # model.loading (kit.recipe.loading)
         self.load = {"mode": loading.loaded_as(built.model),  # completed after sharding: stream
                      "seconds": time.perf_counter() - loaded,  # loads as the engine shards
-                     "device_gib": round(memory.allocated_gib(env.device), 3)}  # before sharding
+                     "device_gib": round(meters.allocated_gib(env.device), 3)}  # before sharding
         if built.attention_warning:
             self.say(built.attention_warning)
         self.peft_model, self.tokenizer = built.model, built.tokenizer
@@ -99,7 +98,7 @@ class Recipe:
         wrapping = time.perf_counter()
         self.model = self.engine.wrap(self.peft_model, cfg, env.device)
         peaks: list = [None] * env.world_size  # each rank's peak host memory (MiB) until sharded
-        dist.all_gather_object(peaks, round(memory.peak_rss_mib(), 1))
+        dist.all_gather_object(peaks, round(meters.peak_rss_mib(), 1))
         self.load.update(peak_host_mib=peaks, seconds=round(
             self.load["seconds"] + time.perf_counter() - wrapping, 2))
         if t.compile:
@@ -134,7 +133,7 @@ class Recipe:
         return box[0]
 
     def _resume(self) -> int:
-        """Restore the checkpoint the plan chose (its manifest checked by kit.runfolder); the
+        """Restore the checkpoint the plan chose (its manifest checked by kit.folder.runfolder); the
         metrics up to its step are the history (rows past it were kept in earlier/)."""
         for note in self.plan.notes:
             self.say(note)
@@ -217,7 +216,7 @@ class Recipe:
             batch = self._to_device(batch)
             n = int((batch["labels"][:, 1:] != -100).sum())
             loss = self.model(**batch, use_cache=False).loss.item()  # every rank, collectively
-            if n:  # a small split's filler batch (kit.data.short_split) has no label: no loss
+            if n:  # a small split's filler batch (kit.recipe.data.short_split) has no label: no loss
                 totals += torch.tensor([loss * n, n], device=totals.device)
         dist.all_reduce(totals)
         self.model.train()
@@ -247,7 +246,7 @@ class Recipe:
             saved = c.save_every and step % c.save_every == 0
             if saved:
                 self.say(f"checkpoint: {self._checkpoint(step)}")
-            if self.preempt.stop_here(self, step, saved):  # asked to stop (kit.preempt)
+            if self.preempt.stop_here(self, step, saved):  # asked to stop (kit.recipe.preempt)
                 self.status, last = "preempted", step
                 break
             bar.update(1)
@@ -256,7 +255,7 @@ class Recipe:
         self.last_step = last
 
     def _checkpoint(self, step: int):
-        """Checkpoint `step` (kit.checkpoint: atomic, verified, a collective); its folder."""
+        """Checkpoint `step` (kit.recipe.checkpoint: atomic, verified, a collective); its folder."""
         c = self.cfg.checkpointing
         return checkpoint.save_training_state(
             wrapped=self.model, engine=self.engine, optimizer=self.optimizer,
@@ -265,7 +264,7 @@ class Recipe:
             tokenizer=self.tokenizer)
 
     def _check(self, row: dict, step: int, lora_start: dict) -> None:
-        """In-run checks (kit.checks): NaN/inf, a slow rank, adapters that do not move."""
+        """In-run checks (kit.recipe.checks): NaN/inf, a slow rank, adapters that do not move."""
         for finding in checks.check_step(row):
             raise FloatingPointError(str(finding))
         for finding in checks.check_rank_times(row["step_s_per_rank"], step):
@@ -320,7 +319,7 @@ class Recipe:
     def log(self, row: dict) -> None:
         row = {
             **row,
-            "peak_mem_gib": round(memory.peak_gib(self.env.device), 4),
+            "peak_mem_gib": round(meters.peak_gib(self.env.device), 4),
             "elapsed_s": round(time.perf_counter() - self.started, 3),
         }
         self.history.append(row)
@@ -386,10 +385,6 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
-    if argv[0] == "--check":  # the check step alone, one process, no rank started (kit.check)
-        from kit import check
-
-        return check.main(argv[1:])
     path, overrides = (None, argv) if "=" in argv[0] else (argv[0], argv[1:])
     kdist.say_if_alone("kit.train")
     finished = lambda: run(load_config(path, overrides)).get("status")  # noqa: E731

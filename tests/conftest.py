@@ -23,8 +23,8 @@ def kit_home(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def notebook_kernel():
     """Notebooks run on this environment's kernel (setup.sh installs it into the environment's
-    prefix), as kit.tour runs them, even where a user-global python3 kernel points elsewhere."""
-    from kit import tour
+    prefix), as kit.run.tour runs them, even where a user-global python3 kernel points elsewhere."""
+    from kit.run import tour
 
     with tour.this_environments_kernel():
         yield
@@ -35,7 +35,7 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER
 
 @pytest.fixture(autouse=True)
 def torchrun_variables_stay_as_they_were():
-    """kit.dist.init sets torchrun's variables when it forms a group of one inside pytest; no test
+    """kit.recipe.dist.init sets torchrun's variables when it forms a group of one inside pytest; no test
     hands them on (a later child process would inherit RANK and a port still in use)."""
     before = {k: os.environ.get(k) for k in TORCHRUN_VARIABLES}
     yield
@@ -67,9 +67,9 @@ class Finished:
 
 def torchrun(out: Path, *overrides: str, nproc: int = 2, config: Path = TINY, timeout: int = 600,
              check: bool = True) -> Finished:
-    """Train with the recipe into `out` through the kit's captured-run helper (kit.launch:
+    """Train with the recipe into `out` through the kit's captured-run helper (kit.run.launch:
     out/config.yaml + out/run.sh under torchrun, as every run); fail with its log."""
-    from kit.launch import run_to_end
+    from kit.run.launch import run_to_end
 
     run = run_to_end(config, [f"run.output_dir={out}", *overrides], nproc=nproc,
                      timeout=timeout, check=False)
@@ -79,7 +79,7 @@ def torchrun(out: Path, *overrides: str, nproc: int = 2, config: Path = TINY, ti
 
 
 def read_run(out: Path) -> tuple[dict, list[dict]]:
-    from kit import jsonl
+    from kit.folder import jsonl
 
     return json.loads((out / "result.json").read_text()), jsonl.read(out / "metrics.jsonl")
 
@@ -95,7 +95,7 @@ def group_of_one(monkeypatch):
     """A process group of one, on gloo, for rank-side code run inside pytest."""
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
-    from kit import dist as kdist
+    from kit.recipe import dist as kdist
 
     env = kdist.init("cpu")
     yield env

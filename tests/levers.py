@@ -3,7 +3,7 @@
 import torch
 from transformers import AutoModelForCausalLM
 
-from kit import builtin
+from kit.inputs import builtin
 
 
 def tiny_model():

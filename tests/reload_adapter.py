@@ -13,7 +13,7 @@ import yaml
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-from kit.builtin import resolve
+from kit.inputs.builtin import resolve
 
 run = sys.argv[1]
 device = sys.argv[2] if len(sys.argv) > 2 else "cpu"

@@ -1,7 +1,7 @@
-"""Notebook 06's modules. kit.attention: pinned SDPA kernels registered with transformers give
+"""Notebook 06's modules. kit.recipe.attention: pinned SDPA kernels registered with transformers give
 sdpa's logits and hold through backward and checkpoint recompute; what cannot run says so in one
-line; usable() answers what runs here. kit.attention_bench: the microbenchmark records failures as
-rows. kit.recompute_sweep: one real recipe run per setting, named by its config overrides."""
+line; usable() answers what runs here. kit.lab.attention_bench: the microbenchmark records failures as
+rows. kit.lab.recompute_sweep: one real recipe run per setting, named by its config overrides."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
-from kit import attention, attention_bench, builtin, quantize, recompute_sweep
 from kit.config import ConfigError, load_config
-from kit.recompute import enable_activation_checkpointing
+from kit.inputs import builtin
+from kit.lab import attention_bench, recompute_sweep
+from kit.recipe import attention, quantize
+from kit.recipe.recompute import enable_activation_checkpointing
 
 CPU_KERNELS = ("sdpa_flash", "sdpa_math")  # PyTorch's CPU SDPA kernels; efficient/cudnn: CUDA only
 

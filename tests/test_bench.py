@@ -1,5 +1,5 @@
 """kit.bench for real: one invocation, two recipes each in its own torchrun (2 CPU processes, gloo),
-started through kit.launch's run folders."""
+started through kit.run.launch's run folders."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from kit import bench, jsonl
-from kit.bench_report import best_by_case
+from kit.bench import runner as bench
+from kit.bench.report import best_by_case
 from kit.config import ConfigError
-from kit.launch import Run
+from kit.folder import jsonl
+from kit.run.launch import Run
 
 TINY_MATRIX = ROOT / "benchmarks" / "matrices" / "bench-tiny.yaml"
 
@@ -97,11 +98,11 @@ def test_each_case_is_a_run_folder_with_its_config_and_log(tiny_bench):
         run = Run(out / "runs" / case)
         assert run.status == "completed" and run.exit_code == 0
         assert run.config.data.max_seq_len == 64 and run.config.training.device == "cpu"
-        assert "kit.bench_worker" in (run.folder / "run.sh").read_text()
+        assert "kit.bench.worker" in (run.folder / "run.sh").read_text()
         assert (out / "logs" / f"{case}.log").read_text() == run.output()
     # The kit's recipe trains with the case's overrides; the runner's settings underneath.
     kit = Run(out / "runs" / "kit").config
-    assert (kit.training.loss, kit.lora.r, kit.training.scheduler) == ("chunked", 16, "constant")
+    assert (kit.training.loss, kit.recipe.lora.r, kit.training.scheduler) == ("chunked", 16, "constant")
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""kit.bench_report: the tables and plot of a recorded run, rendered without torch."""
+"""kit.bench.report: the tables and plot of a recorded run, rendered without torch."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import sys
 
 from conftest import ROOT
 
-from kit import bench_report, jsonl
-from kit.bench_matrix import load_matrix
+from kit.bench import report as bench_report
+from kit.bench.matrix import load_matrix
+from kit.folder import jsonl
 
 RECORDED = ROOT / "benchmarks" / "results" / "bench-8b-2xh200-run4.jsonl"
 MATRIX = ROOT / "benchmarks" / "matrices" / "bench-8b.yaml"

@@ -1,11 +1,11 @@
-"""kit.bench_worker's bookkeeping that runs without a GPU: the tokens every recipe sees, and how a
+"""kit.bench.worker's bookkeeping that runs without a GPU: the tokens every recipe sees, and how a
 profile sorts kernels (the profile itself runs on GPUs only; the worker runs in tests/test_bench.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from kit import bench_worker
+from kit.bench import worker as bench_worker
 
 
 def test_synthetic_batches_are_the_same_for_every_recipe_and_differ_by_rank_and_step():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from kit import builtin
+from kit.inputs import builtin
 
 SMOL = "kit:smollm2-135m-instruct"
 
@@ -27,7 +27,7 @@ def test_smollm2_is_an_ordinary_folder_that_knows_paris(smollm2):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kit import data
+    from kit.recipe import data
 
     config = json.loads((Path(smollm2) / "config.json").read_text())
     assert "quantization_config" not in config and config["num_hidden_layers"] == 30

@@ -1,5 +1,5 @@
 """Notebook 12, the capstone: its data set (reproducible, held-out questions kept out of training),
-the helpers it reads results with (kit.data: packed_mask, score), and one headless run of the
+the helpers it reads results with (kit.recipe.data: packed_mask, score), and one headless run of the
 notebook whose measured margin is the one its text states."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import pytest
 import torch
 from conftest import ROOT
 
-from kit import data, datafile
 from kit.config import load_config
+from kit.inputs import datafile
+from kit.recipe import data
 
 NOTEBOOK = ROOT / "notebooks" / "12-capstone-real-model.ipynb"
 TRAIN = ROOT / "kit" / "data" / "answer-format.jsonl"

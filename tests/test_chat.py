@@ -9,8 +9,8 @@ import sys
 import pytest
 from conftest import ROOT
 
-from kit import chat
 from kit.config import ConfigError
+from kit.recipe import chat
 
 
 def kit_chat(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -22,8 +22,8 @@ def kit_chat(*args: str, stdin: str | None = None) -> subprocess.CompletedProces
 def test_chat_answers_from_a_run_copied_elsewhere_as_it_does_in_process(tiny_run, tmp_path):
     """The run folder copied to another place (another machine's): its config names the base
     model, so the adapter still loads; --compare gives the base's reply beside it; a checkpoint's
-    adapter folder works as the run folder does; the replies are those of kit.chat.replies."""
-    from kit.merge import load_for_inference
+    adapter folder works as the run folder does; the replies are those of kit.recipe.chat.replies."""
+    from kit.recipe.merge import load_for_inference
 
     moved = tmp_path / "elsewhere" / "run"
     shutil.copytree(tiny_run, moved)

@@ -1,5 +1,5 @@
-"""Nothing lost, one line for every mistake: the battery of issue 14 (kit.check, kit.runfolder,
-kit.sources, the ranks' own refusals).
+"""Nothing lost, one line for every mistake: the battery of issue 14 (kit.run.check, kit.folder.runfolder,
+kit.inputs.sources, the ranks' own refusals).
 
 Every refused case asserts the exit code, one line naming the field or file and what is allowed,
 and that every file already in the run folder is byte-identical afterwards. One trained run (a
@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY, TINY_RUN, torchrun
 
-from kit import doctor, runfolder
+from kit import doctor
 from kit.config import ConfigError, load_config
-from kit.launch import run_to_end
+from kit.folder import runfolder
+from kit.run.launch import run_to_end
 
 SHORT = TINY_RUN
 
@@ -32,8 +33,8 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 
 def check_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """python -m kit.check, as run.sh's check step runs it."""
-    return subprocess.run([sys.executable, "-m", "kit.check", *map(str, args)], cwd=cwd,
+    """python -m kit.run.check, as run.sh's check step runs it."""
+    return subprocess.run([sys.executable, "-m", "kit.run.check", *map(str, args)], cwd=cwd,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -248,7 +249,7 @@ def test_a_ranks_own_error_outranks_a_peer_that_died_of_a_signal_in_the_same_sec
     in the same second (a clean-clone CI run saw SIGABRT there): rank 1 is the one named."""
     import json
 
-    from kit.runs import Run
+    from kit.run.runs import Run
 
     err = tmp_path / "logs" / "x" / "attempt_0" / "1"
     err.mkdir(parents=True)

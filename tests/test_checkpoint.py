@@ -16,8 +16,9 @@ import pytest
 import torch
 from conftest import ROOT, read_run, torchrun
 
-from kit import checkpoint, manifest
 from kit.config import Config
+from kit.folder import manifest
+from kit.recipe import checkpoint
 
 FP32 = ["model.dtype=float32", "quantization.method=none"]  # exact arithmetic on CPU
 
@@ -87,7 +88,7 @@ def save_adapter_file(folder, tensors) -> None:
 
 def fake_checkpoint(out, step: int, world_size: int = 2):
     """checkpoints/step-N with a 4,096-byte 'shard', a trainer file and a real adapter, manifest
-    written by kit.manifest as save_training_state writes it."""
+    written by kit.folder.manifest as save_training_state writes it."""
     folder = out / "checkpoints" / f"step-{step:06d}"
     (folder / "dcp").mkdir(parents=True)
     (folder / "dcp" / "__0_0.distcp").write_bytes(bytes(range(256)) * 16)
@@ -250,13 +251,13 @@ def test_load_names_the_file_it_cannot_read(tmp_path):
 
 
 def cli(*args) -> subprocess.Popen:
-    """Start `python -m kit.checkpoint ARGS` (several run side by side: each imports torch)."""
-    return subprocess.Popen([sys.executable, "-m", "kit.checkpoint", *map(str, args)], cwd=ROOT,
+    """Start `python -m kit.recipe.checkpoint ARGS` (several run side by side: each imports torch)."""
+    return subprocess.Popen([sys.executable, "-m", "kit.recipe.checkpoint", *map(str, args)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_command_line_failures_are_one_line_naming_the_path_exit_2(tmp_path, capsys):
-    """python -m kit.checkpoint, for real: a missing run, a run with no adapter, a truncated
+    """python -m kit.recipe.checkpoint, for real: a missing run, a run with no adapter, a truncated
     adapter file, an empty adapter, a damaged checkpoint, a merge into a folder that exists."""
     run = tmp_path / "run"  # a run folder whose run saved no adapter
     run.mkdir()
@@ -291,7 +292,7 @@ def test_command_line_failures_are_one_line_naming_the_path_exit_2(tmp_path, cap
             code = checkpoint.main([str(a) for a in args])
             stdout, stderr = capsys.readouterr()
         assert code == 2, (args, stderr[-2000:])
-        assert stderr.startswith(f"python -m kit.checkpoint {expected}"), stderr[-2000:]
+        assert stderr.startswith(f"python -m kit.recipe.checkpoint {expected}"), stderr[-2000:]
         assert stderr.count("\n") == 1 and stdout == "", stderr
     assert (out / "mine.txt").read_text() == "a user's file" and not (tmp_path / "new").exists()
     with pytest.raises(checkpoint.CheckpointError, match="out: '.*' exists; choose a new folder"):
@@ -361,7 +362,7 @@ def test_notebook_08_runs_under_papermill(tmp_path):
 
     from conftest import ROOT
 
-    from kit import tour
+    from kit.run import tour
 
     path = ROOT / "notebooks" / "08-checkpoints-resume-merge.ipynb"
     outcome = tour.run(path, tmp_path / "08.ipynb", {"steps": 12, "save_every": 3})

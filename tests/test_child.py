@@ -1,4 +1,4 @@
-"""kit.child: a function of a module run in a fresh process, its JSON result back, its failures in
+"""kit.run.child: a function of a module run in a fresh process, its JSON result back, its failures in
 one line, and a timeout that leaves no process of its tree alive (grandchildren included, even
 one that started a session of its own, as torchrun's ranks do)."""
 
@@ -13,7 +13,7 @@ import time
 import pytest
 from conftest import ROOT, alive
 
-from kit import child
+from kit.run import child
 
 TARGETS = '''
 import os, subprocess, sys, time
@@ -67,7 +67,7 @@ def test_a_child_that_dies_without_a_result(env):
     with pytest.raises(child.ChildFailed, match="ModuleNotFoundError: No module named 'nowhere'"):
         child.call("nowhere:f", timeout=60)
     with pytest.raises(ValueError, match="expected 'module:function'"):
-        child.call("kit.hardware.collect")
+        child.call("kit.budget.hardware.collect")
 
 
 @pytest.mark.parametrize("own_session", [False, True], ids=["same-group", "own-session"])
@@ -88,6 +88,6 @@ def test_timeout_kills_the_whole_tree(env, tmp_path, own_session):
 
 
 def test_command_line_prints_the_result_alone():
-    out = subprocess.run([sys.executable, "-m", "kit.child", "kit.jsonl:read", '{"path": "none"}'],
+    out = subprocess.run([sys.executable, "-m", "kit.run.child", "kit.folder.jsonl:read", '{"path": "none"}'],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert (out.returncode, out.stdout) == (0, '{"result": []}')

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from kit import builtin, data
 from kit.config import ConfigError, DataConfig
+from kit.inputs import builtin
+from kit.recipe import data
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def test_missing_text_field_names_the_columns(tmp_path, tokenizer):
 
 GOOD = '{"text": "fine"}\n'
 CHAT = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ho"}]}\n'
-# (file name, its text, what the one line must say): every kind of bad file kit.datafile refuses.
+# (file name, its text, what the one line must say): every kind of bad file kit.inputs.datafile refuses.
 BAD_FILES = [
     ("missing.jsonl", GOOD * 2 + '{"body": "no text"}\n' + GOOD * 3,
      "row 3 (line 3): 'text' is missing or null; every row needs a string in data.text_field"),
@@ -86,7 +87,7 @@ BAD_FILES = [
 def test_bad_files_are_refused_in_one_line(tmp_path, tokenizer, name, text, says):
     """The check step (check_file) and the ranks (build_datasets) refuse the same file with the
     same line: the field, the file, where in it, what is wrong and what is allowed."""
-    from kit import datafile
+    from kit.inputs import datafile
 
     path = tmp_path / name
     path.write_text(text)
@@ -238,7 +239,7 @@ def test_packed_batches_resume_and_one_row(tokenizer):
 def test_datasets_caches_the_file_under_kit_home(tmp_path, monkeypatch):
     """The data file's `datasets` cache lives with the kit's other caches (KIT_HOME), not in
     ~/.cache/huggingface."""
-    from kit import datafile
+    from kit.inputs import datafile
 
     monkeypatch.setenv("KIT_HOME", str(tmp_path / "home"))
     path = write(tmp_path, "jsonl")
@@ -332,13 +333,13 @@ def test_chat_rows_train_on_the_assistants_turns(tmp_path, tokenizer, packing):
 
 
 def test_kit_sft_says_it_cannot_train_only_the_assistants_turns(tokenizer):
-    """kit.sft hands texts to TRL, which trains every token: with chat rows and the default
+    """kit.recipe.sft hands texts to TRL, which trains every token: with chat rows and the default
     data.train_on it refuses in one line instead of training on the prompts silently."""
-    from kit import sft
     from kit.config import load_config
+    from kit.recipe import sft
 
     cfg = load_config(None, ["data.path=kit:sample-chat"])
-    with pytest.raises(ConfigError, match=r"^data.train_on: 'assistant' is not allowed with kit.sft"):
+    with pytest.raises(ConfigError, match=r"^data.train_on: 'assistant' is not allowed with kit.recipe.sft"):
         sft.text_datasets(cfg, tokenizer, 2)
     train, _ = sft.text_datasets(load_config(None, ["data.path=kit:sample-chat", "data.train_on=all"]),
                                  tokenizer, 2)

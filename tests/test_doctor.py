@@ -128,7 +128,7 @@ def test_config_object_dict_and_yaml_path_give_the_same_findings():
 
 
 LINEARS = "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"
-# What kit.model.build raises on the rank side (tests/test_lora.py), said before the run.
+# What kit.recipe.model.build raises on the rank side (tests/test_lora.py), said before the run.
 SAME_LINE_AS_THE_RANKS = [
     (["lora.target_modules=[q_proj,q_prj,v_proj]"], "target_modules_partial",
      f"lora.target_modules: 'q_prj' matches no module of kit:tiny-llama; its linear layers: "
@@ -150,7 +150,7 @@ def test_model_fit_errors_say_the_ranks_line(overrides, code, line):
 
 
 # A bad file of each kind (tests/test_data.py has them all): the pre-flight's error is the line
-# kit.datafile.check_file raises, which the ranks raise too.
+# kit.inputs.datafile.check_file raises, which the ranks raise too.
 BAD_DATA = {
     "missing.jsonl": '{"text": "a"}\n{"body": "b"}\n',
     "broken.jsonl": '{"text": "a"}\n{"text": "a" "b"}\n',
@@ -162,8 +162,8 @@ BAD_DATA = {
 @pytest.mark.parametrize("name", BAD_DATA)
 @pytest.mark.parametrize("key", ["data.path", "data.val_path"])
 def test_bad_data_file_is_an_error_with_the_checks_line(tmp_path, name, key):
-    from kit import datafile
     from kit.config import ConfigError, DataConfig
+    from kit.inputs import datafile
 
     path = tmp_path / name
     path.write_text(BAD_DATA[name])
@@ -401,7 +401,7 @@ def tiny_peft_model():
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kit.builtin import SPECS
+    from kit.inputs.builtin import SPECS
 
     spec = dict(SPECS["tiny-llama"])
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)

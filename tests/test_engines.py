@@ -1,14 +1,14 @@
-"""One object per engine (kit.engines): what differs between FSDP2, FSDP1 and DDP is asked of it.
+"""One object per engine (kit.recipe.engines): what differs between FSDP2, FSDP1 and DDP is asked of it.
 Each engine wraps, trains and saves for real under torchrun in tests/test_train.py; here, the
-answers the recipe, kit.lora and kit.checkpoint get without a process group."""
+answers the recipe, kit.recipe.lora and kit.recipe.checkpoint get without a process group."""
 
 import re
 
 import pytest
 import torch
 
-from kit import engines
 from kit.config import load_config
+from kit.recipe import engines
 
 
 @pytest.mark.parametrize("engine,lora_dtype,expected", [
@@ -22,7 +22,7 @@ def test_adapter_dtype_per_engine(engine, lora_dtype, expected):
 
 
 def test_lora_takes_the_engines_adapter_dtype():
-    from kit import model
+    from kit.recipe import model
 
     cfg = load_config(None, ["sharding.engine=fsdp1", "quantization.method=none"])
     built = model.build(cfg, torch.device("cpu"), train=False)
@@ -59,7 +59,7 @@ def test_fsdp1_on_one_process_is_refused_before_loading(tmp_path):
     by the launcher and the check step, which know the process count, and by the rank itself
     (started by hand with torchrun) right after joining the process group."""
     from kit.config import ConfigError, load_config
-    from kit.launch import run_to_end
+    from kit.run.launch import run_to_end
 
     line = "sharding.engine: 'fsdp1' is not allowed; on 1 process: FSDP1's NO_SHARD"
     with pytest.raises(ConfigError, match=re.escape(line)):

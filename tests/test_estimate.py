@@ -1,12 +1,11 @@
-"""kit.estimate: the per-GPU budget estimator, term by term, against a loaded model's bytes and
+"""kit.budget.estimate: the per-GPU budget estimator, term by term, against a loaded model's bytes and
 against the measured H200 reference."""
 
 from __future__ import annotations
 
 import pytest
 
-from kit.config import load_config
-from kit.estimate import (
+from kit.budget.estimate import (
     Setup,
     activation_bytes_per_token_layer,
     estimate,
@@ -14,8 +13,9 @@ from kit.estimate import (
     scenarios,
     selective_bytes_per_token_layer,
 )
-from kit.measured import REFERENCE_KIT_8B, compare_with_reference
-from kit.shapes import shape_of
+from kit.budget.measured import REFERENCE_KIT_8B, compare_with_reference
+from kit.budget.shapes import shape_of
+from kit.config import load_config
 
 LLAMA3_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                   num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8)  # fmt: skip
@@ -93,7 +93,7 @@ def test_estimate_within_5_percent_of_the_measured_h200_reference():
 
 def test_estimate_within_15_percent_of_the_70b_runs_on_one_h200():
     """The 70B shape as the recipe ran it (benchmarks/results/big-70b-1xh200.md)."""
-    from kit.measured import REFERENCE_70B
+    from kit.budget.measured import REFERENCE_70B
 
     rows = compare_with_reference(REFERENCE_70B)
     assert [r["batch"] for r in rows] == [1, 2, 4]
@@ -151,7 +151,7 @@ def test_weight_terms_are_the_bytes_a_loaded_model_holds(engine, double_quant):
     Measured: within 0.03%."""
     import torch
 
-    from kit import model as kmodel
+    from kit.recipe import model as kmodel
 
     cfg = load_config(None, [f"sharding.engine={engine}",
                              f"quantization.double_quant={str(double_quant).lower()}"])  # fmt: skip
@@ -201,8 +201,8 @@ def test_estimate_of_the_kits_8b_runs_with_recompute_within_5_percent():
 def test_estimate_at_long_context_within_10_percent():
     """The 8B shape at batch 1 from 16k to 128k tokens, layer inputs offloaded, fused loss, the
     MLP whole or in 8k tiles (benchmarks/results/speed-round2-1xh100.md): the tiles' term
-    (kit.estimate.mlp_bytes_per_token_layer) is what keeps 32k at 13.2 GiB instead of 17.5."""
-    from kit.measured import REFERENCE_CONTEXT
+    (kit.budget.estimate.mlp_bytes_per_token_layer) is what keeps 32k at 13.2 GiB instead of 17.5."""
+    from kit.budget.measured import REFERENCE_CONTEXT
 
     rows = compare_with_reference(REFERENCE_CONTEXT)
     assert all(abs(r["error_pct"]) < 10 for r in rows), rows
@@ -215,7 +215,7 @@ def test_estimate_of_the_fastest_cases_within_15_percent():
     """The kit's fastest cases on one H100 (benchmarks/results/round3-8b-1xh100.md): selective
     recompute policies, with and without grouped adapters (whose measured peaks did not move; the
     estimate counts one dropped input per group only in layers that keep their dropout copies)."""
-    from kit.measured import REFERENCE_SELECTIVE
+    from kit.budget.measured import REFERENCE_SELECTIVE
 
     rows = compare_with_reference(REFERENCE_SELECTIVE)
     assert len(rows) == 6 and all(0 < r["error_pct"] < 15 for r in rows), rows

@@ -4,9 +4,9 @@ The house (../shared/STYLE.md, "The shape we aim for") has two sides and a folde
 
 - the kernel side (KERNEL_SIDE) is what a notebook kernel imports: config, estimate, launch,
   widgets, doctor, bench reports, tour. Importing it loads no torch/transformers/peft/bitsandbytes
-  (nor ipywidgets, except kit.widgets and kit.__main__), and it never creates a process group;
+  (nor ipywidgets, except kit.run.widgets and kit.__main__), and it never creates a process group;
 - the rank side (RANK_SIDE) is what torchrun's ranks run: the recipe, model, quantize, LoRA,
-  sharding, data, loss, checkpoints. It never imports ipywidgets, kit.launch, kit.widgets or
+  sharding, data, loss, checkpoints. It never imports ipywidgets, kit.run.launch, kit.run.widgets or
   kit.doctor, neither at module level nor inside a function;
 - the run folder ``launch/<run>/`` is where they meet: the resolved config goes in, JSON-lines
   metrics, logs and checkpoints come out. Nothing else crosses.
@@ -40,35 +40,31 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = "kit"
 
-# The house's layout. "x.*" means the package x and every module under it.
+# The house's layout, by package. "x.*" means the package x and every module under it. Packages
+# that hold one side are named whole; bench, inputs and lab hold both sides, module by module.
 KERNEL_SIDE = [
-    "kit.config", "kit.estimate", "kit.shapes", "kit.launch", "kit.runs", "kit.widgets",
-    "kit.doctor.*", "kit.bench", "kit.bench_matrix", "kit.bench_report", "kit.tour", "kit.__main__", "kit.child",
-    "kit.jsonl", "kit.findings", "kit.sharding_report", "kit.recompute_sweep", "kit.hardware",
+    "kit", "kit.__main__", "kit.config", "kit.findings",
+    "kit.run.*",  # the check, the launcher, the run handle, widgets, jobs, nodes, the tour
+    "kit.folder.*",  # the run folder's files, what a start may do to it, manifests, JSON lines
+    "kit.budget.*",  # memory and speed from a shape and this machine
+    "kit.doctor.*",
     "kit.pitfalls",  # the package __init__ only: the registry of records
-    "kit.datafile",  # reading and checking data files, before any process starts
-    "kit.manifest",  # checkpoint manifests: the torch-free check before torchrun reads them too
-    "kit.check", "kit.runfolder", "kit.sources",  # what is known before any process starts
-    "kit.jobs", "kit.schemas",  # every way to launch a config on N nodes, and the CRDs it fits
-    "kit.nodes", "kit.second_article",  # notebook 10: N nodes on this machine; the article's numbers
-    "kit.loading_report",  # notebook 10's load-only runs, started and read
-    "kit.order",  # notebook 05's cases, started and read
+    "kit.inputs", "kit.inputs.sources", "kit.inputs.datafile",  # known before any process starts
+    "kit.bench", "kit.bench.__main__", "kit.bench.runner", "kit.bench.matrix", "kit.bench.report",
+    "kit.lab", "kit.lab.order", "kit.lab.loading_report", "kit.lab.sharding_report",
+    "kit.lab.recompute_sweep", "kit.lab.second_article",  # notebooks' experiments, started and read
 ]
 RANK_SIDE = [
-    "kit.train", "kit.model", "kit.builtin", "kit.quantize", "kit.lora", "kit.recompute",
-    "kit.layers", "kit.engines", "kit.sharding", "kit.checkpoint", "kit.data", "kit.loss",
-    "kit.dist", "kit.faults", "kit.checks", "kit.article", "kit.bench_worker", "kit.memory",
-    "kit.attention", "kit.attention_bench", "kit.pitfalls.reproduce", "kit.merge",
-    "kit.chat",  # an adapter on its base, talked to in its own process
-    "kit.sft", "kit.sft_setup",  # TRL's SFTTrainer under accelerate launch
-    "kit.loading", "kit.loading_rank",  # model.loading: full | rank0 | stream
-    "kit.offload",  # training.offload_activations
-    "kit.preempt",  # a stop request: the step saved, exit 75
-    "kit.order_rank",  # notebook 05's cases: each order of operations, run
+    "kit.train", "kit.recipe.*",  # the recipe
+    "kit.inputs.builtin",  # kit: models, built with torch on first use
+    "kit.bench.worker", "kit.bench.article",  # the benchmark's ranks and the article baseline
+    "kit.pitfalls.reproduce",  # the wrong code, run
+    "kit.lab.order_rank", "kit.lab.loading_rank", "kit.lab.sharding", "kit.lab.memory",
+    "kit.lab.attention_bench",  # notebooks' experiments, run in ranks or a child process
 ]
 KERNEL_HEAVY = ("torch", "transformers", "peft", "bitsandbytes", "ipywidgets")
-MAY_IMPORT_IPYWIDGETS = ("widgets", "__main__")  # relative to the package
-RANK_NEVER = ("ipywidgets", "{pkg}.launch", "{pkg}.widgets", "{pkg}.doctor")  # and below them
+MAY_IMPORT_IPYWIDGETS = ("run.widgets", "__main__")  # relative to the package
+RANK_NEVER = ("ipywidgets", "{pkg}.run", "{pkg}.doctor")  # and below them
 PROCESS_GROUP_CALLS = ("init_process_group", "init_device_mesh")
 MAX_LINES, REASON = 400, "Longer than 400 lines because"
 
@@ -168,6 +164,41 @@ def cycle_report(root: Path, pkg: str) -> list[str]:
         lines += [f"    {a} -> {b}   ({where})" for (a, b), where in sorted(edges.items())
                   if a in component and b in component]
     return lines
+
+
+def reached(root: Path, pkg: str, start: str, never) -> list[str]:
+    """Import chains from `start` to a module under `never`, following every import (inside
+    functions too) through the package: what a rank could load by running any of its code."""
+    edges = import_graph(root, pkg)
+    out, seen, todo = [], {start}, [[start]]
+    while todo:
+        chain = todo.pop(0)
+        for (a, b), where in sorted(edges.items()):
+            if a != chain[-1] or b in seen:
+                continue
+            seen.add(b)
+            if _is(b, never):
+                out.append(" -> ".join(chain + [b]) + f"   ({where})")
+            else:
+                todo.append(chain + [b])
+    return out
+
+
+def unsided(root: Path, pkg: str, kernel: list[str], rank: list[str]) -> list[str]:
+    """Modules on no side, or on both."""
+    out = []
+    for module in modules_of(root, pkg):
+        sides = [s for s, names in (("kernel", kernel), ("rank", rank)) if module in names]
+        if len(sides) != 1:
+            out.append(f"{module}: on {' and '.join(sides) or 'no'} side")
+    return out
+
+
+def lab_importers(root: Path, pkg: str, lab: str = "lab") -> list[str]:
+    """Imports of the notebooks' instruments (pkg.lab) from outside pkg.lab."""
+    inside = f"{pkg}.{lab}"
+    return [f"{where}: {a} imports {b}" for (a, b), where in sorted(import_graph(root, pkg).items())
+            if _is(b, [inside]) and b != inside and not _is(a, [inside])]
 
 
 def process_group_calls(root: Path, pkg: str, module: str) -> list[str]:
@@ -288,7 +319,7 @@ def kernel_imports():
 
 @pytest.fixture(scope="module")
 def rank_imports():
-    return fresh_imports(ROOT, [m for m in RANK_SIDE if m in modules_of(ROOT, PKG)],
+    return fresh_imports(ROOT, [m for m in expand(RANK_SIDE) if m in modules_of(ROOT, PKG)],
                          rank_never(PKG),
                          preload=("torch",))  # shared, not watched: loaded once, not 15 times
 
@@ -317,11 +348,30 @@ def test_kernel_side(module, kernel_imports):
     assert not found, f"{module} is kernel side, yet:\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("module", RANK_SIDE)
+@pytest.mark.parametrize("module", expand(RANK_SIDE))
 def test_rank_side(module, rank_imports):
     existing(module)
     found = rank_side_findings(ROOT, PKG, module, rank_imports[module])
     assert not found, f"{module} is rank side, yet:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("module", expand(RANK_SIDE))
+def test_rank_side_never_reaches_the_kernel_side(module):
+    """Not even through an import inside a function: a rank runs any of its module's code."""
+    found = reached(ROOT, PKG, module, [n for n in rank_never(PKG) if n.startswith(PKG)])
+    assert not found, f"{module} is rank side, yet it can import:\n" + "\n".join(found)
+
+
+def test_every_module_is_on_one_side():
+    found = unsided(ROOT, PKG, expand(KERNEL_SIDE), expand(RANK_SIDE))
+    assert not found, "name each module in KERNEL_SIDE or RANK_SIDE, once:\n" + "\n".join(found)
+
+
+def test_nothing_outside_the_lab_imports_the_lab():
+    """kit/lab/ holds what the notebooks measure; the recipe, the launcher and the tools never
+    need it (what they share lives in their own packages)."""
+    found = lab_importers(ROOT, PKG)
+    assert not found, "\n".join(found)
 
 
 def test_module_size():
@@ -334,18 +384,19 @@ def test_module_size():
 
 FAKE = {
     "__init__.py": "",
-    "launch.py": "RUNS = 1\n",
-    "widgets.py": "from fakekit.launch import RUNS\n",
+    "run/__init__.py": "",
+    "run/launch.py": "RUNS = 1\n",
+    "run/widgets.py": "from fakekit.run.launch import RUNS\n",
     "a.py": "from fakekit import b\n",
     "b.py": "import json\n\n\ndef later():\n    from fakekit.a import later\n",
     "sub/__init__.py": "from fakekit.sub.c import VALUE\n",
     "sub/c.py": "from fakekit.sub import d\n\nVALUE = d\n",
     "sub/d.py": "",
-    "rank.py": "def go():\n    from fakekit import launch\n    return launch\n",
-    "rank_loads.py": "import fakekit.widgets\n",
+    "rank.py": "def go():\n    from fakekit.run import launch\n    return launch\n",
+    "rank_loads.py": "import fakekit.run.widgets\n",
     "user.py": "import fakekit.sub.d\n",
     "rel/__init__.py": "from . import x\n",
-    "rel/x.py": "from .. import launch\n",
+    "rel/x.py": "from ..run import launch\n",
     "kernel.py": "import torch\n",
     "kernel_pg.py": "def start():\n    import torch.distributed as dist\n    dist.init_process_group('gloo')\n",
     "long.py": '"""Long."""\n' + "x = 1\n" * MAX_LINES,
@@ -371,25 +422,36 @@ def test_planted_package_importing_its_submodules_is_no_cycle(fake):
     edges = import_graph(fake, "fakekit")
     assert ("fakekit.sub", "fakekit.sub.c") in edges and ("fakekit.sub.c", "fakekit.sub") not in edges
     assert {("fakekit.user", "fakekit.sub"), ("fakekit.user", "fakekit.sub.d")} <= edges.keys()
-    assert {("fakekit.rel", "fakekit.rel.x"), ("fakekit.rel.x", "fakekit.launch")} <= edges.keys()
+    assert {("fakekit.rel", "fakekit.rel.x"), ("fakekit.rel.x", "fakekit.run.launch")} <= edges.keys()
 
 
 def test_planted_rank_side_violations_are_found(fake):
     imported = fresh_imports(fake, ["fakekit.rank", "fakekit.rank_loads"], rank_never("fakekit"))
     assert rank_side_findings(fake, "fakekit", "fakekit.rank", imported["fakekit.rank"]) == [
-        "fakekit/rank.py:2 imports fakekit.launch"]
+        "fakekit/rank.py:2 imports fakekit.run"]
     assert rank_side_findings(fake, "fakekit", "fakekit.rank_loads", imported["fakekit.rank_loads"]) == [
-        "fakekit/rank_loads.py:1 imports fakekit.widgets",
-        "importing it loads fakekit.launch", "importing it loads fakekit.widgets"]
+        "fakekit/rank_loads.py:1 imports fakekit.run.widgets", "importing it loads fakekit.run"]
 
 
 def test_planted_kernel_side_violations_are_found(fake):
-    imported = fresh_imports(fake, ["fakekit.kernel", "fakekit.kernel_pg", "fakekit.launch"], KERNEL_HEAVY)
+    imported = fresh_imports(fake, ["fakekit.kernel", "fakekit.kernel_pg", "fakekit.run.launch"], KERNEL_HEAVY)
     assert kernel_side_findings(fake, "fakekit", "fakekit.kernel", imported["fakekit.kernel"]) == [
         "importing it loads torch"]
     assert kernel_side_findings(fake, "fakekit", "fakekit.kernel_pg", imported["fakekit.kernel_pg"]) == [
         "fakekit/kernel_pg.py:3 calls init_process_group()"]
-    assert kernel_side_findings(fake, "fakekit", "fakekit.launch", imported["fakekit.launch"]) == []
+    assert kernel_side_findings(fake, "fakekit", "fakekit.run.launch", imported["fakekit.run.launch"]) == []
+
+
+def test_planted_reach_unsided_and_lab_importers_are_found(fake):
+    assert reached(fake, "fakekit", "fakekit.rank", ["fakekit.run"]) == [
+        "fakekit.rank -> fakekit.run   (fakekit/rank.py:2)",
+        "fakekit.rank -> fakekit.run.launch   (fakekit/rank.py:2)"]
+    assert reached(fake, "fakekit", "fakekit.user", ["fakekit.run"]) == []
+    found = unsided(fake, "fakekit", ["fakekit.a", "fakekit.b"], ["fakekit.b"])
+    assert "fakekit.b: on kernel and rank side" in found and "fakekit.user: on no side" in found
+    assert not [line for line in found if line.startswith("fakekit.a:")]
+    assert lab_importers(fake, "fakekit", lab="sub") == [
+        "fakekit/user.py:1: fakekit.user imports fakekit.sub.d"]
 
 
 def test_planted_long_module_is_found(fake):

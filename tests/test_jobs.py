@@ -1,11 +1,11 @@
-"""kit.jobs: every way to launch one config on N nodes, written and checked; and notebook 10.
+"""kit.run.jobs: every way to launch one config on N nodes, written and checked; and notebook 10.
 
 The Kubernetes manifests against their CRDs (kit/schemas), accelerate.yaml through accelerate's
 own loader and launcher, run.sh and job.sbatch through bash -n, shellcheck and a stand-in python
 (the torchrun arguments each node gets, each node's own record in a shared folder), the command
 line end to end. A planted error in each file must be caught by the same check, so no checker
 here can pass by seeing nothing. Notebook 10 runs once, in the last test: the only place where two
-"nodes" (kit.nodes) train, against one node with two processes.
+"nodes" (kit.run.nodes) train, against one node with two processes.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from kit import jobs, jsonl, loading_report, runfolder, schemas
 from kit.config import ConfigError
-from kit.nodes import node_dir
-from kit.runs import Run
+from kit.folder import jsonl, runfolder
+from kit.lab import loading_report
+from kit.run import jobs, schemas
+from kit.run.nodes import node_dir
+from kit.run.runs import Run
 
 SHORT = ["training.steps=3"]
 
@@ -290,7 +292,7 @@ def test_run_sh_two_nodes_from_pet_or_kit_variables(folders, tmp_path):
     pet = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "3",
            "PET_MASTER_ADDR": "trainer-node-0-0.job", "PET_MASTER_PORT": "29400"}
     check, torchrun = run_sh(folder, tmp_path, **pet)
-    assert check[:3] == ["-m", "kit.check", f"{tmp_path / folder.name}/config.yaml"]
+    assert check[:3] == ["-m", "kit.run.check", f"{tmp_path / folder.name}/config.yaml"]
     assert check[-4:] == ["--nproc", "3", "--nnodes", "2"]
     assert torchrun[:2] == ["-m", "torch.distributed.run"]
     assert rendezvous(torchrun) == {
@@ -308,7 +310,7 @@ def test_run_sh_two_nodes_from_pet_or_kit_variables(folders, tmp_path):
     _, torchrun = run_sh(folder, tmp_path, NODE_RANK="1")
     assert rendezvous(torchrun)["--nnodes"] == "2"
     assert rendezvous(torchrun)["--nproc_per_node"] == "4"
-    # One node: torchrun's standalone rendezvous, as kit.launch runs it.
+    # One node: torchrun's standalone rendezvous, as kit.run.launch runs it.
     _, torchrun = run_sh(folders[1], tmp_path)
     assert rendezvous(torchrun) == {"--standalone": "", "--nproc_per_node": "4"}
 
@@ -425,7 +427,7 @@ def test_a_start_leaves_the_launchers_in_place(folders):
 
 def test_each_node_keeps_its_own_pid_and_exit_code(tmp_path):
     """Nodes sharing one run folder (Slurm, a Kubernetes volume): node 0 keeps pid and exit_code
-    in the folder, where kit.launch.Run reads them, node N in logs/node-N/; one node never
+    in the folder, where kit.run.launch.Run reads them, node N in logs/node-N/; one node never
     removes or overwrites another's. A lone node writes exactly what it always did."""
     folder = make(tmp_path, 2, 1)
     stub(tmp_path, "python", 'echo "ARGS $*"\n'

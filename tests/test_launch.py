@@ -1,4 +1,4 @@
-"""kit.launch for real: run.sh's torchrun command, runs under the handle on 2 CPU processes,
+"""kit.run.launch for real: run.sh's torchrun command, runs under the handle on 2 CPU processes,
 stop() leaving no process behind, a crash on one rank, and notebook 07 under papermill."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 from conftest import ROOT, alive
 
 from kit.config import ConfigError
-from kit.launch import PreflightFailed, Run, RunFailed, launch, preflight, prepare, resolve
-from kit.widgets import Dashboard
+from kit.run.launch import PreflightFailed, Run, RunFailed, launch, preflight, prepare, resolve
+from kit.run.widgets import Dashboard
 
 ENV = {"OMP_NUM_THREADS": "1"}
 # run.sh honours KIT_ROOT: where the ranks' `python -m kit.train` runs (default: this checkout).
@@ -59,8 +59,8 @@ def test_run_sh_builds_the_torchrun_command(tmp_path):
     assert proc.returncode == 0, proc.stderr
     check, args = [line.split()[1:] for line in proc.stdout.splitlines()
                    if line.startswith("ARGS")]
-    # First the check step (kit.check), with the same arguments, in one process.
-    assert check == ["-m", "kit.check", f"{folder}/config.yaml", f"run.output_dir={folder}",
+    # First the check step (kit.run.check), with the same arguments, in one process.
+    assert check == ["-m", "kit.run.check", f"{folder}/config.yaml", f"run.output_dir={folder}",
                      "run.dist_timeout_min=5", "training.steps=2", "--nproc", "3", "--nnodes", "1"]
     assert args[:4] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"]
     assert args[4:8] == ["--log-dir", f"{folder}/logs", "--redirects", "3"]
@@ -124,14 +124,14 @@ def test_stop_from_another_process_leaves_no_process_alive(tmp_path):
         pids = [p.pid for p in procs]
         start = time.monotonic()
         # Re-attach from a fresh interpreter, as a new kernel would, and stop from there.
-        code = f"from kit.launch import Run; print(Run.attach({str(run.folder)!r}).stop())"
+        code = f"from kit.run.launch import Run; print(Run.attach({str(run.folder)!r}).stop())"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               timeout=120, cwd=ROOT)
         assert proc.stdout.strip().splitlines()[-1] == "stopped", proc.stderr
         assert time.monotonic() - start < 30
         run.processes()  # reaps our bash child
         assert [pid for pid in pids if alive(pid)] == []
-        # The ranks saved the step they were in (kit.preempt): a stopped run can be continued.
+        # The ranks saved the step they were in (kit.recipe.preempt): a stopped run can be continued.
         assert run.status == "stopped" and run.result()["status"] == "preempted"
         assert (run.folder / "checkpoints" / f"step-{run.result()['steps']:06d}").is_dir()
     finally:
@@ -166,7 +166,7 @@ def test_crash_on_one_rank_raises_with_its_rank_and_traceback(tmp_path):
 def test_rank_side_config_error_names_the_field(tmp_path):
     """A failure without error.json: the recipe exits 2 on a ConfigError on every rank (started
     by hand, past the check step), each printing one "[rank N] ConfigError: ..." line; and a
-    refusal of run.sh's check step, before any rank. (kit.lora's own line: tests/test_lora.py.)"""
+    refusal of run.sh's check step, before any rank. (kit.recipe.lora's own line: tests/test_lora.py.)"""
     folder = prepare("tiny-cpu", [f"run.output_dir={tmp_path / 'bad'}"], nproc=2)
     (folder / "pid").write_text("999999999\n")
     (folder / "exit_code").write_text("1\n")
@@ -241,7 +241,7 @@ def test_notebook_07_runs_under_papermill(tmp_path, monkeypatch):
 def test_run_to_end_timeout_stops_every_process_of_the_run(tmp_path):
     """The captured-run helper's timeout stops bash, torchrun and both ranks (subprocess.run's
     timeout kills only its own child: torchrun's ranks, each in a session of its own, live on)."""
-    from kit.launch import run_to_end
+    from kit.run.launch import run_to_end
 
     folder = tmp_path / "slow"
     with pytest.raises(TimeoutError, match="stopped after 25s"):

@@ -1,4 +1,4 @@
-"""kit.loading: model.loading = full | rank0 | stream.
+"""kit.recipe.loading: model.loading = full | rank0 | stream.
 
 Where the two modes run for real on 2 processes (each its own check, not repeated here):
 - tests/test_train.py's fsdp2-nf4 and fsdp1-nf4 cases train with model.loading=rank0 (rank 1
@@ -12,8 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kit import builtin, loading, loading_rank, loading_report
 from kit.config import ConfigError, load_config
+from kit.inputs import builtin
+from kit.lab import loading_rank, loading_report
+from kit.recipe import loading
 
 
 def test_an_unknown_mode_is_one_line():
@@ -50,7 +52,7 @@ def test_report_rows_read_in_rank_order(tmp_path):
 
 
 def test_a_model_without_weights_on_disk_is_initialised_at_load():
-    """kit.builtin.AT_LOAD (kit:llama-70b; its tiny twin here): the folder holds no weights; the
+    """kit.inputs.builtin.AT_LOAD (kit:llama-70b; its tiny twin here): the folder holds no weights; the
     model is built on meta and filled tensor by tensor, 4-bit weights quantized as they are made,
     and it runs: a loss near log(vocabulary) for random weights."""
     cfg = load_config(None, ["model.name=kit:tiny-llama-at-load"])

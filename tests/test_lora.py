@@ -1,6 +1,6 @@
-"""LoRA adapters (kit.lora): lora.recompute gives the same result and keeps less for backward;
+"""LoRA adapters (kit.recipe.lora): lora.recompute gives the same result and keeps less for backward;
 what the model cannot fit (a target name that matches nothing, sequences longer than its
-positions) is refused by kit.model.build with one line."""
+positions) is refused by kit.recipe.model.build with one line."""
 
 import pytest
 import torch
@@ -8,8 +8,8 @@ from levers import saved_bytes, tiny_model
 
 
 def test_recomputed_adapters_give_the_same_result_and_keep_less():
-    from kit import lora
     from kit.config import load_config
+    from kit.recipe import lora
 
     cfg = load_config(None, ["lora.dropout=0.3", "quantization.method=none"])
 
@@ -55,8 +55,8 @@ LINEARS = "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_pro
      "data.max_seq_len: 4096 is not allowed; kit:tiny-llama has max_position_embeddings=512"),
 ], ids=["one-typo", "two-typos", "falcon-names", "max_seq_len"])  # fmt: skip
 def test_build_refuses_what_the_model_cannot_fit(override, line):
-    from kit import model
     from kit.config import ConfigError, load_config
+    from kit.recipe import model
 
     cfg = load_config(None, ["quantization.method=none", "model.dtype=float32", override])
     with pytest.raises(ConfigError) as raised:
@@ -68,8 +68,8 @@ def test_build_refuses_what_the_model_cannot_fit(override, line):
 
 
 def test_training_moves_b_first_then_a_and_leaves_the_callers_state():
-    from kit import lora, quantize
     from kit.config import load_config
+    from kit.recipe import lora, quantize
 
     cfg = load_config(None, ["model.name=kit:tiny-llama"])
     model = lora.apply_lora(quantize.load_on_cpu("kit:tiny-llama"), cfg)  # NF4, as notebook 03
@@ -92,7 +92,7 @@ def test_training_moves_b_first_then_a_and_leaves_the_callers_state():
 def test_scaling_runs_scale_by_each_convention_from_the_same_start():
     import math
 
-    from kit import lora
+    from kit.recipe import lora
 
     runs = lora.scaling_runs("kit:tiny-llama", ranks=[4, 64], lrs=[1e-3], steps=3, alpha=16)
     by = {(run["scaling"], run["r"]): run for run in runs}
@@ -120,7 +120,7 @@ def test_scaling_runs_scale_by_each_convention_from_the_same_start():
 def test_scaling_findings_name_where_the_highest_rank_ends():
     """The words section 6 checks on every CPU, from made-up runs: the update's ratio classes
     (0.8 and 1.25 apart from 'about the same') and the highest rank's place among the losses."""
-    from kit import lora
+    from kit.recipe import lora
 
     paper, rs, ratio = lora.SCALINGS
     def runs(label, updates, losses):
@@ -136,7 +136,8 @@ def test_scaling_findings_name_where_the_highest_rank_ends():
 
 
 def test_adapter_state_against_the_base_counts_what_loading_holds():
-    from kit import lora, quantize, shapes
+    from kit.budget import shapes
+    from kit.recipe import lora, quantize
 
     found = lora.state_against_base("kit:tiny-llama", ranks=(8,))
     assert found["state"]["all-linear (QLoRA paper)"] == [16 * shapes.lora_params(

@@ -1,4 +1,4 @@
-"""lora.group_inputs (kit.lora_groups): q/k/v and gate/up drop their shared input once and run
+"""lora.group_inputs (kit.recipe.lora_groups): q/k/v and gate/up drop their shared input once and run
 their down-projections as one matmul; without dropout the result is the adapters' own, eager,
 recomputed and compiled; with dropout the members share one mask."""
 
@@ -10,8 +10,10 @@ from conftest import TINY
 from levers import tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kit import builtin, lora, lora_groups, shapes
+from kit.budget import shapes
 from kit.config import ConfigError, load_config
+from kit.inputs import builtin
+from kit.recipe import lora, lora_groups
 
 
 class _CountMatmuls(TorchDispatchMode):
@@ -175,13 +177,13 @@ def test_grouped_compiled_layers_under_fsdp2_match_the_ungrouped_ones(tmp_path, 
 
 def test_grouped_adapters_keep_one_dropped_input_per_group_as_the_estimate_counts():
     """Eager, dropout on, nothing recomputed: grouping keeps fewer bytes for backward, at least
-    what kit.estimate credits it with (one dropped input and mask per group, kit.shapes.
+    what kit.budget.estimate credits it with (one dropped input and mask per group, kit.budget.shapes.
     dropped_inputs; on CPU the masks are fp32, not the GPU's bytes, so the measured saving is
     larger)."""
     from levers import saved_bytes
 
-    from kit.estimate import Setup, activation_bytes_per_token_layer
-    from kit.shapes import shape_of
+    from kit.budget.estimate import Setup, activation_bytes_per_token_layer
+    from kit.budget.shapes import shape_of
 
     ids = torch.randint(3, 1024, (2, 32), generator=torch.Generator().manual_seed(3))
     kept = {}

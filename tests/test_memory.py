@@ -1,10 +1,10 @@
-"""kit.memory: what a model really holds, measured with torch on CPU, against the estimate."""
+"""kit.lab.memory: what a model really holds, measured with torch on CPU, against the estimate."""
 
 from __future__ import annotations
 
 import pytest
 
-from kit import memory
+from kit.lab import memory
 
 
 @pytest.mark.slow

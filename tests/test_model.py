@@ -1,12 +1,12 @@
-"""The one way to build the model a rank trains (kit.model.build): load -> LoRA -> recompute ->
-loss -> train(), and one definition of a decoder layer (kit.layers) for sharding and recompute."""
+"""The one way to build the model a rank trains (kit.recipe.model.build): load -> LoRA -> recompute ->
+loss -> train(), and one definition of a decoder layer (kit.recipe.layers) for sharding and recompute."""
 
 import pytest
 import torch
 
-from kit import layers, model
 from kit.config import load_config
-from kit.engines import FSDP1
+from kit.recipe import layers, model
+from kit.recipe.engines import FSDP1
 
 
 def _build(*overrides, train=True):
@@ -37,14 +37,14 @@ def test_train_false_stops_after_lora():
 
 
 def test_decoder_layers_are_one_definition_for_sharding_and_recompute():
-    """What recompute switches on and what FSDP1 wraps are the same modules: kit.layers."""
+    """What recompute switches on and what FSDP1 wraps are the same modules: kit.recipe.layers."""
     built = _build("training.recompute.every=2")
     found = layers.decoder_layers(built.model)
     assert [type(m).__name__ for m in found] == ["LlamaDecoderLayer"] * 2
     assert [i for i, m in enumerate(found) if m.gradient_checkpointing] == built.recomputed
     policy_classes = layers.decoder_layer_classes(built.model)
     assert {type(m) for m in found} == policy_classes
-    assert FSDP1.wrap.__module__ == "kit.engines"  # FSDP1's wrap policy reads the same classes
+    assert FSDP1.wrap.__module__ == "kit.recipe.engines"  # FSDP1's wrap policy reads the same classes
 
 
 def test_a_model_without_no_split_modules_is_refused_with_the_field():

@@ -13,7 +13,7 @@ import nbformat
 import pytest
 from conftest import ROOT
 
-from kit import tour
+from kit.run import tour
 
 ALL = tour.notebooks()
 # The stage notebooks whose checked cells (# NBVAL_CHECK_OUTPUT, tagged keep_output) are compared

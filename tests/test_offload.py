@@ -1,4 +1,4 @@
-"""kit.offload: training.offload_activations. The hooks run for real: on this CPU they keep every
+"""kit.recipe.offload: training.offload_activations. The hooks run for real: on this CPU they keep every
 tensor where it is (there is nothing to move to), on a GPU they move the large ones to pinned host
 memory and back (the GPU test, run on the device: benchmarks/gpu_offload.sh)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kit import model, offload
 from kit.config import ConfigError, load_config
+from kit.recipe import model, offload
 
 
 def _loss_and_grads(built, device, enabled):

@@ -1,4 +1,4 @@
-"""Notebook 05's cases (kit.order_rank, read by kit.order): each is the recipe's order with one step
+"""Notebook 05's cases (kit.lab.order_rank, read by kit.lab.order): each is the recipe's order with one step
 moved, removed or changed, the notebook shows the code that ran, and the headline case is run
 for real here on a group of one (the two-rank run of every case is notebook 05's own test)."""
 
@@ -9,8 +9,8 @@ import ast
 import pytest
 from conftest import TINY
 
-from kit import order
 from kit.config import load_config
+from kit.lab import order
 
 # How each case differs from recipe_order; nothing else may differ.
 ONE_STEP = {"optimizer_first": "moved", "lora_after_shard": "moved",
@@ -37,7 +37,7 @@ def one_step(case: list[str], recipe: list[str]) -> str | None:
 
 
 def test_each_case_is_the_recipe_with_one_step_moved_removed_or_changed():
-    from kit.order_rank import RUNS
+    from kit.lab.order_rank import RUNS
 
     recipe = statements("recipe_order")
     assert {f for f, _, _ in RUNS} == {"recipe_order", *ONE_STEP}
@@ -51,7 +51,7 @@ def test_each_case_is_the_recipe_with_one_step_moved_removed_or_changed():
 
 
 def test_every_table_shows_runs_that_run_and_columns_that_exist():
-    from kit.order_rank import RUNS
+    from kit.lab.order_rank import RUNS
 
     for runs, columns in order.CASES.values():
         assert set(runs) <= set(RUNS) and set(columns) <= set(order.COLUMNS)
@@ -63,7 +63,7 @@ def test_the_notebook_shows_the_code_that_runs():
     import inspect
     import textwrap
 
-    from kit import order_rank
+    from kit.lab import order_rank
 
     for name in ("recipe_order", *ONE_STEP):
         assert order.source(name) == inspect.getsource(getattr(order_rank, name)).rstrip()
@@ -82,7 +82,7 @@ def test_optimizer_built_before_fully_shard_trains_nothing(group_of_one):
     """The headline of notebook 05, on one rank: under FSDP2 the optimizer built before
     fully_shard holds none of the model's trainable tensors and the loss never moves, with no
     error; built after, it holds all of them and the loss falls."""
-    from kit.order_rank import run_one
+    from kit.lab.order_rank import run_one
 
     cfg = load_config(TINY, ["training.device=cpu", "training.steps=3"])
     first = run_one(cfg, group_of_one, "optimizer_first", "fsdp2", "nf4")

@@ -236,5 +236,5 @@ def test_each_wrong_side_fails_as_its_record_says_and_the_fix_runs(runs):
         assert not fixed.failed, (p.code, fixed.error, fixed.text[-2000:])
     text = describe(runs, "full_state_dict_empty_adapter")
     assert "observed:     adapter_model.safetensors holds 0 tensors, no error" in text
-    assert "with the fix: kit.checkpoint.save_adapter wrote 28 tensors (verified)" in text
+    assert "with the fix: kit.recipe.checkpoint.save_adapter wrote 28 tensors (verified)" in text
     assert "FAILED" in repro_table(runs["wrong"]) and "FAILED" not in repro_table(runs["fixed"])

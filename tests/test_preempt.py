@@ -1,4 +1,4 @@
-"""What clusters do to runs, done for real on 2 CPU processes (kit.preempt, run.sh, kit.runfolder):
+"""What clusters do to runs, done for real on 2 CPU processes (kit.recipe.preempt, run.sh, kit.folder.runfolder):
 a stop request saves the step and exits resumable, a restart resumes by itself, a second request
 exits at once without a half-written checkpoint, a rank killed mid-step is restarted by torchrun.
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from conftest import TINY, read_run, torchrun
 
-from kit import manifest
-from kit.launch import launch
+from kit.folder import manifest
+from kit.run.launch import launch
 
 pytestmark = pytest.mark.slow
 STEPS = 60

@@ -1,11 +1,11 @@
-"""Loading the base model in 4 bits (kit.quantize, notebook 02)."""
+"""Loading the base model in 4 bits (kit.recipe.quantize, notebook 02)."""
 
 import pytest
 import torch
 from conftest import TINY
 
-from kit import quantize
 from kit.config import load_config
+from kit.recipe import quantize
 
 
 def test_eval_forward_leaves_the_4bit_weights_as_loaded():
@@ -32,7 +32,7 @@ def test_eval_forward_leaves_the_4bit_weights_as_loaded():
 def test_load_on_cpu_stays_on_the_cpu_where_there_is_a_gpu():
     """Without an explicit device_map transformers puts a 4-bit model on the current GPU: a
     notebook looking at a layer would touch CUDA in its kernel."""
-    from kit.quantize import load_on_cpu
+    from kit.recipe.quantize import load_on_cpu
 
     model = load_on_cpu("kit:tiny-llama")
     assert {p.device.type for p in model.parameters()} == {"cpu"}
@@ -44,7 +44,7 @@ def test_load_on_cpu_stays_on_the_cpu_where_there_is_a_gpu():
 def test_read_weight_reads_the_tensor_from_pretrained_loads():
     from transformers import AutoModelForCausalLM
 
-    from kit import builtin
+    from kit.inputs import builtin
 
     name = "model.layers.1.mlp.down_proj.weight"
     model = AutoModelForCausalLM.from_pretrained(builtin.resolve("kit:tiny-llama"))

@@ -1,4 +1,4 @@
-"""training.recompute and training.compile (kit.recompute): what each decoder layer keeps for
+"""training.recompute and training.compile (kit.recipe.recompute): what each decoder layer keeps for
 backward and recomputes, the policies telling the matmuls apart, and compiled layers under FSDP2.
 Each lever must not change what is learned: the same loss and gradients as the layer run once."""
 
@@ -9,8 +9,8 @@ import torch
 from levers import saved_bytes, tiny_model
 from transformers import AutoModelForCausalLM
 
-from kit import builtin
-from kit.recompute import enable_activation_checkpointing
+from kit.inputs import builtin
+from kit.recipe.recompute import enable_activation_checkpointing
 
 
 @pytest.mark.parametrize("every,recomputed", [(1, [0, 1]), (2, [0])])
@@ -37,9 +37,9 @@ def test_selective_checkpointing_recomputes_only_chosen_layers(every, recomputed
 def test_activation_memory_budget_keeps_less_and_learns_the_same():
     """training.activation_memory_budget: the compiled layers recompute more in backward, keep
     fewer activations, and give the same loss and gradients as the uncompiled model."""
-    from kit import lora
     from kit.config import load_config
-    from kit.recompute import compile_layers
+    from kit.recipe import lora
+    from kit.recipe.recompute import compile_layers
 
     cfg = load_config(None, ["lora.dropout=0", "quantization.method=none"])
     ids = torch.randint(3, 1024, (2, 64), generator=torch.Generator().manual_seed(5))
@@ -126,7 +126,7 @@ def test_policies_tell_the_matmuls_apart_4bit_included():
     import bitsandbytes  # noqa: F401  (registers its ops)
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from kit.recompute import save_policy
+    from kit.recipe.recompute import save_policy
 
     save, redo = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
     mm, gemm4 = torch.ops.aten.mm.default, torch.ops.bitsandbytes.gemm_4bit.default
@@ -155,8 +155,8 @@ def test_policies_tell_the_matmuls_apart_4bit_included():
 def _nf4_layer_model():
     """kit:tiny-llama-8b-ratios (2 layers, the 8B shape's ratios) in NF4 + LoRA, as the recipe
     builds it, on CPU in float32, with non-zero adapters."""
-    from kit import model as kmodel
     from kit.config import load_config
+    from kit.recipe import model as kmodel
 
     cfg = load_config(None, ["model.name=kit:tiny-llama-8b-ratios", "model.dtype=float32",
                              "lora.dropout=0.1", "quantization.method=nf4",
@@ -169,7 +169,7 @@ def _nf4_layer_model():
 
 
 def _with_keeps(model, keeps, r):
-    from kit.recompute import selective_checkpointing
+    from kit.recipe.recompute import selective_checkpointing
 
     if keeps == "inputs":
         enable_activation_checkpointing(model)
@@ -202,7 +202,7 @@ def test_recompute_keeps_gives_the_same_gradients():
 def test_recompute_keeps_policies_on_nf4():
     """Compiled, NF4: what each policy keeps for backward, in the order the docs promise
     (nothing recomputed > matmuls > mlp_matmuls > attention_matmuls), by the amounts the GPU run measured."""
-    from kit.recompute import compile_layers
+    from kit.recipe.recompute import compile_layers
 
     ids = torch.randint(3, 1000, (1, 128), generator=torch.Generator().manual_seed(4))
     kept = {}
@@ -228,7 +228,7 @@ def test_recompute_keeps_policies_on_nf4():
 def _tiled_run(tile: int, dropout: float, ids, recompute: bool = False):
     """Loss and adapter gradients of the NF4 layer model with each MLP run `tile` tokens at a
     time (0: whole), with or without whole-layer recompute around it."""
-    from kit.recompute import tile_mlp
+    from kit.recipe.recompute import tile_mlp
 
     model, r = _nf4_layer_model()
     for m in model.modules():
@@ -276,7 +276,7 @@ def test_tiled_mlp_backward_uses_the_forwards_dropout_masks():
 
 def test_tiled_mlp_keeps_only_its_input():
     """With nothing else recomputed, a tiled MLP keeps its input instead of its intermediates."""
-    from kit.recompute import tile_mlp
+    from kit.recipe.recompute import tile_mlp
 
     ids = torch.randint(3, 1000, (1, 128), generator=torch.Generator().manual_seed(4))
     kept = {}

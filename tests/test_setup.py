@@ -56,7 +56,7 @@ def test_every_requirement_is_locked():
 
 def test_the_notebook_kernel_is_this_environments(tmp_path):
     """A user-global python3 kernel written by another checkout's setup (here: one pointing at a
-    Python that does not exist) does not take over: kit.tour's kernel is this environment's."""
+    Python that does not exist) does not take over: kit.run.tour's kernel is this environment's."""
     stale = tmp_path / "user" / "kernels" / "python3"
     stale.mkdir(parents=True)
     (stale / "kernel.json").write_text(json.dumps({

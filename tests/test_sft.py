@@ -1,10 +1,10 @@
-"""kit.sft: TRL's SFTTrainer under `accelerate launch`, on the kit's model, LoRA, data and save.
+"""kit.recipe.sft: TRL's SFTTrainer under `accelerate launch`, on the kit's model, LoRA, data and save.
 
 One real launch (2 CPU processes): on CPU, accelerate cannot run FSDP, so what runs is what
 accelerate really does there, multi-process CPU DDP over gloo (its state says MULTI_CPU). The
 accelerate config that gets there says `distributed_type: MULTI_GPU`: accelerate's own
 `MULTI_CPU` type goes through its simple launcher, which on one machine starts ONE process
-without mpirun (measured with accelerate 1.15), and kit.sft refuses that start (`launched_alone`).
+without mpirun (measured with accelerate 1.15), and kit.recipe.sft refuses that start (`launched_alone`).
 The rest are fast unit tests of the config mapping and the launch checks (no launch).
 """
 
@@ -55,7 +55,7 @@ def _cfg(*overrides, out="/tmp/kit-sft-unit"):
 
 
 def test_sft_config_carries_the_kit_values(fresh_accelerate_state):
-    from kit import sft
+    from kit.recipe import sft
 
     args = sft.sft_config(_cfg(
         "training.lr=3e-4", "training.batch_size=4", "training.grad_accum=2",
@@ -98,7 +98,7 @@ def test_sft_config_carries_the_kit_values(fresh_accelerate_state):
 def test_a_value_sftconfig_refuses_is_one_line_naming_the_kit_field(fresh_accelerate_state):
     """bf16 on a device without bf16 (here: no GPU, use_cpu off; on GPUs a V100 or T4):
     transformers' error, traced back to model.dtype."""
-    from kit import sft
+    from kit.recipe import sft
 
     with pytest.raises(ConfigError) as e:
         sft.sft_config(_cfg("model.dtype=bfloat16"), use_cpu=False)
@@ -115,7 +115,7 @@ def test_a_value_sftconfig_refuses_is_one_line_naming_the_kit_field(fresh_accele
     ("training.resume=auto", "training.resume: 'auto' is not allowed"),
 ])
 def test_what_kit_sft_cannot_honour_is_refused_in_one_line(override, first):
-    from kit import sft
+    from kit.recipe import sft
 
     with pytest.raises(ConfigError) as e:
         sft.sft_config(_cfg(override), use_cpu=True)  # refused before SFTConfig is built
@@ -123,7 +123,7 @@ def test_what_kit_sft_cannot_honour_is_refused_in_one_line(override, first):
 
 
 def test_the_launch_checks():
-    from kit import sft
+    from kit.recipe import sft
 
     # accelerate's simple launcher (MULTI_CPU / --cpu) with 2 processes asked: one started
     alone = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
@@ -147,7 +147,7 @@ def test_the_launch_checks():
                                           "the accelerate config recomputes every decoder layer"):
         sft.check_launch(_cfg(*gpu, "training.recompute.enabled=false"), recomputes, cuda=True)
     assert sft.check_launch(_cfg(*gpu), recomputes, cuda=True) == torch.device("cuda", 0)
-    # FSDP1 on one process (accelerate --num_processes 1): what kit.train and kit.jobs refuse
+    # FSDP1 on one process (accelerate --num_processes 1): what kit.train and kit.run.jobs refuse
     # (pitfall fsdp1_no_shard); on one H100 it trained step 1, then the adapter's gather failed
     one = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     with pytest.raises(ConfigError, match="^sharding.engine: 'fsdp1' is not allowed; on 1 process"):
@@ -164,7 +164,7 @@ def test_packed_rows_must_fill_a_batch_and_eval_keeps_eval_batches():
 
     from datasets import Dataset
 
-    from kit import sft
+    from kit.recipe import sft
 
     rows = lambda n: Dataset.from_dict({"input_ids": [[1, 2]] * n})  # noqa: E731
     cfg = _cfg("data.packing=true", "training.batch_size=4", "training.eval_batches=2")
@@ -192,14 +192,15 @@ def test_sft_trainer_under_accelerate_launch_cpu_ddp_two_processes_saves_a_whole
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from kit import checkpoint, jsonl, model, quantize
+    from kit.folder import jsonl
+    from kit.recipe import checkpoint, model, quantize
 
     config = tmp_path / "accelerate.yaml"
     config.write_text(CPU_DDP_YAML)
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch",
            "--config_file", str(config), "--num_processes", "2",
-           "--main_process_port", str(_free_port()), "-m", "kit.sft", str(TINY),
+           "--main_process_port", str(_free_port()), "-m", "kit.recipe.sft", str(TINY),
            f"run.output_dir={out}", "sharding.engine=ddp", "training.steps=4",
            "training.eval_every=2", "model.loading=rank0"]  # rank 1 receives the model
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
@@ -224,14 +225,14 @@ def test_sft_trainer_under_accelerate_launch_cpu_ddp_two_processes_saves_a_whole
     # Whole: the file's shapes are the unsharded LoRA shapes of the model as the kit builds it.
     adapter = out / "adapter"
     cfg = load_config(out / "config.yaml")
-    assert cfg.model.loading == "rank0"  # kit.loading under accelerate's process group
+    assert cfg.model.loading == "rank0"  # kit.recipe.loading under accelerate's process group
     unsharded = checkpoint.AdapterLayout(model.build(cfg, torch.device("cpu"), train=False).model)
     assert checkpoint.saved_shapes(adapter) == unsharded.shapes
     checkpoint.verify_adapter(adapter, unsharded.shapes)  # reads every tensor back
     tensors = load_file(str(adapter / "adapter_model.safetensors"))
     assert any(t.abs().max() > 0 for k, t in tensors.items() if "lora_B" in k)  # B starts at 0
 
-    # Plain PEFT loads it onto the base the kit builds (kit.builtin.resolve through kit.quantize),
+    # Plain PEFT loads it onto the base the kit builds (kit.inputs.builtin.resolve through kit.recipe.quantize),
     # and it changes the logits on a fixed input.
     base, _ = quantize.load_model(cfg, torch.device("cpu"))
     ids = torch.arange(3, 19).reshape(1, 16)

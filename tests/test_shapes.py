@@ -1,4 +1,4 @@
-"""kit.shapes: a model's shape from its name, dict or folder, and what counting gives from it."""
+"""kit.budget.shapes: a model's shape from its name, dict or folder, and what counting gives from it."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import json
 import pytest
 from conftest import ROOT
 
-from kit import jsonl, shapes
-from kit.builtin import SPECS
+from kit.budget import shapes
+from kit.folder import jsonl
+from kit.inputs.builtin import SPECS
 
 LLAMA3_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                   num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8)  # fmt: skip
@@ -40,8 +41,8 @@ def test_lora_params_follow_rank_and_targets():
 
 
 def test_lora_formula_matches_peft_on_the_real_tiny_model():
-    from kit import lora, quantize
     from kit.config import load_config
+    from kit.recipe import lora, quantize
 
     cfg = load_config(None, ["lora.r=4", "lora.target_modules=[q_proj, v_proj, down_proj]"])
     peft_model = lora.apply_lora(quantize.load_on_cpu("kit:tiny-llama"), cfg)

@@ -1,16 +1,16 @@
-"""What each rank holds (kit.sharding, notebook 04): the rank-side report of one engine, and the
-kernel side's tables over it (kit.sharding_report). Two ranks for real: notebook 04's test."""
+"""What each rank holds (kit.lab.sharding, notebook 04): the rank-side report of one engine, and the
+kernel side's tables over it (kit.lab.sharding_report). Two ranks for real: notebook 04's test."""
 
 import json
 
 import torch
 
-from kit import sharding_report
 from kit.config import load_config
+from kit.lab import sharding_report
 
 
 def test_fsdp2_report_of_one_rank(group_of_one, tmp_path):
-    from kit.sharding import report_rank
+    from kit.lab.sharding import report_rank
 
     cfg = load_config(None, ["sharding.engine=fsdp2", "training.device=cpu"])
     torch.manual_seed(cfg.training.seed)

@@ -49,7 +49,7 @@ CHAT_ACCUM = ("data.path=kit:sample-chat", "training.grad_accum=2", "training.ba
 PACKED = ("data.packing=true", "data.max_seq_len=64", "training.batch_size=4")
 
 
-# The loading modes (kit.loading) train: rank0 under FSDP1 (rank 1 builds on meta and receives
+# The loading modes (kit.recipe.loading) train: rank0 under FSDP1 (rank 1 builds on meta and receives
 # every tensor, the 4-bit ones with their quantization state), stream under FSDP2 (each unit read,
 # quantized and sharded in turn) and under FSDP1 (test_second_architecture_qwen2); every other run
 # loads fully on every rank.

@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from kit.launch import Run, RunFailed, prepare
-from kit.widgets import Dashboard, compare, is_live
+from kit.run.launch import Run, RunFailed, prepare
+from kit.run.widgets import Dashboard, compare, is_live
 
 STEPS = 8
 

@@ -7,7 +7,7 @@
 
 Every answer is a list of `Finding(level, code, message, fix)`; the CLI prints one line each and
 exits 1 when any is an error (`Finding` is kit/findings.py; the in-run checks the recipe runs on
-its ranks are kit/checks.py). One file per moment, read top to bottom:
+its ranks are kit/recipe/checks.py). One file per moment, read top to bottom:
 
     context.py    the machine (detect_env), the config tree, the model's shape on the meta device
     preflight.py  the checks on a config + machine: preflight(cfg, env=None)
@@ -24,11 +24,17 @@ otherwise meet an hour into a GPU job.
 
 Kernel side: nothing here creates a process group or initialises CUDA. cases.py is imported on
 its own (`from kit.doctor.cases import reproduce`), not from here: it starts runs through
-kit.launch, which runs this doctor's pre-flight, and the import graph stays without cycles.
+kit.run.launch, which runs this doctor's pre-flight, and the import graph stays without cycles.
 """
 
-# The in-run checks live rank side (kit.checks); the doctor offers them too.
-from kit.checks import (
+# The in-run checks live rank side (kit.recipe.checks); the doctor offers them too.
+from kit.doctor.context import detect_env, model_facts, read_config
+from kit.doctor.explain import EXPLAIN, explain
+from kit.doctor.preflight import config_errors, preflight
+from kit.doctor.run import diagnose_run
+from kit.doctor.script import PATTERNS, scan_script
+from kit.findings import Finding, codes, errors, report
+from kit.recipe.checks import (
     check_adapter,
     check_checkpointing_active,
     check_lora_changed,
@@ -36,12 +42,6 @@ from kit.checks import (
     check_step,
     trainable_snapshot,
 )
-from kit.doctor.context import detect_env, model_facts, read_config
-from kit.doctor.explain import EXPLAIN, explain
-from kit.doctor.preflight import config_errors, preflight
-from kit.doctor.run import diagnose_run
-from kit.doctor.script import PATTERNS, scan_script
-from kit.findings import Finding, codes, errors, report
 
 __all__ = [
     "EXPLAIN", "PATTERNS", "Finding", "check_adapter", "check_checkpointing_active",

@@ -7,7 +7,7 @@ torchrun, each rank's outcome read back with what the doctor makes of it.
     runs = read(["prepare_kbit_fsdp1", "fsdp1_int_storage"])        # the same, read back later
 
 The ranks run kit/pitfalls/reproduce.py from a run folder written and started by
-kit.launch.run_to_end (config.yaml, run.sh, run.log), like every other run of the kit.
+kit.run.launch.run_to_end (config.yaml, run.sh, run.log), like every other run of the kit.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def reproduce(codes=(), sides=SIDES, nproc: int = 2, out: str | Path = "",
     """Run the reproductions of `codes` (all: every reproduced pitfall) under torchrun
     (`nproc` ranks; the tiny model on CPU unless `overrides` say otherwise) and return
     {side: {code: Repro}}. Each launch is a run folder under `out` (default launch/pitfalls)."""
-    from kit.launch import run_to_end
+    from kit.run.launch import run_to_end
 
     out = _out(out)
     for i, steps in enumerate(launches(codes, sides)):

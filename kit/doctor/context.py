@@ -148,7 +148,7 @@ def read_config(cfg, overrides: list[str] | None = None) -> tuple[dict | None, l
     return tree, []
 
 
-# Architectures whose decoder layers have Llama's linears (q/k/v/o, gate/up/down): kit.shapes'
+# Architectures whose decoder layers have Llama's linears (q/k/v/o, gate/up/down): kit.budget.shapes'
 # Shape counts their parameters from the config alone, without importing torch.
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"}
 
@@ -156,7 +156,7 @@ LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"}
 def model_config(name: str, trust_remote_code: bool = False) -> dict:
     """The transformers config of model.name as a dict: a kit model's spec, a local folder's
     config.json, or a hub id already in the local cache (nothing is downloaded)."""
-    from kit import builtin
+    from kit.inputs import builtin
 
     if builtin.is_builtin(name):
         key = name[len(builtin.PREFIX) :]
@@ -179,7 +179,7 @@ def model_config(name: str, trust_remote_code: bool = False) -> dict:
 class ModelFacts:
     name: str
     trust_remote_code: bool
-    config: dict  # the transformers config, as a dict (kit.shapes reads it too)
+    config: dict  # the transformers config, as a dict (kit.budget.shapes reads it too)
     params: int
     linear_4bit_params: int  # what bitsandbytes quantizes: every Linear but the output head
 
@@ -215,8 +215,8 @@ def model_facts(name: str, trust_remote_code: bool = False) -> ModelFacts:
     when the model's config cannot be read offline."""
     config = model_config(name, trust_remote_code)
     facts = ModelFacts(name, trust_remote_code, config, 0, 0)
-    if config.get("model_type") in LLAMA_LIKE and importlib.util.find_spec("kit.shapes"):
-        from kit.shapes import shape_of
+    if config.get("model_type") in LLAMA_LIKE and importlib.util.find_spec("kit.budget.shapes"):
+        from kit.budget.shapes import shape_of
 
         shape = shape_of(config)
         params, linear = shape.params, shape.layers * shape.layer_linear_params
@@ -275,7 +275,7 @@ class Context:
 
 
 def namespace(tree: dict):
-    """A dict tree with attribute access, as kit.estimate.Setup.from_config reads a Config."""
+    """A dict tree with attribute access, as kit.budget.estimate.Setup.from_config reads a Config."""
     return SimpleNamespace(
         **{k: namespace(v) if isinstance(v, dict) else v for k, v in tree.items()}
     )

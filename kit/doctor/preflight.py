@@ -19,10 +19,11 @@ import importlib.util
 import math
 from collections.abc import Callable
 
-from kit import datafile, shapes
+from kit.budget import shapes
 from kit.config import ConfigError, config_from_dict
 from kit.doctor.context import Context, complete_env, lookup, namespace, read_config
 from kit.findings import Finding, ordered
+from kit.inputs import datafile
 from kit.pitfalls import PITFALLS, get
 
 # Conservative bytes/s for moving a whole model once: a network filesystem, one TCP stream, or
@@ -200,17 +201,17 @@ def _cpu_bf16(c: Context) -> list[Finding]:
 def _gpu_memory(c: Context) -> list[Finding]:
     if c.device != "cuda" or not c.env["gpus"] or c.facts is None:
         return []
-    if importlib.util.find_spec("kit.estimate") is None:
+    if importlib.util.find_spec("kit.budget.estimate") is None:
         return [
             Finding(
                 "info",
                 "memory_check_skipped",
-                "kit.estimate is not available: GPU memory was not estimated",
+                "kit.budget.estimate is not available: GPU memory was not estimated",
                 "install the full kit",
             )
         ]
-    from dataclasses import replace  # noqa: I001  (kit.estimate may be absent: checked above)
-    from kit.estimate import Setup, estimate
+    from dataclasses import replace  # noqa: I001  (kit.budget.estimate may be absent: checked above)
+    from kit.budget.estimate import Setup, estimate
 
     try:
         est = estimate(c.facts.config, Setup.from_config(namespace(c.tree), c.ranks))
@@ -271,7 +272,7 @@ def _target_modules(c: Context) -> list[Finding]:
         elif not kinds & supported:
             where = f"lora.target_modules: {name!r} names {', '.join(sorted(kinds))} modules"
             out.append(get("target_modules_unsupported").finding(where, field=field))
-    if unmatched:  # the line kit.lora.check_targets raises on the rank side
+    if unmatched:  # the line kit.recipe.lora.check_targets raises on the rank side
         code = "target_modules_" + ("unmatched" if len(unmatched) == len(names) else "partial")
         where = (f"lora.target_modules: {', '.join(map(repr, unmatched))} "
                  f"match{'es' if len(unmatched) == 1 else ''} no module of {c.get('model.name')}; "
@@ -283,7 +284,7 @@ def _target_modules(c: Context) -> list[Finding]:
 @_check
 def _group_inputs(c: Context) -> list[Finding]:
     """lora.group_inputs on a model (or target list) with no adapted q/k/v or gate/up under one
-    parent, e.g. fused projections: the ranks would refuse it after loading (kit.lora_groups)."""
+    parent, e.g. fused projections: the ranks would refuse it after loading (kit.recipe.lora_groups)."""
     if c.get("lora.group_inputs") is not True or c.facts is None:
         return []
     targets = c.get("lora.target_modules")
@@ -302,7 +303,7 @@ def _group_inputs(c: Context) -> list[Finding]:
 
 @_check
 def _seq_len(c: Context) -> list[Finding]:
-    """data.max_seq_len past the model's positions: the rank side (kit.model.build) refuses it
+    """data.max_seq_len past the model's positions: the rank side (kit.recipe.model.build) refuses it
     with the same line; on this CPU it would train ~30x slower before anything else went wrong."""
     length = c.get("data.max_seq_len")
     most = (c.facts.config if c.facts else {}).get("max_position_embeddings")
@@ -318,7 +319,7 @@ def _seq_len(c: Context) -> list[Finding]:
 def _model_unreadable(c: Context) -> list[Finding]:
     if c.accelerate:
         return []
-    from kit.sources import check_model
+    from kit.inputs.sources import check_model
 
     try:  # where model.name points: a kit model, a folder with config.json, a reachable hub
         check_model(str(c.get("model.name")))
@@ -342,7 +343,7 @@ def _model_unreadable(c: Context) -> list[Finding]:
 
 @_check
 def _data(c: Context) -> list[Finding]:
-    """data.path and data.val_path read and every row checked by kit.datafile, as a run does."""
+    """data.path and data.val_path read and every row checked by kit.inputs.datafile, as a run does."""
     if c.accelerate:
         return []
     out, cfg = [], namespace(c.tree["data"])

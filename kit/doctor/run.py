@@ -1,6 +1,6 @@
 """After a run: `diagnose_run` on a run folder (metrics.jsonl, result.json, adapter/, logs)
-written by kit.train / kit.launch. The checks the recipe runs during training live rank side, in
-kit/checks.py; this reads what they and the recipe left behind.
+written by kit.train / kit.run.launch. The checks the recipe runs during training live rank side, in
+kit/recipe/checks.py; this reads what they and the recipe left behind.
 
     diagnose_run("launch/tiny-cpu")
 """
@@ -11,10 +11,10 @@ import json
 import math
 from pathlib import Path
 
-from kit import jsonl
-from kit.checks import check_adapter, check_rank_times, check_step
 from kit.doctor.explain import explain
 from kit.findings import Finding, errors, ordered
+from kit.folder import jsonl
+from kit.recipe.checks import check_adapter, check_rank_times, check_step
 
 
 def diagnose_run(run_dir: str | Path) -> list[Finding]:

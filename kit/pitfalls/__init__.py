@@ -59,7 +59,7 @@ class Pitfall:
     error: str = ""  # regex over raw error text (logs, tracebacks)
     raises: str = ""  # the record whose error its reproduction raises ("": this one)
     wrong: str = ""  # function of kit/pitfalls/reproduce.py: the mistake as a person writes it
-    fixed: str = ""  # function there: the same step the kit's way (kit.model.build, ...)
+    fixed: str = ""  # function there: the same step the kit's way (kit.recipe.model.build, ...)
     overrides: tuple[str, ...] = ()  # the kit config that makes the same mistake
     why: str = ""  # the longer explanation kit.doctor.cases.describe prints ("": the message)
     crashes: bool = False  # its wrong side kills a process: it runs last in a launch
@@ -268,7 +268,7 @@ PITFALLS: list[Pitfall] = [
         "prepare_model_for_kbit_training casts norms, embeddings and lm_head to float32 next to "
         "the bf16 4-bit storage; FSDP1 then fails: 'Must flatten tensors with uniform dtype'",
         "drop it under FSDP (non-reentrant checkpointing and model.train() do its useful part: "
-        "kit.model.build), or use FSDP2",
+        "kit.recipe.model.build), or use FSDP2",
         script=(r"prepare_model_for_kbit_training\(", FSDP1),
         raises="fsdp1_mixed_dtype", wrong="prepare_kbit_then_fsdp1", fixed=KIT_FSDP1,
     ),
@@ -312,7 +312,7 @@ PITFALLS: list[Pitfall] = [
         "eval_mode_checkpointing", "gradient checkpointing on a model left in eval mode",
         "gradient checkpointing on a model left in eval mode (from_pretrained's default) does "
         "nothing: no recompute, peak memory as without it",
-        "call model.train() before training (kit.model.build does)",
+        "call model.train() before training (kit.recipe.model.build does)",
         level="warning",
         script=(r"(gradient|activation)_checkpointing_enable\(",),
         script_absent=(r"\.train\(\s*(True)?\s*\)", r"Trainer\("),
@@ -344,7 +344,7 @@ PITFALLS: list[Pitfall] = [
         "FSDP1 without device_id: on CPU it fails ('FSDP needs a non-CPU accelerator device'); "
         "on GPUs it silently uses whatever device is current",
         "FSDP(..., device_id=torch.device('cuda', local_rank)) (torch.device('cpu') on CPU; "
-        "kit.sharding does)",
+        "kit.lab.sharding does)",
         level="warning", script=(r"FullyShardedDataParallel\(|\bFSDP\(",),
         script_absent=(r"device_id\s*=",), error=r"FSDP needs a non-CPU accelerator device",
         wrong="without_device_id", fixed=KIT_FSDP1,
@@ -435,7 +435,7 @@ PITFALLS: list[Pitfall] = [
         "FULL_STATE_DICT keys keep FSDP1's nested '_fsdp_wrapped_module.' prefixes, so "
         "save_pretrained(state_dict=...) writes an adapter file with ZERO tensors, no error",
         "gather with get_model_state_dict, map names with PEFT's keys taken before wrapping, "
-        "read the file back and compare (kit.checkpoint)",
+        "read the file back and compare (kit.recipe.checkpoint)",
         script=(r"save_pretrained\([^)]*state_dict\s*=", r"FULL_STATE_DICT"),
         raises="adapter_empty", wrong="full_state_dict_save", fixed="saved_the_kit_way",
         why="PEFT picks the adapter's keys by walking the module tree it has now; FSDP1 renamed "
@@ -445,7 +445,7 @@ PITFALLS: list[Pitfall] = [
     Pitfall(
         "adapter_empty", "an adapter file with no tensors",
         "the adapter file holds no tensors (FSDP-prefixed keys were not mapped)",
-        "save through kit.checkpoint (PEFT keys taken before wrapping)",
+        "save through kit.recipe.checkpoint (PEFT keys taken before wrapping)",
         error=r"LoRA tensors missing \(holds 0\)|adapter_model\.safetensors.*(no|zero) tensors",
     ),
     Pitfall(
@@ -453,7 +453,7 @@ PITFALLS: list[Pitfall] = [
         "FullStateDictConfig(offload_to_cpu=True) segfaults rank 0 on CPU/gloo runs (exit code "
         "-11, no Python traceback)",
         "offload_to_cpu=False with rank0_only=True on CPU (keep True on GPUs), or "
-        "get_model_state_dict (kit.checkpoint)",
+        "get_model_state_dict (kit.recipe.checkpoint)",
         level="warning", script=(r"offload_to_cpu\s*=\s*True",),
         raises="segfault", wrong="offload_to_cpu", fixed="saved_the_kit_way", crashes=True,
     ),

@@ -1,17 +1,16 @@
 """Each pitfall of kit.pitfalls reproduced on the tiny model: the wrong code as a person writes it
 (the articles' load: NF4, bf16 compute and storage, LoRA r8 on q_proj/v_proj, and one mistake),
-and the same step the kit's way (kit.model.build, loading whole as the articles do). Rank side:
+and the same step the kit's way (kit.recipe.model.build, loading whole as the articles do). Rank side:
 
     torchrun --nproc_per_node=2 -m kit.pitfalls.reproduce CONFIG OUT fsdp1_int_storage \
         offload_to_cpu_segfault:fixed offload_to_cpu_segfault:wrong
 
-kit.doctor.cases.reproduce writes and runs the run folder that does this, and reads the results.
-A step is a pitfall code (wrong side, then fixed side) or CODE:wrong / CODE:fixed. Steps run in
-turn in one process group: a wrong side fails alike on every rank before any collective is left
-half done, rank-0-only work follows a step's last collective, the timeout waits on a group of its
-own; a step that kills a process (crashes=True) comes last. After each step every rank writes
-OUT/<code>/<side>.rank<N>.json: ok, the exception and traceback, what it observed (a measurement
-when nothing is raised), and what the in-run checks (kit.checks) said.
+kit.doctor.cases.reproduce writes and runs the run folder that does this, and reads the results. A
+step is a pitfall code (wrong side, then fixed side) or CODE:wrong / CODE:fixed. Steps run in turn
+in one process group: a wrong side fails alike on every rank before any collective is left half
+done, rank-0-only work follows a step's last collective, the timeout waits on a group of its own; a
+step that kills a process (crashes=True) comes last. After each step every rank
+writes OUT/<code>/<side>.rank<N>.json: ok, the exception, what it observed, the in-run checks.
 """
 
 from __future__ import annotations
@@ -41,13 +40,14 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-from kit import builtin, checkpoint, sharding
-from kit import dist as kdist
-from kit.checks import check_adapter, check_checkpointing_active
 from kit.config import apply_overrides, config_from_dict, load_config
-from kit.layers import decoder_layer_classes, decoder_layers
-from kit.model import build
+from kit.inputs import builtin
 from kit.pitfalls import get
+from kit.recipe import checkpoint, engines
+from kit.recipe import dist as kdist
+from kit.recipe.checks import check_adapter, check_checkpointing_active
+from kit.recipe.layers import decoder_layer_classes, decoder_layers
+from kit.recipe.model import build
 
 # --------------------------------------------------------------------------- the articles' pieces
 
@@ -177,7 +177,7 @@ def falcon_target_names(cfg, env, out):
 
 
 def loaded_the_kit_way(cfg, env, out):
-    """kit.model.build: each rank loads onto its own device; LoRA per lora.target_modules."""
+    """kit.recipe.model.build: each rank loads onto its own device; LoRA per lora.target_modules."""
     model = build(cfg, env.device).model
     places = ", ".join(sorted({str(p.device) for p in model.parameters()}))
     adapted = sum(1 for name, _ in model.named_modules() if name.endswith("lora_A"))
@@ -186,7 +186,7 @@ def loaded_the_kit_way(cfg, env, out):
 
 
 def flash_attention_the_kit_way(cfg, env, out):
-    """kit.model.build with attention.implementation=flash_attention_2."""
+    """kit.recipe.model.build with attention.implementation=flash_attention_2."""
     built = build(_with(cfg, "attention.implementation=flash_attention_2"), env.device)
     return {"observed": built.attention_warning or f"attention: {built.attention}"}
 
@@ -202,7 +202,7 @@ def checkpointing_in_eval_mode(cfg, env, out):
 
 
 def checkpointing_the_kit_way(cfg, env, out):
-    """kit.model.build: recompute switched on, then the model put in train mode."""
+    """kit.recipe.model.build: recompute switched on, then the model put in train mode."""
     cfg = _with(cfg, "lora.target_modules=[q_proj,v_proj]", "lora.dropout=0.0")  # as lora()
     return _recompute_measured(build(cfg, env.device).model, env)
 
@@ -270,9 +270,9 @@ def shard_grad_op(cfg, env, out):
 
 
 def fsdp1_the_kit_way(cfg, env, out):
-    """kit.model.build, then kit.sharding.shard with sharding.engine=fsdp1."""
+    """kit.recipe.model.build, then kit.recipe.engines (FSDP1) wraps it, as the recipe does."""
     cfg = _with(cfg, "sharding.engine=fsdp1")
-    return _steps(sharding.shard(build(cfg, env.device).model, cfg, env.device), env)
+    return _steps(engines.get("fsdp1").wrap(build(cfg, env.device).model, cfg, env.device), env)
 
 
 # --------------------------------------------------------------------------- saving
@@ -284,7 +284,7 @@ def _trained_fsdp1(cfg, env):
     cfg = _with(cfg, "sharding.engine=fsdp1")
     model = build(cfg, env.device).model
     layout = checkpoint.AdapterLayout(model)
-    wrapped = sharding.shard(model, cfg, env.device)
+    wrapped = engines.get(cfg.sharding.engine).wrap(model, cfg, env.device)
     _steps(wrapped, env)
     return layout, wrapped
 
@@ -303,13 +303,13 @@ def full_state_dict_save(cfg, env, out):
 
 
 def saved_the_kit_way(cfg, env, out):
-    """kit.checkpoint: get_model_state_dict, PEFT's keys taken before wrapping, file read back."""
+    """kit.recipe.checkpoint: get_model_state_dict, PEFT's keys taken before wrapping, file read back."""
     layout, model = _trained_fsdp1(cfg, env)
     state = checkpoint.gather_trainable(model)  # a collective: every rank
     if env.is_main:
         folder = checkpoint.save_adapter(layout, state, out / "adapter")
         n = checkpoint.verify_adapter(folder, layout.shapes)["tensors"]
-        return {"observed": f"kit.checkpoint.save_adapter wrote {n} tensors (verified)",
+        return {"observed": f"kit.recipe.checkpoint.save_adapter wrote {n} tensors (verified)",
                 "findings": check_adapter(folder)}  # fmt: skip
 
 
@@ -330,7 +330,7 @@ def short_collective_timeout(cfg, env, out):
 
 
 def collective_timeout_the_kit_way(cfg, env, out):
-    """The same wait under run.dist_timeout_min, the timeout kit.dist.init gives the group."""
+    """The same wait under run.dist_timeout_min, the timeout kit.recipe.dist.init gives the group."""
     return _rank0_busy(dist.new_group(timeout=timedelta(minutes=cfg.run.dist_timeout_min)), env)
 
 

@@ -1,0 +1,59 @@
+"""A benchmark matrix file, read and checked: what the runner (kit.bench), its ranks
+(kit.bench.worker) and notebook 09 read the same way.
+
+    m = load_matrix("benchmarks/matrices/bench-tiny.yaml")   # a bad value: ValueError, one line
+    case_nproc(m, m["cases"][2])                              # the processes a case runs on
+
+Both sides import it: no torch, no launcher.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+
+def load_matrix(path: str | Path) -> dict:
+    """The matrix as a dict, every scaling case filled in from the case it scales; a bad value
+    raises ValueError in one line naming the case and field."""
+    m = yaml.safe_load(Path(path).read_text())
+    names = [c["name"] for c in m["cases"]]
+    if len(set(names)) != len(names):
+        raise ValueError(f"cases: names must be unique, got {names}")
+    # A scaling case is another case's setup on its own number of processes: it takes that
+    # case's recipe, options, overrides, cap and batches, and no part in the per-cap comparison.
+    by_name = {c["name"]: c for c in m["cases"]}
+    for i, c in enumerate(m["cases"]):
+        if "scales" in c:
+            if c["scales"] not in by_name or "scales" in by_name[c["scales"]]:
+                raise ValueError(f"cases.{c['name']}.scales: {c['scales']!r} is not allowed; "
+                                 "expected the name of a case that scales no other, one of "
+                                 f"{[n for n, b in by_name.items() if 'scales' not in b]}")
+            base = {k: v for k, v in by_name[c["scales"]].items()
+                    if k in ("recipe", "options", "overrides", "cap_gib", "batches", "seed")}
+            m["cases"][i] = {**base, "role": "scaling", **c}
+    data = m.get("equivalence", {}).get("data")
+    if data not in (None, "sample"):
+        raise ValueError(f"equivalence.data: {data!r} is not allowed; expected 'sample' (the "
+                         "bundled sample text, for a real model) or nothing (synthetic tokens)")
+    for c in m["cases"]:
+        if c.get("recipe") not in ("article", "kit"):
+            raise ValueError(f"cases.{c['name']}.recipe: {c.get('recipe')!r} is not allowed; "
+                             "expected 'article' or 'kit'")
+        seqs = c.get("seq_lens")
+        if seqs is not None and not (isinstance(seqs, list) and seqs and seqs == sorted(set(seqs))
+                                     and all(isinstance(q, int) and q > 0 for q in seqs)):
+            raise ValueError(f"cases.{c['name']}.seq_lens: {seqs!r} is not allowed; expected "
+                             "positive whole numbers in ascending order (a context sweep)")
+        n = c.get("nproc", 1)
+        if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
+            raise ValueError(f"cases.{c['name']}.nproc: {n!r} is not allowed; expected a "
+                             "positive whole number (processes: one per GPU)")
+    return m
+
+
+def case_nproc(matrix: dict, case: dict) -> int:
+    """The processes (GPUs) a case runs on: its own `nproc` (a scaling case: the same setup on
+    another number of GPUs), else the matrix's."""
+    return case.get("nproc", matrix.get("nproc", 2))

@@ -1,0 +1,422 @@
+"""Per-GPU memory budget of a QLoRA run, from the model's shape alone (no weights, no GPU).
+
+    est = estimate("kit:llama-8b", Setup(world_size=2, seq_len=2048, batch_size=1))
+    est.table(), est.total_gib, est.fits(24)
+
+Notebook 01's home. Kernel side: imports no torch. The model shape comes from kit.budget.shapes: a `kit:`
+name (kit/inputs/builtin.py SPECS), a config dict with Hugging Face field names, a `transformers` config
+object, or a local folder. What a run really holds is measured by kit.lab.memory.
+
+Each term is a formula a reader can check by hand (see `estimate`). The two constants that are
+not pure bookkeeping -- bytes autograd keeps per token in one decoder layer, and the peak of the
+logits/loss -- follow from what PyTorch saves for backward and were checked against a measured
+Llama-3-8B run on 2x H200 (`kit.budget.measured.REFERENCE`, from FINDINGS.md): within ~5% across batch
+sizes, with and without activation checkpointing; kit.budget.measured holds the kit's own measured runs
+too (70B, offloading, long context) and compares each with the estimate.
+
+Longer than 400 lines because each term of the budget sits beside its formula and the note of
+the measured run that checks it; split apart, a reader could not see which run checks which term.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from kit.budget.shapes import Shape, dropped_inputs, lora_params, lora_targets, shape_of
+
+GiB = 2**30
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+BLOCKSIZE = 64  # bitsandbytes 4-bit: one scale (absmax) per 64 weights
+NESTED_BLOCKSIZE = 256  # double quantization: the scales quantized to 8 bits in blocks of 256
+
+
+def _count(n: float) -> str:
+    """1234567 -> '1.23M' (for notes a person reads)."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The training choices that move memory. Defaults: the reference run (FINDINGS.md)."""
+
+    world_size: int = 2
+    engine: str = "fsdp2"  # fsdp2 | fsdp1 | ddp
+    quantization: str = "nf4"  # nf4 | fp4 | none
+    double_quant: bool = True
+    dtype: str = "bfloat16"  # compute dtype and dtype of everything not 4-bit
+    lora_r: int = 16
+    lora_targets: str | tuple[str, ...] = "all-linear"
+    lora_dtype: str = "auto"  # auto: float32, except fsdp1 (model dtype)
+    lora_dropout: bool = True
+    lora_groups: bool = False  # lora.group_inputs: q/k/v and gate/up drop their input once
+    batch_size: int = 1  # sequences per GPU per micro-step
+    seq_len: int = 2048
+    recompute: bool = True  # training.recompute.enabled
+    recompute_keeps: str = "inputs"  # training.recompute.keeps (kit.recipe.recompute)
+    attention: str = "sdpa"  # sdpa/flash keep O(seq) per token; eager keeps the seq x seq scores
+    cpu_offload: bool = False  # FSDP: shards, grads and optimizer state live in CPU memory
+    reshard_after_forward: bool = True  # FSDP2: False keeps every layer gathered until backward
+    prefetch_layers: int = 1  # FSDP gathers the next layer while computing this one
+    loading: str = "full"  # model.loading: full | rank0 hold the whole model before sharding;
+    # stream: a shard and one unit (auto is stream under FSDP, full under DDP)
+    loss: str = "hf"  # training.loss: hf | chunked | fused (kit.recipe.loss: how many logits exist)
+    offload_activations: bool = False  # training.offload_activations: kept tensors in host memory
+    mlp_tile_tokens: int = 0  # training.recompute.mlp_tile_tokens: the MLP's graph one tile at a time
+
+    @classmethod
+    def from_config(cls, cfg, world_size: int = 2) -> Setup:
+        """The Setup a kit Config (kit/config.py) describes."""
+        targets = cfg.lora.target_modules
+        return cls(
+            world_size=world_size,
+            engine=cfg.sharding.engine,
+            quantization=cfg.quantization.method,
+            double_quant=cfg.quantization.double_quant,
+            dtype=cfg.model.dtype,
+            lora_r=cfg.lora.r,
+            lora_targets=targets if isinstance(targets, str) else tuple(targets),
+            lora_dtype=cfg.lora.dtype,
+            lora_dropout=cfg.lora.dropout > 0,
+            lora_groups=cfg.lora.group_inputs,
+            batch_size=cfg.training.batch_size,
+            seq_len=cfg.data.max_seq_len,
+            recompute=cfg.training.recompute.enabled,
+            recompute_keeps=cfg.training.recompute.keeps,
+            attention=cfg.attention.implementation,
+            cpu_offload=cfg.sharding.cpu_offload,
+            loading=cfg.model.loading if cfg.model.loading != "auto"
+            else "full" if cfg.sharding.engine == "ddp" else "stream",
+            reshard_after_forward=cfg.sharding.reshard_after_forward,
+            loss=cfg.training.loss,
+            offload_activations=cfg.training.offload_activations,
+            mlp_tile_tokens=cfg.training.recompute.mlp_tile_tokens,
+        )
+
+    @property
+    def adapter_bytes(self) -> int:
+        if self.lora_dtype != "auto":
+            return DTYPE_BYTES[self.lora_dtype]
+        # As kit.recipe.engines answers it (FSDP1 flattens one dtype per unit): the estimate is kernel
+        # side and models the engines without importing them.
+        return DTYPE_BYTES[self.dtype] if self.engine == "fsdp1" else 4
+
+
+def quantized_bytes_per_param(quantization: str, double_quant: bool) -> float:
+    """Packed 4 bits plus the per-block scales (one fp32 per 64 weights, or with double
+    quantization one byte per 64 plus one fp32 per 64*256). Constant-size code tables ignored."""
+    if quantization == "none":
+        raise ValueError("quantization 'none' keeps weights in the model dtype")
+    scales = 1 / BLOCKSIZE + 4 / (BLOCKSIZE * NESTED_BLOCKSIZE) if double_quant else 4 / BLOCKSIZE
+    return 0.5 + scales
+
+
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")  # the MLP's linears, as kit.budget.shapes names them
+
+
+def activation_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
+    """Bytes autograd keeps per token in one decoder layer for backward (no checkpointing).
+
+    Frozen 4-bit linears keep nothing per token (bitsandbytes recomputes the weight, and the
+    weight needs no gradient). What remains, a = compute dtype bytes, l = adapter dtype bytes:
+      - 2 RMSNorms: the fp32 copy of their input (4h each)
+      - RoPE + attention: q, k, v and the attention output (a * (2q + 2kv)), the output's
+        reshaped copy fed to o_proj (a * q); eager attention also keeps the seq x seq scores
+        (fp32 softmax + probabilities in a) per head
+      - SwiGLU: gate and up outputs and silu(gate) (a * 3i)
+      - LoRA, per targeted linear: its input after dropout in the adapter dtype (l * in), the
+        dropout mask (1 byte * in), the r-wide output of A (l * r); with lora.group_inputs the
+        dropped input and mask once per group of layers that share it (kit.budget.shapes.dropped_inputs)
+    """
+    h, r = shape.hidden, setup.lora_r
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    a, lb, mask = DTYPE_BYTES[setup.dtype], setup.adapter_bytes, int(setup.lora_dropout)
+    total = 2 * 4 * h + a * (2 * q + 2 * kv) + a * q + mlp_bytes_per_token_layer(shape, setup)
+    if setup.attention == "eager":
+        total += shape.heads * setup.seq_len * (4 + a)
+    for name, fan_in in dropped_inputs(shape, setup.lora_targets, setup.lora_groups).items():
+        if name not in MLP_LINEARS:  # the MLP's adapters are in mlp_bytes_per_token_layer
+            total += (lb + mask) * fan_in + lb * r
+    return total
+
+
+def mlp_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
+    """The MLP's share of activation_bytes_per_token_layer: gate, up and SiLU outputs (a * 3i),
+    and the adapters' dropped inputs, masks and r-wide outputs on gate, up and down. A tiled MLP
+    (kit.recipe.recompute.tile_mlp) holds these for one tile of tokens only, and keeps its input."""
+    a, lb, r, mask = DTYPE_BYTES[setup.dtype], setup.adapter_bytes, setup.lora_r, int(setup.lora_dropout)
+    dropped = dropped_inputs(shape, setup.lora_targets, setup.lora_groups)
+    mlp = [f for n, f in dropped.items() if n in MLP_LINEARS]
+    return a * 3 * shape.intermediate + sum((lb + mask) * f + lb * r for f in mlp)
+
+
+def selective_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
+    """Bytes one decoder layer keeps per token under training.recompute.keeps (kit.recipe.recompute):
+    the matmul results the policy keeps (matmuls: q, k, v, o and gate, up; mlp_matmuls: gate,
+    up; attention_matmuls: q, k, v, o), each adapter's r-wide down-projection, attention's output, and three
+    hidden-wide tensors (the layer's input among them: a count of what compiled NF4 layers keep,
+    benchmarks/kept_per_policy.py). Within ~10% of the 8B shape's measured 6.3 / 5.1 / 3.0 GiB per
+    2,048-token sequence (benchmarks/results/bench-8b-2xh200-run4.md)."""
+    h, i, r = shape.hidden, shape.intermediate, setup.lora_r
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    attention, mlp = q + 2 * kv, 2 * i
+    kept = {"matmuls": attention + mlp, "mlp_matmuls": mlp,
+            "attention_matmuls": attention}[setup.recompute_keeps]
+    adapters = len(lora_targets(shape, setup.lora_targets)) * setup.adapter_bytes * r
+    return DTYPE_BYTES[setup.dtype] * (3 * h + q + kept) + adapters
+
+
+# Bytes per logit at the loss's peak: the logits in the compute dtype (a), their fp32 copy (4),
+# the fp32 log-probabilities cross-entropy keeps (4), the fp32 gradient it returns (4).
+LOGIT_BYTES_FP32_PART = 12
+
+
+CHUNK_TOKENS = 4096  # kit.recipe.loss: the chunked loss's tokens per chunk
+FUSED_CHUNK_LOGITS = 2**26  # kit.recipe.loss: the fused loss's logits per chunk
+
+
+def loss_bytes(shape: Shape, setup: Setup, tokens: int) -> tuple[float, str]:
+    """(bytes at the loss's peak, how) for training.loss (kit.recipe.loss), a = compute dtype bytes:
+      - hf: the logits (a), their fp32 copy, log-probabilities and gradient (12 B) per logit;
+      - chunked: the logits and their gradient (2a) whole, one chunk of 4,096 tokens in fp32 (12);
+      - fused: no logits of the batch: one chunk of 2^26 logits (the head's output in a, its fp32
+        copy, softmax in place, the gradient cast back in a: 2a + 4 B per logit) and the
+        gradient of the hidden states it keeps for backward (tokens x hidden x a)."""
+    a, vocab = DTYPE_BYTES[setup.dtype], shape.vocab
+    if setup.loss == "fused":
+        chunk = min(tokens, max(1, FUSED_CHUNK_LOGITS // vocab))
+        return (chunk * vocab * (2 * a + 4) + tokens * shape.hidden * a,
+                f"fused: {chunk} tokens x vocab x {2 * a + 4} B + the hidden states' gradient")
+    if setup.loss == "chunked":
+        chunk = min(tokens, CHUNK_TOKENS)
+        return (tokens * vocab * 2 * a + chunk * vocab * LOGIT_BYTES_FP32_PART,
+                f"chunked: vocab x tokens x {2 * a} B + {chunk} tokens x vocab x 12 B")
+    return tokens * vocab * (a + LOGIT_BYTES_FP32_PART), f"vocab x tokens x ({a} + 12) B"
+
+
+# Tensors in flight under training.offload_activations: the layer computing and the copy
+# going to (forward) or coming from (backward) host memory on the side stream. With whole-layer
+# recompute (one input per layer) this holds: 8.50 GiB estimated, 8.62 measured at 8B, batch 2
+# (benchmarks/results/offload-8b-1xh200.md). With recompute off the copies (~13 GB a step) are
+# slower than the compute and more wait on the GPU (11.4 GiB measured, 9.0 estimated): a floor.
+OFFLOAD_IN_FLIGHT_LAYERS = 2
+
+
+@dataclass
+class Estimate:
+    """Bytes per GPU by component; `total` is what torch.cuda.max_memory_allocated would show."""
+
+    shape: Shape
+    setup: Setup
+    parts: dict[str, float] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+    cpu_bytes: float = 0.0  # per rank, in host memory (cpu_offload)
+    load_bytes: float = 0.0  # per GPU while loading, before the first step (model.loading)
+    load_note: str = ""
+
+    @property
+    def load_gib(self) -> float:
+        return self.load_bytes / GiB
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def total_gib(self) -> float:
+        return self.total / GiB
+
+    def needed_gib(self, reserve_gib: float = 1.0, fragmentation: float = 0.05) -> float:
+        """Total plus headroom: the CUDA context and NCCL buffers (~1 GiB, outside
+        max_memory_allocated) and allocator fragmentation (a few %)."""
+        return self.total_gib * (1 + fragmentation) + reserve_gib
+
+    def fits(self, gpu_gib: float, **headroom) -> bool:
+        return self.needed_gib(**headroom) <= gpu_gib
+
+    def table(self, unit: int = GiB) -> list[tuple[str, float, str]]:
+        """(component, size in `unit` bytes, how it was computed) rows, largest first."""
+        rows = sorted(self.parts.items(), key=lambda kv: -kv[1])
+        return [(k, v / unit, self.notes.get(k, "")) for k, v in rows]
+
+    def __str__(self) -> str:
+        s = self.setup
+        unit, name = (GiB, "GiB") if self.total >= GiB else (2**20, "MiB")
+        head = (
+            f"{s.engine} x{s.world_size}, {s.quantization}, LoRA r={s.lora_r}, batch {s.batch_size}"
+            f" x seq {s.seq_len}, checkpointing {'on' if s.recompute else 'off'}"
+        )
+        lines = [head] + [f"  {k:<28} {v:8.2f} {name}  {note}" for k, v, note in self.table(unit)]
+        lines.append(f"  {'total (allocated peak)':<28} {self.total / unit:8.2f} {name}")
+        if unit == GiB:
+            lines.append(f"  {'with headroom':<28} {self.needed_gib():8.2f} GiB")
+        lines.append(f"  {'while loading':<28} {self.load_bytes / unit:8.2f} {name}  "
+                     f"{self.load_note}")
+        return "\n".join(lines)
+
+
+def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
+    """Per-GPU peak memory of one training step. `changes` override fields of `setup`."""
+    shape, setup = shape_of(model), replace(setup or Setup(), **changes)
+    if setup.engine not in ("fsdp2", "fsdp1", "ddp"):
+        raise ValueError(f"engine: {setup.engine!r}; allowed: fsdp2, fsdp1, ddp")
+    a = DTYPE_BYTES[setup.dtype]
+    sharded = setup.engine != "ddp"
+    world = setup.world_size if sharded else 1
+    tokens = setup.batch_size * setup.seq_len
+    est = Estimate(shape, setup)
+    parts, notes = est.parts, est.notes
+
+    # Base weights: 4-bit linears in the decoder layers; embeddings, output head, norms stay in
+    # the model dtype (bitsandbytes does not quantize the head).
+    linear = shape.layers * shape.layer_linear_params
+    if setup.quantization == "none":
+        per_param, layer_bytes = a, shape.layer_linear_params * a
+        notes_w = f"{_count(linear)} linear params x {a} B"
+    else:
+        per_param = quantized_bytes_per_param(setup.quantization, setup.double_quant)
+        layer_bytes = shape.layer_linear_params * per_param
+        notes_w = f"{_count(linear)} linear params x {per_param:.3f} B (4 bit + scales)"
+    base = linear * per_param + (shape.embedding_params + shape.norm_params) * a
+    adapter = lora_params(shape, setup.lora_r, setup.lora_targets)
+    lb = setup.adapter_bytes
+    shard_note = f" / {world} ranks" if sharded else " (every rank holds all)"
+    static = {
+        "base weights": (base / world, notes_w + shard_note),
+        "LoRA weights": (adapter * lb / world, f"{_count(adapter)} params x {lb} B{shard_note}"),
+        "LoRA gradients": (adapter * lb / world, f"same size as the LoRA weights{shard_note}"),
+        "optimizer (AdamW m, v)": (
+            2 * adapter * lb / world,
+            f"2 x LoRA weights in their dtype{shard_note}; LoRA in fp32 is its own master copy",
+        ),
+    }
+    for name, (value, note) in static.items():
+        if setup.cpu_offload and sharded:
+            est.cpu_bytes += value
+            name, note = name + " [CPU]", "offloaded to host memory: 0 on the GPU"
+            value = 0.0
+        parts[name], notes[name] = value, note
+
+    # Loading (kit.recipe.loading): full and rank0 put the whole model on every GPU before sharding;
+    # stream only this rank's shards plus the unit being filled (a decoder layer, or the
+    # embeddings table: the largest unit of a small model).
+    whole = base + adapter * lb
+    if sharded and setup.loading == "stream":
+        unit = max(layer_bytes + 2 * shape.hidden * a, shape.vocab * shape.hidden * a)
+        est.load_bytes = whole / world + unit * (1 - 1 / world)  # that unit unsharded, yet
+        est.load_note = f"model.loading=stream: 1/{world} of the model + its largest unit whole"
+    else:
+        est.load_bytes = whole
+        est.load_note = f"model.loading={setup.loading}: the whole model, before sharding"
+
+    # Communication: FSDP all-gathers a layer before use (plus the prefetched next one) and
+    # keeps the root unit (head, final norm; embeddings too unless they are a unit of their own)
+    # gathered from forward into backward. The kit's FSDP2 engine makes untied input embeddings
+    # their own unit (kit.recipe.engines): gathered for the first operation only.
+    if sharded:
+        own_unit = setup.engine == "fsdp2" and not shape.tied_embeddings
+        root_params = shape.embedding_params // (2 if own_unit else 1) + shape.hidden
+        lora_layer = adapter / shape.layers * a
+        gathered_layers = shape.layers if not setup.reshard_after_forward else 1 + setup.prefetch_layers
+        parts["FSDP gathered params"] = root_params * a + gathered_layers * (layer_bytes + lora_layer)
+        notes["FSDP gathered params"] = (
+            f"root unit ({'head' if own_unit else 'embeddings + head'}) + {gathered_layers} "
+            f"unsharded decoder layer(s)"
+        )
+    else:
+        parts["DDP gradient buckets"] = adapter * lb
+        notes["DDP gradient buckets"] = "a flat copy of all LoRA gradients for the all-reduce"
+
+    # Activations and the loss. The loss's peak comes at the end of forward, before any layer is
+    # recomputed or its saved tensors used: under recompute the two do not add up.
+    per_layer = activation_bytes_per_token_layer(shape, setup) * tokens
+    if 0 < setup.mlp_tile_tokens < tokens:  # one tile's MLP graph instead of all tokens', + its input
+        per_layer -= mlp_bytes_per_token_layer(shape, setup) * (tokens - setup.mlp_tile_tokens)
+        per_layer += tokens * shape.hidden * a
+    logits, how = loss_bytes(shape, setup, tokens)
+    offload = " [host]" if setup.offload_activations else ""
+    if setup.recompute and setup.recompute_keeps != "inputs":
+        kept = selective_bytes_per_token_layer(shape, setup) * tokens
+        parts["activations"] = shape.layers * kept + per_layer
+        notes["activations"] = (f"{shape.layers} layers x {kept / tokens / 1024:.0f} KiB/token kept "
+                                f"({setup.recompute_keeps}), one layer recomputed in backward")
+        parts["logits and loss"] = max(0, logits - per_layer)
+        notes["logits and loss"] = f"{how}, beyond the recomputed layer"
+    elif setup.recompute:
+        inputs = shape.layers * tokens * shape.hidden * a
+        if setup.offload_activations:  # the inputs go to host memory as they are saved
+            est.cpu_bytes += inputs
+            inputs = OFFLOAD_IN_FLIGHT_LAYERS * tokens * shape.hidden * a
+        parts["activations"] = inputs + per_layer
+        notes["activations"] = (f"each layer's input kept{offload}, one layer recomputed in "
+                                f"backward")
+        parts["logits and loss"] = max(0, logits - per_layer)
+        notes["logits and loss"] = f"{how}, beyond the recomputed layer"
+    else:
+        parts["activations"] = shape.layers * per_layer
+        notes["activations"] = f"{shape.layers} layers x {per_layer / tokens / 1024:.0f} KiB/token"
+        if setup.offload_activations:  # what layers keep goes to host; two layers in flight
+            est.cpu_bytes += shape.layers * per_layer
+            parts["activations"] = OFFLOAD_IN_FLIGHT_LAYERS * per_layer
+            notes["activations"] = (f"{OFFLOAD_IN_FLIGHT_LAYERS} layers in flight{offload}; more "
+                                    "when the copies are slower than the compute")
+        parts["logits and loss"] = logits
+        notes["logits and loss"] = how
+    return est
+
+
+def sweep(model, setup: Setup, key: str, values) -> list[Estimate]:
+    """One estimate per value of Setup field `key` (for tables and plots)."""
+    return [estimate(model, setup, **{key: v}) for v in values]
+
+
+def scenarios(models: dict, setups: dict, gpus: dict[str, float]) -> list[dict]:
+    """Rows model x setup: the estimate, its headroom total, and whether it fits each GPU
+    (`gpus`: label -> GiB the device reports, e.g. {"H200": 139})."""
+    rows = []
+    for model_label, model in models.items():
+        for setup_label, setup in setups.items():
+            est = estimate(model, setup)
+            row = {"model": model_label, "setup": setup_label,
+                   "GiB per GPU": round(est.total_gib, 1), "with headroom": round(est.needed_gib(), 1),
+                   "host GiB per rank": round(est.cpu_bytes / GiB, 1)}  # fmt: skip
+            row.update({f"fits {label}": est.fits(gib) for label, gib in gpus.items()})
+            rows.append(row)
+    return rows
+
+
+def plot_parts(estimates: dict, gpus: dict[str, float] | None = None, ax=None):
+    """Stacked horizontal bars, one per labelled Estimate; dashed lines at GPU sizes (GiB)."""
+    import matplotlib.pyplot as plt
+
+    ax = ax or plt.subplots(figsize=(9, 0.5 + 0.45 * len(estimates)))[1]
+    names = list(dict.fromkeys(k for e in estimates.values() for k in e.parts))
+    labels = list(estimates)
+    left = [0.0] * len(labels)
+    for name in names:
+        values = [estimates[label].parts.get(name, 0) / GiB for label in labels]
+        ax.barh(labels, values, left=left, label=name)
+        left = [a + b for a, b in zip(left, values, strict=True)]
+    for label, gib in (gpus or {}).items():
+        ax.axvline(gib, color="k", ls="--", lw=1)
+        ax.text(gib, -0.6, f" {label}", va="bottom", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("GiB per GPU (allocated peak, before headroom)")
+    ax.legend(fontsize=7, loc="lower right")
+    return ax
+
+
+def plot_sweep(model, setup: Setup, key: str, values, ax=None, label: str = ""):
+    """Total GiB per GPU as Setup field `key` varies (one line per call)."""
+    import matplotlib.pyplot as plt
+
+    ax = ax or plt.subplots(figsize=(6, 3.5))[1]
+    ax.plot(values, [e.total_gib for e in sweep(model, setup, key, values)], marker="o",
+            label=label or None)  # fmt: skip
+    ax.set_xlabel(key)
+    ax.set_ylabel("GiB per GPU")
+    if label:
+        ax.legend()
+    return ax

@@ -1,0 +1,96 @@
+"""Measured peaks the memory estimator (kit.budget.estimate) is checked against, and the comparison.
+
+    rows = compare_with_reference(REFERENCE_70B)   # measured vs estimated GiB, error in %
+
+Each reference is one recorded run (its file named beside it): the model, the Setup fields that
+describe it, and its peaks (torch.cuda.max_memory_allocated, GiB) by (recompute, batch) or
+(recompute, batch, offload_activations). Kernel side: no torch.
+"""
+
+from __future__ import annotations
+
+from kit.budget.estimate import Setup, estimate
+
+# Measured peaks (torch.cuda.max_memory_allocated, GiB) of the reference a user would write
+# (FINDINGS.md, 2x H200, 2026-11-22): Llama-3-8B shape, NF4 + double quant, bf16 storage,
+# LoRA r16 all-linear in bf16, FSDP1 FULL_SHARD, sdpa, seq 2048, AdamW.
+REFERENCE = {
+    "model": "kit:llama-8b",
+    "setup": dict(engine="fsdp1", world_size=2, lora_r=16, seq_len=2048, attention="sdpa"),
+    # (recompute, batch_size) -> measured peak GiB
+    "peak_gib": {
+        (False, 1): 25.0, (False, 2): 45.1,
+        (True, 1): 8.9, (True, 2): 12.9, (True, 4): 20.8, (True, 8): 36.6,
+    },  # fmt: skip
+}
+
+
+# The kit's recipe on the 70B shape (Llama-2-70B's, no weights on disk: kit.recipe.loading.initialise),
+# one H200, FSDP2 on one process, NF4, LoRA r16 all-linear (fp32), whole-layer recompute, fused
+# loss, seq 2048 (benchmarks/results/big-70b-1xh200.md, 2026-11-24): peak allocated GiB.
+REFERENCE_70B = {
+    "model": "kit:llama-70b",
+    "setup": dict(engine="fsdp2", world_size=1, lora_r=16, seq_len=2048, attention="sdpa"),
+    "peak_gib": {(True, 1): 41.3, (True, 2): 45.0, (True, 4): 52.4},
+}
+
+
+# The kit's recipe on the 8B shape, one H200, FSDP2 on one process (its embeddings a unit of
+# their own), LoRA r16 all-linear (fp32), fused loss, seq 2048, with and without
+# training.offload_activations (benchmarks/results/offload-8b-1xh200.md, 2026-11-24).
+# (recompute, batch, offload_activations) -> peak allocated GiB.
+REFERENCE_KIT_8B = {
+    "model": "kit:llama-8b",
+    "setup": dict(engine="fsdp2", world_size=1, lora_r=16, seq_len=2048, attention="sdpa",
+                  loss="fused"),
+    "peak_gib": {(True, 2, False): 9.24, (True, 2, True): 8.62, (False, 1, False): 24.23,
+                 (False, 1, True): 11.43},
+}  # fmt: skip
+
+
+# The kit's recipe at long context on one H100 (benchmarks/results/speed-round2-1xh100.md,
+# 2026-11-24): Llama-3-8B shape, FSDP2 on one process, NF4, LoRA r16 all-linear (fp32), batch 1,
+# whole-layer recompute with the layer inputs offloaded, fused loss; peaks by (sequence length,
+# training.recompute.mlp_tile_tokens).
+REFERENCE_CONTEXT = {
+    "model": "kit:llama-8b",
+    "keys": ("seq_len", "mlp_tile_tokens"),
+    "setup": dict(engine="fsdp2", world_size=1, lora_r=16, attention="sdpa", loss="fused",
+                  batch_size=1, recompute=True, offload_activations=True),
+    "peak_gib": {(16384, 0): 12.56, (32768, 0): 17.54, (32768, 8192): 13.23,
+                 (65536, 8192): 19.38, (131072, 8192): 31.68},
+}  # fmt: skip
+
+# The kit's fastest cases on one H100 (benchmarks/results/round3-8b-1xh100.md, 2026-11-24):
+# Llama-3-8B shape, FSDP2 on one process, compiled layers, fused loss, LoRA r16 all-linear with
+# dropout; peaks by (training.recompute.keeps, batch, lora.group_inputs). FP8 base matmuls
+# (not a Setup field) measured 0.7 GiB above these with attention's matmuls and 0.5 with every one.
+REFERENCE_SELECTIVE = {
+    "model": "kit:llama-8b",
+    "keys": ("recompute_keeps", "batch_size", "lora_groups"),
+    "setup": dict(engine="fsdp2", world_size=1, lora_r=16, seq_len=2048, attention="sdpa",
+                  loss="fused", recompute=True),
+    "peak_gib": {("attention_matmuls", 5, False): 21.53, ("attention_matmuls", 5, True): 21.53,
+                 ("matmuls", 4, False): 32.04, ("matmuls", 4, True): 32.04,
+                 ("matmuls", 8, False): 57.16, ("matmuls", 8, True): 57.16},
+}  # fmt: skip
+
+# A reference's keys name Setup fields; the table calls the first two as notebook 01 shows them.
+KEYS = ("recompute", "batch_size", "offload_activations")
+COLUMNS = {"recompute": "checkpointing", "batch_size": "batch"}
+
+
+def compare_with_reference(reference: dict = REFERENCE) -> list[dict]:
+    """Estimate vs measured for every row of a reference (REFERENCE, REFERENCE_70B,
+    REFERENCE_KIT_8B, REFERENCE_CONTEXT, REFERENCE_SELECTIVE): each key gives the Setup fields its reference's `keys`
+    name (by default recompute, batch, offload_activations; a shorter key leaves the rest)."""
+    rows = []
+    for key, measured in reference["peak_gib"].items():
+        changes = dict(zip(reference.get("keys", KEYS), key, strict=False))
+        est = estimate(reference["model"], Setup(**{**reference["setup"], **changes}))
+        rows.append(
+            dict(**{COLUMNS.get(k, k): v for k, v in changes.items()}, measured_gib=measured,
+                 estimated_gib=round(est.total_gib, 1),
+                 error_pct=round(100 * (est.total_gib - measured) / measured, 1))
+        )  # fmt: skip
+    return rows

@@ -1,0 +1,145 @@
+"""A decoder-only model's shape, and what follows from it by counting: parameters, LoRA's
+trainable parameters, model FLOPs per token. No weights, no torch.
+
+    shape = shape_of("kit:llama-8b")         # or a config dict, a folder, a transformers config
+    shape.params, lora_params(shape, r=16), flops_per_token(shape, seq=2048)
+
+Kernel side: imports no torch. Read by the memory estimate (kit.budget.estimate), the LoRA table
+(kit.recipe.lora), the doctor's model facts and the benchmarks' MFU (kit.bench.worker, notebook 09).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the budget needs to know about a decoder-only transformer."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied_embeddings: bool = False
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each linear layer in one decoder layer (Llama family)."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        return {
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        }  # fmt: skip
+
+    @property
+    def layer_linear_params(self) -> int:
+        return sum(a * b for a, b in self.linears().values())
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding plus output head (one matrix when tied)."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    @property
+    def norm_params(self) -> int:
+        return (2 * self.layers + 1) * self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_linear_params + self.embedding_params + self.norm_params
+
+
+def shape_of(model) -> Shape:
+    """A Shape from a Shape, a `kit:` name, a config dict, a transformers config or a folder."""
+    if isinstance(model, Shape):
+        return model
+    if isinstance(model, str) and model.startswith("kit:"):
+        from kit.inputs.builtin import SPECS
+
+        if model[4:] not in SPECS:
+            raise ValueError(f"model: {model!r} is not a kit model; allowed: kit:{', kit:'.join(SPECS)}")
+        model = SPECS[model[4:]]
+    elif isinstance(model, (str, Path)):
+        path = Path(model).expanduser() / "config.json"
+        if path.is_file():
+            model = json.loads(path.read_text())
+        else:  # a hub id: transformers reads config.json (from its cache when offline)
+            from transformers import AutoConfig
+
+            model = AutoConfig.from_pretrained(str(model))
+    if not isinstance(model, dict):
+        model = model.to_dict()
+    model = model.get("text_config", model)  # multimodal configs nest the language model
+    heads = model["num_attention_heads"]
+    return Shape(
+        vocab=model["vocab_size"],
+        hidden=model["hidden_size"],
+        intermediate=model["intermediate_size"],
+        layers=model["num_hidden_layers"],
+        heads=heads,
+        kv_heads=model.get("num_key_value_heads") or heads,
+        head_dim=model.get("head_dim") or model["hidden_size"] // heads,
+        tied_embeddings=bool(model.get("tie_word_embeddings", False)),
+    )
+
+
+def lora_targets(shape: Shape, targets) -> dict[str, tuple[int, int]]:
+    """The linear layers of one decoder layer that get an adapter."""
+    linears = shape.linears()
+    if targets == "all-linear":
+        return linears
+    names = [targets] if isinstance(targets, str) else list(targets)
+    unknown = [n for n in names if n not in linears]
+    if unknown:
+        raise ValueError(f"lora_targets: {unknown} not among {', '.join(linears)}")
+    return {n: linears[n] for n in names}
+
+
+# Linear layers of one decoder layer that read the same input (kit.recipe.lora_groups groups their
+# adapters under lora.group_inputs).
+SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+NO_SHARED_INPUT = ("lora.group_inputs: True is not allowed for this model; it has no adapted "
+                   "projections named " + " or ".join("/".join(g) for g in SHARED_INPUT_GROUPS)
+                   + " that share an input; allowed: false")  # the doctor's and the ranks' line
+
+
+def shared_input_groups(adapted: list[str]) -> list[tuple[str, ...]]:
+    """The groups of SHARED_INPUT_GROUPS whose every member is among `adapted` (full module
+    names), under one parent: what lora.group_inputs can group in such a model."""
+    have = set(adapted)
+    parents = dict.fromkeys(n.rpartition(".")[0] for n in adapted)
+    return [tuple(f"{p}.{m}" if p else m for m in g) for p in parents for g in SHARED_INPUT_GROUPS
+            if all((f"{p}.{m}" if p else m) in have for m in g)]
+
+
+def dropped_inputs(shape: Shape, targets, grouped: bool = False) -> dict[str, int]:
+    """Per adapted linear layer, the width of the input its adapter drops and keeps a copy of:
+    its fan-in, or, with grouped adapters (lora.group_inputs), 0 for every member of a fully
+    adapted group but the first (the group drops its shared input once)."""
+    widths = {n: fan_in for n, (fan_in, _) in lora_targets(shape, targets).items()}
+    if grouped:
+        for group in SHARED_INPUT_GROUPS:
+            if all(n in widths for n in group):
+                widths.update(dict.fromkeys(group[1:], 0))
+    return widths
+
+
+def lora_params(shape: Shape, r: int, targets="all-linear") -> int:
+    """Trainable LoRA parameters: A (r x in) and B (out x r) per targeted linear, every layer."""
+    return shape.layers * sum(r * (a + b) for a, b in lora_targets(shape, targets).values())
+
+
+def flops_per_token(shape: Shape, seq: int) -> float:
+    """Model FLOPs per trained token for LoRA: forward (2N) + input gradients (2N) through the
+    frozen linear layers and the output head, attention's matmuls forward and backward (causal),
+    no recompute counted (checkpointing's extra forward is overhead, not model work). Frozen
+    weights get no gradient; the adapters' own matmuls (r wide) are left out."""
+    linear = shape.layers * shape.layer_linear_params + shape.hidden * shape.vocab
+    # QK^T and AV, per token, forward: 2 matmuls x 2 FLOPs x seq x width, halved by the mask.
+    attention = 2 * seq * (shape.heads * shape.head_dim) * shape.layers
+    return 4 * linear + 3 * attention

@@ -1,0 +1,213 @@
+"""What a start may do to a run folder that already holds files: the kit never deletes them.
+
+    p = plan(cfg, world_size=2)   # decides; touches nothing; a refusal is a one-line ConfigError
+    p.start                       # 0: from scratch, N: resume at step N, None: finished, nothing to do
+    p.keep_earlier(folder)        # moves what the start would replace into earlier/<time>/
+
+The rules, for `training.resume` and `run.start_over`:
+
+- A fresh start (resume "") into a folder holding a run (adapter/, result.json, a checkpoint) is
+  refused, naming what is there. `run.start_over=true` starts over: the whole earlier run moves,
+  byte for byte, into earlier/<time>/. What a crashed attempt left before saving anything
+  (metrics.jsonl, run.log) moves there too, without a refusal.
+- `resume=auto` on a finished run (result.json completed at training.steps or beyond) says so and
+  does nothing. Otherwise it continues from the newest complete checkpoint whose manifest checks
+  (kit.folder.manifest: files, sizes, checksums, the config that made it); newer damaged ones are named
+  and skipped. A run with trained files but no valid checkpoint is refused: an exact resume
+  needs one, and retraining from step 0 would replace what was trained.
+- A resume replaces the run's end (adapter/, result.json, probe.pt), drops metrics rows past its
+  step and leaves the checkpoints past it (damaged, or of a timeline an explicit path leaves):
+  those move into earlier/<time>/ first, with the config.yaml they were made with.
+
+Kernel side, no torch: kit.run.launch plans before it writes anything (a refused or finished start
+leaves every file byte-identical), the check step (kit.run.check) before torchrun, and the ranks
+(kit.train) plan again, which a start prepared this way passes without moving anything more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from kit.config import Config, ConfigError
+from kit.folder import manifest
+
+END = ("adapter", "result.json", "probe.pt")  # what a run writes when it ends (or stops)
+EARLIER = "earlier"
+
+
+@dataclass
+class Plan:
+    start: int | None  # first step is start + 1; None: finished, nothing to do
+    checkpoint: Path | None = None
+    notes: list[str] = field(default_factory=list)  # skipped checkpoints, what moves where
+    displaced: list[str] = field(default_factory=list)  # names that move into earlier/<time>/
+    trim_metrics: bool = False  # metrics.jsonl has rows past `start`: keep a trimmed copy
+    message: str = ""  # the line a person reads: what this start does
+
+    def keep_earlier(self, folder: Path, why: str = "") -> Path | None:
+        """Move `displaced` into earlier/<time>/ (renames: the bytes stay as they were); returns
+        that folder, None when nothing moves. Call once, on one process, before writing."""
+        names = [n for n in self.displaced if (folder / n).exists()]
+        if not names:
+            return None
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S")
+        dest = folder / EARLIER / stamp
+        n = 1
+        while dest.exists():
+            n += 1
+            dest = folder / EARLIER / f"{stamp}-{n}"
+        dest.mkdir(parents=True)
+        for name in names:
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(folder / name, dest / name)  # a rename: the bytes stay as they were
+        if self.trim_metrics and (dest / "metrics.jsonl").is_file():
+            kept = [line for line in (dest / "metrics.jsonl").read_text().splitlines(True)
+                    if line.strip() and json.loads(line).get("step", 0) <= (self.start or 0)]
+            (folder / "metrics.jsonl").write_text("".join(kept))
+        (dest / "why.txt").write_text("\n".join([why or self.message, *self.notes,
+                                                 f"moved: {', '.join(names)}"]) + "\n")
+        self.notes.append(f"kept the earlier {', '.join(names)} in {dest}")
+        return dest
+
+
+def _result(folder: Path) -> dict | None:
+    try:
+        return json.loads((folder / "result.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _metrics_past(folder: Path, step: int) -> bool:
+    try:
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return False
+    return any(line.strip() and json.loads(line).get("step", 0) > step for line in lines)
+
+
+def _config_changed(folder: Path, cfg: Config) -> bool:
+    try:
+        return (folder / "config.yaml").read_text() != cfg.to_yaml()
+    except OSError:
+        return False
+
+
+# What kit.run.jobs writes beside run.sh: the other ways to start this run, not a record of one.
+LAUNCHERS = {"accelerate.yaml", "job.sbatch", "trainjob.yaml", "pytorchjob.yaml"}
+# Files every start writes anew (kit.run.launch.prepare, run.sh), and the launchers: never moved.
+PLUMBING = {"run.sh", "pid", "exit_code", "stop_requested"} | LAUNCHERS
+# What the running start itself is writing when the ranks plan (run.sh's log, torchrun's logs/).
+LIVE = ("run.log", "logs")
+
+
+# A restart of the same run by what started it: run.sh after a failed attempt (KIT_MAX_RESTARTS),
+# torchrun --max-restarts (its restarted ranks), a requeued Slurm job (the job script again,
+# check step included).
+RESTARTS = ("KIT_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+
+
+def restart(environ=os.environ) -> str | None:
+    """'NAME=N' when this start is restart N of the same run (RESTARTS), else None. A restart
+    resumes by itself: as training.resume=auto (never over a finished run, and a new run's
+    folder has nothing to resume, so it starts at step 0)."""
+    for name in RESTARTS:
+        count = environ.get(name, "0")
+        if count.isdigit() and int(count) > 0:
+            return f"{name}={count}"
+    return None
+
+
+def plan(cfg: Config, world_size: int, folder: Path | None = None, ranks: bool = False) -> Plan:
+    """What starting `cfg` on `world_size` ranks would do to its run folder (default
+    cfg.output_dir). Raises ConfigError (one line) for a start that would replace a run.
+    ranks: planned by the ranks themselves, whose own start is already writing run.log/logs.
+    A restart of the same run (`restart`) plans as training.resume=auto, whatever the first start
+    said: run.start_over and a training.resume path were for that start, and a restart obeying
+    them would throw away (or train again) every step since; it says so."""
+    restarted = restart()
+    resume, start_over = ("auto", False) if restarted else (cfg.training.resume, cfg.run.start_over)
+    decided = _plan(cfg, world_size, folder, ranks, resume, start_over)
+    if restarted:
+        decided.notes.insert(0, f"a restart of this run ({restarted}): training.resume=auto")
+    return decided
+
+
+def _plan(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume: str,
+          start_over: bool) -> Plan:
+    out = Path(folder or cfg.output_dir)
+    keep = PLUMBING | set(LIVE if ranks else ())
+    steps = cfg.training.steps
+    if start_over and resume:
+        raise ConfigError(f"run.start_over: true is not allowed with training.resume={resume!r}; "
+                          "start over or resume, not both")
+    result = _result(out)
+    complete, _ = manifest.scan(out)
+    trained = [n for n in ("adapter", "result.json") if (out / n).exists()]
+    trained += ["checkpoints"] if complete else []
+    present = sorted(p.name for p in out.iterdir() if p.name != EARLIER) if out.is_dir() else []
+    changed = ["config.yaml"] if _config_changed(out, cfg) else []
+    # An earlier start's own record (its log, its config) when this start would replace it.
+    record = [n for n in LIVE if n in present and not ranks] + changed
+
+    if not resume:
+        if trained and not start_over:
+            raise ConfigError(
+                f"run.output_dir: {str(out)!r} holds an earlier run ({', '.join(trained)}); "
+                "allowed: training.resume=auto to continue it (a finished run is left as it "
+                "is), run.start_over=true to start over (the earlier run moves into "
+                f"{EARLIER}/), or another run.name")
+        moved = [n for n in present if n not in keep and (n != "config.yaml" or changed)]
+        what = "starting over" if trained else "starting at step 0"
+        return Plan(0, displaced=moved, message=f"{out}: {what}")
+
+    if resume == "auto":
+        config = cfg.to_dict()
+        ckpt, step, notes = manifest.newest_valid(out, config, world_size)
+        if result and result.get("status") == "completed" and result.get("steps", 0) >= steps:
+            done = result["steps"]
+            more = (f"training.steps above {done} continues it from its checkpoint at step "
+                    f"{step}" if ckpt is not None else "it has no valid checkpoint, so it cannot "
+                    "be continued; runs keep them with checkpointing.save_every > 0")
+            return Plan(None, notes=notes, message=f"{out}: finished at step {done} of "
+                        f"{steps}; nothing to do; {more}")
+        if ckpt is None:
+            if trained:
+                why = f" ({'; '.join(notes)})" if notes else ""
+                raise ConfigError(
+                    f"training.resume: 'auto' cannot continue {str(out)!r}: it holds "
+                    f"{', '.join(trained)} but no complete valid checkpoint{why}; an exact "
+                    "resume needs one (checkpointing.save_every > 0); allowed: another "
+                    f"run.name, or run.start_over=true (the earlier run moves into {EARLIER}/)")
+            moved = [n for n in present if n not in keep and (n != "config.yaml" or changed)]
+            return Plan(0, notes=notes, displaced=moved,
+                        message=f"{out}: no checkpoint yet, starting at step 0")
+    else:
+        ckpt = Path(resume)
+        problem = manifest.problem(ckpt, cfg.to_dict(), world_size)
+        if problem:
+            raise ConfigError(f"training.resume: {resume!r} cannot be resumed: {problem}")
+        step, notes = int((manifest.read(ckpt) or {}).get("step", 0)), []
+    if step >= steps:
+        return Plan(None, checkpoint=ckpt, notes=notes, message=(
+            f"{out}: its checkpoint is at step {step}, training.steps={steps}; nothing to do "
+            f"(training.steps above {step} continues it)"))
+    if result and result.get("status") == "completed" and cfg.training.scheduler != "constant":
+        done = result.get("steps")
+        notes.append(f"continuing a run that completed at step {done} to {steps} steps: its "
+                     f"steps up to {done} followed a {done}-step {cfg.training.scheduler} LR "
+                     f"schedule, the steps from {step + 1} on follow a {steps}-step one (the LR "
+                     f"jumps there): not the same as a {steps}-step run from the start")
+    t = cfg.training
+    if (other := manifest.world_note(ckpt, world_size, t.batch_size * t.grad_accum)) is not None:
+        notes.append(other)
+    trim = _metrics_past(out, step)
+    moved = [n for n in END if (out / n).exists()] + (["metrics.jsonl"] if trim else [])
+    # Checkpoints past the one resumed (damaged ones auto skipped, or a timeline an explicit
+    # path leaves): kept aside, so no later resume picks them and no save meets them.
+    moved += [str(f.relative_to(out)) for s_, f in manifest.step_folders(out) if s_ > step]
+    moved += record
+    return Plan(step, ckpt, notes, moved, trim, f"{out}: resuming from {ckpt} at step {step}")

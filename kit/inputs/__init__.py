@@ -1,0 +1,1 @@
+"""What a config points at: built-in models, where model.name points, data files."""

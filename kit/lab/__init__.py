@@ -1,0 +1,1 @@
+"""The notebooks' instruments: experiments each notebook runs (nothing outside lab imports them)."""

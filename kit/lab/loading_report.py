@@ -1,0 +1,56 @@
+"""Notebook 10's view of loading, kernel side: one load-only torchrun per `model.loading` mode.
+
+    rows = measure("tiny-cpu", ["model.name=kit:llama-135m"], modes=("full", "rank0", "stream"))
+    table(rows)    # per mode and rank: seconds, host memory, read the file?, digests
+
+The ranks run `python -m kit.lab.loading_rank CONFIG --report DIR` (kit/lab/loading_rank.py): each loads
+the base model as the mode says, adds LoRA, shards with the config's engine and writes its time,
+its peak host memory and digests of what it holds and of a forward's logits into DIR/rank<R>.json. This module
+starts those runs and reads the files: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kit.run.launch import run_to_end
+
+
+def measure(config: str, overrides: list[str] | None = None, modes=("full", "rank0", "stream"),
+            nproc: int = 2, out: str | Path = "launch/loading", together: bool = False,
+            ) -> list[dict]:  # fmt: skip
+    """Rows of every rank's report, per mode. One captured torchrun per mode (run folder
+    out/<mode>: its own peak memory), or with `together` one torchrun for every mode in turn
+    (run folder out/together: the digests compare, the memory peaks are the process's so far)."""
+    rows = []
+    for group in [modes] if together else [[m] for m in modes]:
+        folder = (Path(out) / ("together" if together else group[0])).resolve()
+        run_to_end(config, [f"run.output_dir={folder}", *(overrides or [])], nproc=nproc,
+                   module="kit.lab.loading_rank",
+                   args=["{config}", "--report", "{run_dir}/report", "--modes", ",".join(group)])
+        for mode in group:
+            rows += read(folder / "report" / mode)
+    return rows
+
+
+def read(folder: str | Path) -> list[dict]:
+    """The rank<R>.json files of one report, in rank order."""
+    ranks = sorted(Path(folder).glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+    return [json.loads(p.read_text()) for p in ranks]
+
+
+def table(rows: list[dict]) -> list[dict]:
+    """Per mode and rank: what loading and sharding cost in time and host memory (MiB: the peak
+    resident set, and the sampled peaks of its anonymous and file-backed parts), whether the rank
+    read the checkpoint, and the first 12 hex digits of the digests of what it holds and of a
+    forward's logits (equal: the same bytes)."""
+    return [{"mode": r["mode"], "rank": r["rank"], "read the checkpoint": r["read_checkpoint"],
+             "seconds": r["seconds"], "host MiB before": r["rss_before_mib"],
+             "host MiB peak": r["peak_rss_mib"],
+             "load's MiB": round(r["peak_rss_mib"] - r["rss_before_mib"], 1),
+             "anon MiB peak": r.get("peak_anon_mib"), "file MiB peak": r.get("peak_file_mib"),
+             "model MiB at most": r.get("model_most_mib"),
+             "model MiB sharded": r.get("model_sharded_mib"),
+             "digest": r["digest"][:12],
+             "logits": r.get("logits_digest", "")[:12]} for r in rows]  # fmt: skip

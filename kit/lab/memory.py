@@ -1,0 +1,92 @@
+"""What a QLoRA model really holds, measured with torch: the bytes autograd saves for backward,
+and a rank's runtime before any model. The estimate these are checked against is kit.budget.estimate.
+
+    m = measured_vs_estimated("kit:tiny-llama", batch_size=8)   # builds on CPU, in this process
+    m = child.call("kit.lab.memory:measured_vs_estimated", batch_size=8)   # from a notebook kernel
+    saved = measure_saved_activations(built.model, batch_size=1, seq_len=256)
+
+Rank/child side: each function runs torch in the process that calls it (a rank, a script, a test,
+a kit.run.child process started from notebook 01's kernel); `runtime_baseline_gib` starts a fresh
+interpreter of its own. torch is imported inside the functions, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+from kit import ROOT
+from kit.budget.estimate import Setup, activation_bytes_per_token_layer
+from kit.budget.shapes import shape_of
+
+
+def measure_saved_activations(model, batch_size: int, seq_len: int, vocab: int | None = None) -> int:
+    """Bytes autograd saves for backward in one forward of `model` (a torch module on CPU or GPU),
+    counted through saved-tensor hooks, each storage once. Parameters that autograd saves are
+    included; compare two sequence lengths to get the per-token part."""
+    import torch
+
+    vocab = vocab or model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(next(model.parameters()).device)
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(seen.values())
+
+
+def measured_vs_estimated(model: str = "kit:tiny-llama", batch_size: int = 8,
+                          seq_lens: tuple[int, int] = (32, 64)) -> dict:  # fmt: skip
+    """Bytes autograd saves per token per decoder layer, measured on a kit model built on CPU in
+    this process (kit.recipe.model.build: NF4 + LoRA as the recipe builds it, no process group), vs the
+    estimate.
+
+    Measured as (saved without recompute - saved with it) per token per layer at two sequence
+    lengths; the difference removes parameters and everything outside the decoder layers."""
+    import torch
+
+    from kit.config import load_config
+    from kit.recipe import model as kmodel
+
+    saved, cfg = {}, None
+    for recompute in (False, True):
+        cfg = load_config(ROOT / "kit" / "configs" / "tiny-cpu.yaml",
+                          [f"model.name={model}", "training.device=cpu",
+                           f"training.recompute.enabled={str(recompute).lower()}"])  # fmt: skip
+        built = kmodel.build(cfg, torch.device("cpu"))
+        saved[recompute] = [measure_saved_activations(built.model, batch_size, s) for s in seq_lens]
+    shape = shape_of(model)
+    tokens = batch_size * (seq_lens[1] - seq_lens[0])
+    per_layer = ((saved[False][1] - saved[False][0]) - (saved[True][1] - saved[True][0]))
+    setup = Setup.from_config(cfg, world_size=1)
+    return {
+        "measured_bytes_per_token_layer": per_layer / tokens / shape.layers,
+        "estimated_bytes_per_token_layer": activation_bytes_per_token_layer(shape, setup),
+        "saved_bytes": {"no checkpointing": saved[False], "checkpointing": saved[True]},
+        "seq_lens": seq_lens,
+    }
+
+
+def runtime_baseline_gib() -> float:
+    """Peak RSS of a fresh Python that imported what a rank imports (torch, transformers, peft,
+    bitsandbytes, datasets, the recipe): the part of a CPU rank's memory that does not depend on
+    the model. Read from /proc's VmHWM: getrusage's ru_maxrss survives exec on Linux, so a child
+    of a large notebook kernel would report the kernel's size."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource, torch, torch.distributed, transformers, peft, bitsandbytes, datasets\n"
+        "from transformers import AutoModelForCausalLM\nimport kit.train\n"
+        "try:\n    print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])\n"
+        "except (OSError, IndexError):\n"
+        "    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT)  # fmt: skip
+    return int(out.stdout.split()[-1]) / 2**20  # KiB -> GiB

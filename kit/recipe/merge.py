@@ -1,0 +1,229 @@
+"""Reading back what was trained, outside training: verify a saved adapter or checkpoint, load the
+base exactly as trained plus the adapter in one process (no FSDP), export a merged standalone
+model, generate greedily; and the command line `python -m kit.recipe.checkpoint {list,verify,merge}`,
+where every failure is one line on stderr and exit code 2. `kit.recipe.checkpoint` re-exports all of it
+(notebook 08 calls `checkpoint.merge_adapter`).
+
+The kit never deletes a user's files: a merge into a folder that exists is refused, and the export
+is written into a temporary folder of its own next to it, renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kit.folder import manifest
+from kit.folder.manifest import MARKER, CheckpointError, first_line
+
+
+def verify_adapter(folder: Path, expected: dict[str, tuple[int, ...]]) -> dict:
+    """Raise CheckpointError unless `folder` holds every expected LoRA tensor, finite, right shape."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    weights = folder / "adapter_model.safetensors"
+    if not (folder / "adapter_config.json").is_file() or not weights.is_file():
+        raise CheckpointError(f"{folder}: adapter_config.json or adapter_model.safetensors missing")
+    try:  # safetensors' own error on a truncated file is a traceback that names no file
+        with safe_open(str(weights), "pt") as f:
+            found = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:
+        raise CheckpointError(f"{weights}: cannot be read ({first_line(e)})") from e
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{folder / 'adapter_config.json'}: not JSON ({e})") from e
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise CheckpointError(
+            f"{weights}: {len(missing)} of {len(expected)} LoRA tensors missing "
+            f"(holds {len(found)}), e.g. {missing[0]}"
+        )
+    for k, shape in expected.items():
+        t = found[k]
+        if tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"{weights}: {k} has shape {tuple(t.shape)}, expected {shape}")
+        if not torch.isfinite(t.float()).all():
+            raise CheckpointError(f"{weights}: {k} holds NaN or inf")
+    return {"tensors": len(found), "r": config.get("r"), "bytes": weights.stat().st_size}
+
+
+def saved_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """An adapter folder's tensor shapes as its file lists them (what verify_adapter checks a
+    folder against when no model is at hand); one-line CheckpointError when there are none."""
+    from safetensors import safe_open
+
+    weights = Path(folder) / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: does not exist (no adapter saved there)")
+    try:
+        with safe_open(str(weights), "pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:
+        raise CheckpointError(f"{weights}: cannot be read ({first_line(e)})") from e
+    if not shapes:
+        raise CheckpointError(f"{weights}: holds 0 tensors (an empty adapter: nothing was saved)")
+    return shapes
+
+
+def verify_checkpoint(folder, cfg_dict: dict | None = None, world_size: int | None = None) -> dict:
+    """Raise CheckpointError (one line) unless `folder` is a valid training checkpoint: its manifest
+    (every file's size and sha256; the config and world size, when given) and its adapter."""
+    why = manifest.problem(Path(folder), cfg_dict, world_size)
+    if why:
+        raise CheckpointError(why)
+    info = manifest.read(folder)
+    adapter = verify_adapter(Path(folder) / "adapter", saved_shapes(Path(folder) / "adapter"))
+    return {"step": info["step"], "files": len(info["files"]), "bytes": info["bytes"],
+            "adapter_tensors": adapter["tensors"]}
+
+
+def load_for_inference(run_dir, adapter: str | Path | None = None, merged: bool = False):
+    """(model, tokenizer) of a finished run in one process, no FSDP: the base exactly as trained
+    (quantized per the run's config) plus the adapter. `adapter`: another adapter folder (e.g. a
+    checkpoint's); `merged`: fold the adapter in (see merge_adapter)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kit.config import load_config
+    from kit.inputs import builtin
+    from kit.recipe import quantize
+
+    cfg = load_config(Path(run_dir) / "config.yaml")
+    adapter = Path(adapter or Path(run_dir) / "adapter")
+    base = builtin.resolve(cfg.model.name)
+    if builtin.init_at_load(base) is not None:  # random weights made at load, never written
+        raise CheckpointError(f"model.name: {cfg.model.name} has no weights on disk (its weights "
+                              "are initialised at each load); nothing to load the adapter onto")
+    model = AutoModelForCausalLM.from_pretrained(
+        base,
+        dtype=quantize.DTYPES[cfg.model.dtype],
+        quantization_config=quantize.bnb_config(cfg),
+        **({"device_map": {"": 0}} if torch.cuda.is_available() else {}),
+    )
+    if merged and cfg.quantization.method != "none":
+        # bf16 Linear layers holding exactly the 4-bit values the adapter was trained against.
+        model = model.dequantize()
+    try:
+        model = PeftModel.from_pretrained(model, adapter)
+    except Exception as e:  # safetensors' or PEFT's error on a damaged adapter: name the folder
+        raise CheckpointError(f"{adapter}: cannot be loaded onto {cfg.model.name} "
+                              f"({first_line(e)})") from e
+    if merged:
+        model = model.merge_and_unload()
+    return model.eval(), AutoTokenizer.from_pretrained(adapter)
+
+
+def merge_adapter(run_dir, out_dir, adapter: str | Path | None = None) -> Path:
+    """Fold a run's adapter into its base weights (dequantized to model.dtype) and export a
+    standalone model with save_pretrained into `out_dir`, a folder that must not exist yet:
+    loadable by plain AutoModelForCausalLM, no PEFT."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise CheckpointError(f"out: '{out_dir}' exists; choose a new folder")
+    model, tokenizer = load_for_inference(run_dir, adapter, merged=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        config = json.loads((tmp / "config.json").read_text())
+        if "quantization_config" in config or not list(tmp.glob("*.safetensors")):
+            raise CheckpointError(f"{out_dir}: merged export is still quantized or holds no weights")
+        if out_dir.exists():  # appeared while merging
+            raise CheckpointError(f"out: '{out_dir}' exists; choose a new folder")
+        manifest.ordinary_modes(tmp)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the temporary folder made above, nothing else
+    return out_dir
+
+
+def fresh_folder(path: str | Path) -> Path:
+    """`path` if nothing is there yet, else the first of path-2, path-3, ... that is free: a place
+    to merge into without touching an earlier export."""
+    path, n = Path(path), 2
+    candidate = path
+    while candidate.exists():
+        candidate, n = path.with_name(f"{path.name}-{n}"), n + 1
+    return candidate
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt: str, max_new_tokens: int = 24) -> str:
+    """Greedy continuation of `prompt` (deterministic, so before/after comparisons are fair)."""
+    inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _verify(path: Path) -> list[str]:
+    """One line per thing verified at `path`: an adapter folder, a checkpoint, or a run folder (its
+    adapter and every checkpoint). Raises CheckpointError at the first problem."""
+    if not path.exists():
+        raise CheckpointError(f"verify: '{path}' does not exist")
+    if (path / "adapter_config.json").exists() or (path / "adapter_model.safetensors").exists():
+        return [f"{path}: {verify_adapter(path, saved_shapes(path))}"]
+    if (path / MARKER).exists() or manifest.STEP_FOLDER.fullmatch(path.name):
+        return [f"{path}: {verify_checkpoint(path)}"]
+    if not (path / "config.yaml").is_file():
+        raise CheckpointError(f"verify: '{path}' is no adapter, checkpoint or run folder")
+    adapter = path / "adapter"
+    lines = [f"{adapter}: {verify_adapter(adapter, saved_shapes(adapter))}"]
+    return lines + [f"{f}: {verify_checkpoint(f)}" for _, f in manifest.step_folders(path)]
+
+
+def _merge(run: Path, out: Path, adapter: str | None) -> Path:
+    if out.exists():
+        raise CheckpointError(f"out: '{out}' exists; choose a new folder")
+    if not (run / "config.yaml").is_file():
+        raise CheckpointError(f"run: '{run}' " + (
+            "has no config.yaml (not a run folder)" if run.is_dir() else "does not exist"))
+    folder = Path(adapter) if adapter else run / "adapter"
+    verify_adapter(folder, saved_shapes(folder))
+    return merge_adapter(run, out, folder)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m kit.recipe.checkpoint {list,verify,merge} ... (a failure: one line on stderr, exit 2)"""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m kit.recipe.checkpoint", description=main.__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="checkpoints of a run, complete and incomplete").add_argument("run")
+    sub.add_parser("verify", help="an adapter folder, a checkpoint, or a run's adapter and "
+                   "checkpoints").add_argument("path")
+    m = sub.add_parser("merge", help="fold the adapter into the base; export with save_pretrained")
+    m.add_argument("run")
+    m.add_argument("out", help="a folder that does not exist yet")
+    m.add_argument("--adapter", default=None)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "list":
+            if not Path(args.run).is_dir():
+                raise CheckpointError(f"run: '{args.run}' does not exist")
+            rows = manifest.summary(args.run)
+            for row in rows:
+                print(row if row["complete"] else f"{row['folder']}: " + (
+                    "SET ASIDE (never resumed)" if row.get("set_aside") else "INCOMPLETE (never resumed)"))
+            if not rows:
+                print(f"{manifest.checkpoints_root(args.run)}: no checkpoints")
+        elif args.command == "verify":
+            print("\n".join(_verify(Path(args.path))))
+        else:
+            print(_merge(Path(args.run), Path(args.out), args.adapter))
+    except CheckpointError as e:
+        print(f"{parser.prog} {args.command}: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,68 @@
+"""The model a rank trains, built one way: load (quantized) -> LoRA -> recompute -> loss -> train().
+
+    built = build(cfg, env.device)        # then kit.lab.sharding wraps built.model
+    built.model, built.tokenizer, built.attention, built.recomputed
+
+The recipe (kit.train), notebook 04's per-rank report (kit.lab.sharding), the memory measurements
+(kit.lab.memory), the pitfall reproductions' fixed side and the benchmarks/ scripts all call this, so
+the order of operations lives in one place. Each step is its own module: kit.recipe.loading and
+kit.recipe.quantize (load), kit.recipe.lora, kit.recipe.recompute, kit.recipe.loss. Sharding comes after, and is the
+caller's: what it wraps depends on the engine (kit.lab.sharding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kit.config import Config, ConfigError
+from kit.recipe import loading, lora, quantize, recompute
+from kit.recipe import loss as kloss
+from kit.recipe.checks import check_checkpointing_active
+
+
+@dataclass
+class Built:
+    model: torch.nn.Module  # the PEFT model, in train mode, not yet sharded
+    tokenizer: object
+    attention: str  # the implementation transformers was given (kit.recipe.attention.resolve)
+    attention_warning: str | None  # e.g. flash_attention_2 fell back to sdpa
+    recomputed: list[int]  # indices of the decoder layers recomputed in backward
+
+
+def build(cfg: Config, device: torch.device, *, train: bool = True) -> Built:
+    """Load the base model onto `device` (quantized per cfg), add LoRA seeded with
+    training.seed (the same adapter on every rank), switch on recomputation and the loss, and put
+    it in train mode (from_pretrained returns eval mode, where transformers' recompute silently
+    does nothing). train=False stops after LoRA: the model as loaded, for looking inside.
+    A data.max_seq_len past the model's max_position_embeddings is refused (ConfigError)."""
+    attn, warning = quantize.attention_implementation(cfg.attention.implementation)
+    model, tokenizer = loading.load(cfg, device, attn)  # model.loading: full | rank0 | stream
+    most = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(most, int) and cfg.data.max_seq_len > most:  # the doctor's pre-flight says it too
+        raise ConfigError(f"data.max_seq_len: {cfg.data.max_seq_len} is not allowed; "
+                          f"{cfg.model.name} has max_position_embeddings={most}")
+    if cfg.data.packing:  # with a KV cache, transformers ignores packing (kit.recipe.data)
+        model.config.use_cache = False
+    torch.manual_seed(cfg.training.seed)  # the same LoRA init on every rank
+    with loading.adapters_stay_put(model):  # stream: the base is on meta until FSDP2 shards it
+        peft_model = lora.apply_lora(model, cfg)
+    if not train:
+        return Built(peft_model, tokenizer, attn, warning, [])
+    if cfg.quantization.fp8_matmul:
+        from kit.recipe import fp8
+
+        fp8.enable(peft_model)
+    if cfg.lora.recompute:
+        lora.recompute_adapters(peft_model)
+    if cfg.lora.group_inputs:
+        from kit.recipe import lora_groups
+
+        lora_groups.enable(peft_model, recompute=cfg.lora.recompute)
+    recomputed = recompute.apply(peft_model, cfg)
+    kloss.install(peft_model, cfg.training.loss)
+    peft_model.train()
+    for finding in check_checkpointing_active(peft_model):
+        raise RuntimeError(str(finding))
+    return Built(peft_model, tokenizer, attn, warning, recomputed)

@@ -1,0 +1,105 @@
+"""The check step: everything about a start that can be known before a process starts.
+
+    python -m kit.run.check CONFIG [key=value ...] [--nproc N] [--nnodes N]
+
+run.sh runs it before torchrun (and kit.run.launch calls `check` before writing the run folder), so a
+mistake is one line from one process, not the same line from every rank followed by torchrun's
+40-line ChildFailedError. It checks, in order: the config file and values (kit.config), where
+model.name points (kit.inputs.sources), the data file row by row (kit.inputs.datafile), the pre-flight's
+error-level findings for this machine (kit.doctor: pitfalls, GPUs, memory), and what the start
+would do to its run folder (kit.folder.runfolder: a refused start, a finished run).
+
+On success it prints one line: what the run will see of its data, as the ranks will print it (the
+model's tokenizer, the rows tokenized: training and validation rows, per rank, tokens, what the
+loss covers, steps and epochs), and what the start does to its run folder (new, resumed).
+That line is the one step here that imports torch (kit.recipe.data.plan), and only in this command's own
+process: `check()`, which the notebook kernel calls, does not make it.
+
+Exit codes: 0 go on, 2 refused (one line per problem on stderr), 3 nothing to do (the run is
+finished; run.sh then exits 0 without starting torchrun). Importing it loads no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kit import pitfalls
+from kit.config import Config, ConfigError, load_config
+from kit.folder import runfolder
+from kit.inputs import datafile, sources
+
+NOTHING_TO_DO = 3
+
+
+class Refused(ConfigError):
+    """Several one-line problems; str() is one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+def inputs(cfg: Config) -> None:
+    """What the config points at: the model (kit.inputs.sources) and the data, row by row (kit.inputs.datafile)."""
+    sources.check_model(cfg.model.name)
+    datafile.check_file(cfg.data, stdlib=True)
+
+
+def check(cfg: Config, nproc_per_node: int = 2, nnodes: int = 1,
+          env_vars: dict | None = None) -> runfolder.Plan:
+    """Raise ConfigError/Refused for a start that cannot run; else return its run-folder plan
+    (plan.start None: finished, nothing to do). Touches no file."""
+    inputs(cfg)
+    from kit import doctor  # the pre-flight: pitfalls with this machine, GPUs, memory
+
+    machine = doctor.detect_env(vars=env_vars, nproc_per_node=nproc_per_node)
+    machine["nnodes"] = nnodes
+    gpu = bool(machine["gpus"]) and cfg.training.device != "cpu"
+    facts = {**machine, "ranks": nproc_per_node * nnodes, "device": "cuda" if gpu else "cpu"}
+    # The pitfalls this machine decides, in the registry's own line (as load_config says its
+    # config-only ones); then the pre-flight's other errors (GPUs, memory, the model's fit).
+    found = pitfalls.machine_violations(cfg, facts)
+    lines = [str(violation) for _, violation in found]
+    for f in doctor.preflight(cfg, machine):
+        if f.level == "error" and f.code not in {p.code for p, _ in found}:
+            named = f.message.startswith((f"{f.field}:", f"{f.field}=")) if f.field else False
+            lines.append((f.message if named else f"{f.field or f.code}: {f.message}")
+                         + (f" (fix: {f.fix})" if f.fix else ""))
+    if lines:
+        raise Refused(lines)
+    return runfolder.plan(cfg, nproc_per_node * nnodes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kit.run.check", description=__doc__.split("\n")[0])
+    parser.add_argument("config", nargs="?", help="a kit YAML (optional: key=value only)")
+    parser.add_argument("overrides", nargs="*", help="key=value")
+    parser.add_argument("--nproc", type=int, default=2, help="processes per node")
+    parser.add_argument("--nnodes", type=int, default=1)
+    args = parser.parse_args(argv)
+    path, overrides = args.config, list(args.overrides)
+    if path and "=" in path:
+        path, overrides = None, [path, *overrides]
+    try:
+        cfg = load_config(path, overrides)
+        plan = check(cfg, args.nproc, args.nnodes)
+        if plan.start is not None:
+            from kit.recipe import data  # torch, transformers: this process only (see above)
+
+            line = f"{data.plan(cfg, args.nproc * args.nnodes)}; run: {plan.message}"
+    except ConfigError as e:
+        for line in str(e).splitlines():
+            sys.stderr.write(f"ConfigError: {line}\n")
+        return 2
+    if plan.start is None:
+        print(plan.message)
+        return NOTHING_TO_DO
+    for note in plan.notes:
+        print(note)
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Run the notebooks in order, headless, with papermill: `python -m kit tour [-p key value]`.
+
+Each notebook's `parameters` cell declares what can be changed (literals only); papermill injects
+the given values after it. A value goes only to the notebooks that declare its name. Executed
+copies land in launch/tour/ (ignored by git); the committed notebooks stay output-free.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS = ROOT / "notebooks"
+KEEP_OUTPUT = "keep_output"  # tag: a cell whose stored output nbval compares (# NBVAL_CHECK_OUTPUT)
+
+
+def notebooks(folder: Path = NOTEBOOKS) -> list[Path]:
+    """Stage notebooks NN-slug.ipynb, in order."""
+    return sorted(Path(folder).glob("[0-9][0-9]-*.ipynb"))
+
+
+def _read(path: Path):
+    import nbformat
+
+    return nbformat.read(str(path), as_version=4)
+
+
+def parameters_of(path: Path) -> dict:
+    """The literals of the notebook's `parameters` cell; ValueError if it holds anything else."""
+    cells = [c for c in _read(path).cells if "parameters" in c.metadata.get("tags", [])]
+    if len(cells) != 1:
+        raise ValueError(f"{path.name}: {len(cells)} cells tagged 'parameters', expected 1")
+    values = {}
+    for node in ast.parse(cells[0].source).body:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)):  # fmt: skip
+            raise ValueError(f"{path.name}: parameters cell may only assign names: {ast.unparse(node)}")
+        try:
+            values[node.targets[0].id] = ast.literal_eval(node.value)
+        except ValueError:
+            raise ValueError(f"{path.name}: parameter {ast.unparse(node)} is not a literal") from None
+    return values
+
+
+def stored_outputs(path: Path) -> list[int]:
+    """Indices of code cells that carry outputs or an execution count without the keep_output tag."""
+    return [
+        i for i, c in enumerate(_read(path).cells)
+        if c.cell_type == "code" and (c.outputs or c.execution_count is not None)
+        and KEEP_OUTPUT not in c.metadata.get("tags", [])
+    ]  # fmt: skip
+
+
+def strip_outputs(path: Path) -> int:
+    """Clear outputs and execution counts of every code cell not tagged keep_output (what
+    nbstripout does, minus the cells nbval compares); returns how many cells changed."""
+    import nbformat
+
+    nb = _read(path)
+    changed = 0
+    for cell in nb.cells:
+        if cell.cell_type == "code" and KEEP_OUTPUT not in cell.metadata.get("tags", []):
+            if cell.outputs or cell.execution_count is not None:
+                cell.outputs, cell.execution_count = [], None
+                changed += 1
+    if changed:
+        nbformat.write(nb, str(path))
+    return changed
+
+
+def keep_outputs(path: Path, executed: Path) -> int:
+    """Copy the outputs of the cells tagged keep_output (the ones nbval compares) from an executed
+    copy of `path` (`python -m kit tour` writes them) into `path`, matched by cell id; every other
+    cell stays as committed. How a maintainer records checked outputs after a change that moves
+    them; returns how many cells changed."""
+    import nbformat
+
+    nb, ran = _read(path), {c.get("id"): c for c in _read(executed).cells}
+    changed = 0
+    for cell in nb.cells:
+        if KEEP_OUTPUT in cell.metadata.get("tags", []) and cell.get("id") in ran:
+            new = ran[cell.get("id")]
+            if (new.outputs, new.execution_count) != (cell.outputs, cell.execution_count):
+                cell.outputs, cell.execution_count = new.outputs, new.execution_count
+                changed += 1
+    if changed:
+        nbformat.write(nb, str(path))
+    return changed
+
+
+@dataclass
+class Outcome:
+    notebook: str
+    ok: bool
+    seconds: float
+    output: Path
+    error: str = ""
+
+    def line(self) -> str:
+        status = "ok    " if self.ok else "FAILED"
+        tail = f"  {self.error}" if self.error else ""
+        return f"{status} {self.notebook:<34} {self.seconds:6.1f}s  {self.output}{tail}"
+
+
+@contextlib.contextmanager
+def this_environments_kernel():
+    """Jupyter looks up the notebooks' kernel (python3) in this environment's prefix first, where
+    setup.sh installs it, before the user-global folder that any other checkout's setup may have
+    overwritten. Inside a venv Jupyter does so anyway; this makes it so for a plain Python too."""
+    before = os.environ.get("JUPYTER_PREFER_ENV_PATH")
+    os.environ["JUPYTER_PREFER_ENV_PATH"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["JUPYTER_PREFER_ENV_PATH"]
+        else:
+            os.environ["JUPYTER_PREFER_ENV_PATH"] = before
+
+
+def kernel_python() -> str:
+    """The Python the notebooks' kernel runs, as kit.run.tour finds it."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    with this_environments_kernel():
+        return KernelSpecManager().get_kernel_spec("python3").argv[0]
+
+
+def run(path: Path, output: Path, parameters: dict | None = None, timeout: int = 900) -> Outcome:
+    """Execute one notebook headless (kernel started in its folder, as Jupyter does)."""
+    import papermill
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    try:
+        with this_environments_kernel():
+            papermill.execute_notebook(
+                str(path), str(output), parameters=parameters or {}, cwd=str(path.parent),
+                progress_bar=False, execution_timeout=timeout,
+            )  # fmt: skip
+        return Outcome(path.name, True, time.perf_counter() - start, output)
+    except Exception as e:
+        first = str(e).strip().splitlines()
+        message = next((line for line in reversed(first) if line.strip()), type(e).__name__)
+        return Outcome(path.name, False, time.perf_counter() - start, output, message[:300])
+
+
+def tour(out: Path = ROOT / "launch" / "tour", parameters: dict | None = None,
+         only: list[str] | None = None, folder: Path = NOTEBOOKS, echo=print) -> list[Outcome]:  # fmt: skip
+    """Every notebook in order; each gets the given parameters it declares."""
+    parameters = parameters or {}
+    paths = [p for p in notebooks(folder) if not only or any(p.name.startswith(o) for o in only)]
+    declared = {p: parameters_of(p) for p in paths}
+    unknown = set(parameters) - {k for names in declared.values() for k in names}
+    if unknown:
+        known = sorted({k for names in declared.values() for k in names})
+        raise ValueError(f"unknown parameter(s) {sorted(unknown)}; notebooks declare {known}")
+    outcomes = []
+    for path in paths:
+        given = {k: v for k, v in parameters.items() if k in declared[path]}
+        outcome = run(path, Path(out) / path.name, given)
+        echo(outcome.line())
+        outcomes.append(outcome)
+    return outcomes
