@@ -53,14 +53,11 @@ class Recipe:
         self.env = env = kdist.init(cfg.training.device, cfg.run.dist_timeout_min)
         kdist.joined(env)
         self.engine = engines.get(cfg.sharding.engine)
-        self.engine.check(cfg, env.world_size)  # before any model is loaded
-        machine = {"device": env.device.type, "ranks": env.world_size, "packages": {}}
-        for _, violation in pitfalls.machine_violations(cfg, machine):
-            raise ConfigError(str(violation))
-        sources.check_model(cfg.model.name)
-        # What this start does to the run folder (kit.folder.runfolder): decided by rank 0 (it hashes
-        # the checkpoints' files once) before any rank writes; nothing trained is replaced in place.
-        self.plan = self._broadcast_plan()
+        # What every rank would find alike, checked once by rank 0 before any model is loaded (a
+        # mistake is its one line; the others end quietly): the engine, this machine, model.name,
+        # and what this start does to the run folder (kit.folder.runfolder: rank 0 hashes the
+        # checkpoints' files once, before any rank writes; nothing trained is replaced in place).
+        self.plan = kdist.on_main(env, self._check_and_plan)
         if self.plan.start is None:  # finished: nothing to do, nothing touched
             return
         if env.is_main:
@@ -119,18 +116,14 @@ class Recipe:
         )
         self.start_step = self._resume()
 
-    def _broadcast_plan(self) -> runfolder.Plan:
-        """Rank 0's plan (or its refusal) on every rank: one line, the same on each."""
-        box: list = [None]
-        if self.env.is_main:
-            try:
-                box[0] = runfolder.plan(self.cfg, self.env.world_size, ranks=True)
-            except ConfigError as e:
-                box[0] = e
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], ConfigError):
-            raise ConfigError(str(box[0]))
-        return box[0]
+    def _check_and_plan(self) -> runfolder.Plan:
+        cfg, env = self.cfg, self.env
+        self.engine.check(cfg, env.world_size)
+        machine = {"device": env.device.type, "ranks": env.world_size, "packages": {}}
+        for _, violation in pitfalls.machine_violations(cfg, machine):
+            raise ConfigError(str(violation))
+        sources.check_model(cfg.model.name)
+        return runfolder.plan(cfg, env.world_size, ranks=True)
 
     def _resume(self) -> int:
         """Restore the checkpoint the plan chose (its manifest checked by kit.folder.runfolder); the

@@ -77,14 +77,59 @@ def joined(env: DistEnv) -> None:
           flush=True)
 
 
+class PeerFailed(Exception):
+    """Another rank met the mistake and said it; this rank ends quietly with the same exit code."""
+
+    def __init__(self, code: int):
+        self.code = code
+        super().__init__(f"another rank failed (exit code {code})")
+
+
+def _exit_code_of(error: BaseException) -> int:
+    from kit.config import ConfigError
+
+    return 2 if isinstance(error, ConfigError) else 1
+
+
+def on_main(env: DistEnv, fn):
+    """fn() on rank 0, its result on every rank: for what every rank would find alike (the
+    config, the model's folder, the run folder). A mistake is said once, by rank 0; the others
+    end quietly with its exit code (PeerFailed)."""
+    box = [None, 0]
+    if env.is_main:
+        try:
+            box[0] = fn()
+        except BaseException as e:
+            if env.world_size > 1:
+                dist.broadcast_object_list([None, _exit_code_of(e)], src=0)
+            raise
+    if env.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[1]:
+        raise PeerFailed(box[1])
+    return box[0]
+
+
 @contextlib.contextmanager
 def main_process_first(env: DistEnv):
-    """Rank 0 does the body first (builds a model, fills a cache), then the others reuse it."""
+    """Rank 0 does the body first (builds a model, fills a cache), then the others reuse it. If
+    rank 0's body raises, the others are told so instead of waiting in a barrier that rank 0
+    never reaches: they end quietly (PeerFailed) while rank 0 reports the mistake, once."""
     if not env.is_main:
-        dist.barrier()
-    yield
-    if env.is_main:
-        dist.barrier()
+        box = [0]
+        dist.broadcast_object_list(box, src=0)
+        if box[0]:
+            raise PeerFailed(box[0])
+        yield
+        return
+    try:
+        yield
+    except BaseException as e:
+        if env.world_size > 1:
+            dist.broadcast_object_list([_exit_code_of(e)], src=0)
+        raise
+    if env.world_size > 1:
+        dist.broadcast_object_list([0], src=0)
 
 
 def mean(value: float, env: DistEnv) -> float:
@@ -113,8 +158,14 @@ def entry(body) -> int:
     rank = os.environ.get("RANK", "0")
     try:
         code = body()
+    except PeerFailed as e:  # another rank said what went wrong; leave the group, then end
+        cleanup()
+        return e.code
     except ConfigError as e:  # bad input: one line, no traceback
-        sys.stderr.write(f"[rank {rank}] ConfigError: {e}\n")
+        # Found before the process group exists, it came from what every rank reads alike (the
+        # config, the command line): rank 0 says it, the others end quietly with the same code.
+        if rank == "0" or dist.is_initialized():
+            sys.stderr.write(f"[rank {rank}] ConfigError: {e}\n")
         return 2
     except CheckpointError as e:  # a checkpoint that cannot be written or read: one line too
         sys.stderr.write(f"[rank {rank}] CheckpointError: {e}\n")
