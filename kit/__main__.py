@@ -1,15 +1,23 @@
-"""`python -m kit <command>`: the kit's command line.
+"""`kit <command>` (or `python -m kit <command>`): the kit's one command line.
 
-    python -m kit tour                        # run notebooks/NN-*.ipynb in order, headless
-    python -m kit tour -p model kit:llama-1b -p device cuda --only 01 04
-    python -m kit strip notebooks/*.ipynb     # clear outputs, except cells tagged keep_output
-    python -m kit keep notebooks/03-lora-adapters.ipynb launch/tour/03-lora-adapters.ipynb
-    python -m kit jobs tiny-cpu --nnodes 2 --nproc-per-node 8 --out launch/big   # runs nothing
-    python -m kit models                      # the built-in kit: models, their shapes, built or not
-    python -m kit models path kit:smollm2-135m-instruct   # builds it if needed, prints its folder
-    python -m kit chat launch/my-run --prompt "Hi" --compare  # a run's adapter answers (and its base)
+    kit train tiny-cpu training.steps=20 --nproc 2    # check once, write launch/<run>/, train, follow
+    kit check my.yaml data.path=rows.jsonl          # the check alone: one line, or what is wrong
+    kit doctor my.yaml                              # known pitfalls for this config and machine
+    kit bench benchmarks/matrices/bench-tiny.yaml --out launch/bench   # recipes side by side
+    kit merge launch/my-run launch/my-run/merged    # the adapter folded into the base, exported
+    kit checkpoints list launch/my-run              # also: checkpoints verify PATH
+    kit chat launch/my-run --prompt "Hi" --compare  # a run's adapter answers (and its base)
+    kit jobs tiny-cpu --nnodes 2 --nproc-per-node 8 --out launch/big   # every way to launch; runs nothing
+    kit models                                      # the built-in kit: models, built or not
+    kit models path kit:smollm2-135m-instruct       # builds it if needed, prints its folder
+    kit tour                                        # every notebook in order, headless
+    kit tour -p model kit:llama-1b -p device cuda --only 01 04
+    kit strip notebooks/*.ipynb                     # clear outputs, except cells tagged keep_output
+    kit keep notebooks/03-lora-adapters.ipynb launch/tour/03-lora-adapters.ipynb
 
-Add a command: write `_command_<name>(args)` and register its arguments in `_parser`.
+`kit <command> -h` explains each. Mistakes that can be known before a process starts are one line
+on stderr and exit code 2. Add a command: write `_command_<name>(args)` and register its
+arguments in `_parser`, or name a module with its own `main(argv)` in PASS_THROUGH.
 """
 
 from __future__ import annotations
@@ -18,10 +26,32 @@ import argparse
 import sys
 from pathlib import Path
 
+# Commands whose module parses its own arguments (`kit <command> -h` is theirs): module, the
+# words put before the command's own, help.
+PASS_THROUGH = {
+    "train": ("kit.run.door", [], "check a config once, write its run folder, train under torchrun, "
+              "follow the output (kit train -h)"),
+    "check": ("kit.run.check", [], "the check step alone: config, model, data rows, this machine, "
+              "the run folder; one line on success (kit check -h)"),
+    "doctor": ("kit.doctor.__main__", [], "known QLoRA + FSDP pitfalls of a config, a script or a "
+               "run folder (kit doctor -h)"),
+    "bench": ("kit.bench.runner", [], "a matrix of training configurations, side by side, in one "
+              "invocation (kit bench -h)"),
+    "merge": ("kit.recipe.merge", ["merge"], "a run's adapter folded into its base and exported "
+              "(kit merge -h)"),
+    "checkpoints": ("kit.recipe.merge", [], "a run's checkpoints listed, an adapter or checkpoint "
+                    "verified (kit checkpoints -h)"),
+    "chat": ("kit.recipe.chat", [], "talk to a run's adapter on its base model (kit chat -h)"),
+}
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kit", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="kit", description=__doc__.splitlines()[0],
+                                     epilog="kit <command> -h explains each command.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+    for name, (_, _, what) in PASS_THROUGH.items():
+        commands.add_parser(name, add_help=False, help=what).add_argument(
+            "rest", nargs=argparse.REMAINDER)
     tour = commands.add_parser("tour", help="run every notebook in order with papermill")
     tour.add_argument("-p", "--parameter", nargs=2, action="append", default=[],
                       metavar=("NAME", "VALUE"),
@@ -48,9 +78,6 @@ def _parser() -> argparse.ArgumentParser:
     jobs.add_argument("--pvc", help="the PersistentVolumeClaim holding the checkout, data and "
                       "outputs (default: kit-workspace)")
     jobs.add_argument("--time", help="Slurm's time limit (default 01:00:00)")
-    chat = commands.add_parser("chat", add_help=False,
-                               help="talk to a run's adapter on its base model (python -m kit chat -h)")
-    chat.add_argument("rest", nargs=argparse.REMAINDER)
     models = commands.add_parser("models", help="list the built-in kit: models (shape, built or "
                                  "not, folder); 'models path NAME' builds one and prints its folder")
     models_of = models.add_subparsers(dest="action")
@@ -137,10 +164,11 @@ def _command_models(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["chat"]:  # its own parser, -h included (argparse's REMAINDER drops "-h")
-        from kit.recipe import chat
+    if argv[:1] and argv[0] in PASS_THROUGH:  # its own parser, -h included (REMAINDER drops -h)
+        import importlib
 
-        return chat.main(argv[1:])
+        module, words, _ = PASS_THROUGH[argv[0]]
+        return importlib.import_module(module).main([*words, *argv[1:]])
     args = _parser().parse_args(argv)
     return globals()[f"_command_{args.command}"](args)
 

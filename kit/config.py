@@ -457,13 +457,22 @@ def read_yaml(path: Path) -> dict:
     return tree
 
 
+BUNDLED = Path(__file__).resolve().parent / "configs"  # tiny-cpu, ...: configs by name
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read YAML (or defaults when path is None), apply key=value overrides, validate, return."""
+    """Read YAML (or defaults when path is None), apply key=value overrides, validate, return.
+    A path that is no file but a bundled config's name (tiny-cpu: kit/configs/) reads that."""
     tree: dict = {}
     if path is not None:
         p = Path(path)
+        bundled = BUNDLED / f"{path}.yaml"
+        if not p.exists() and "/" not in str(path) and bundled.is_file():
+            p = bundled
         if not p.is_file():
-            raise ConfigError(f"config file: {str(p)!r} does not exist")
+            bundled = ", ".join(sorted(f.stem for f in BUNDLED.glob("*.yaml")))
+            raise ConfigError(f"config file: {str(p)!r} does not exist; a YAML file, or a "
+                              f"bundled config: {bundled}")
         tree = read_yaml(p)
     apply_overrides(tree, overrides)
     cfg = _build(Config, tree, "")

@@ -119,10 +119,14 @@ class Recipe:
     def _check_and_plan(self) -> runfolder.Plan:
         cfg, env = self.cfg, self.env
         self.engine.check(cfg, env.world_size)
+        checked = runfolder.checked()  # a start checked before the ranks (kit.run.launch)
+        if checked is not None:
+            return checked
         machine = {"device": env.device.type, "ranks": env.world_size, "packages": {}}
         for _, violation in pitfalls.machine_violations(cfg, machine):
             raise ConfigError(str(violation))
         sources.check_model(cfg.model.name)
+        sources.check_with_model(cfg)  # before loading: config.json says what the model allows
         return runfolder.plan(cfg, env.world_size, ranks=True)
 
     def _resume(self) -> int:

@@ -132,7 +132,7 @@ def run(matrix_path: str | Path, out: str | Path, only: list[str] | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kit.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="kit bench", description=__doc__.split("\n\n")[0])
     p.add_argument("matrix")
     p.add_argument("--out", required=True)
     p.add_argument("--only", default="", help="comma-separated case names")

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m kit.doctor", description=__doc__.split("\n")[0]
+        prog="kit doctor", description=__doc__.split("\n")[0]
     )
     parser.add_argument("config", nargs="?", help="kit or accelerate YAML config")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the config")

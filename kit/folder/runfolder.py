@@ -110,6 +110,27 @@ LIVE = ("run.log", "logs")
 RESTARTS = ("KIT_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 
 
+# The plan of a start that was checked before its ranks started (kit.run.launch, `kit train`):
+# passed to the ranks in this variable, so they neither check nor plan again. run.sh drops it for
+# a restart, which plans anew (the folder then holds newer checkpoints).
+CHECKED = "KIT_CHECKED"
+
+
+def checked_value(plan: Plan) -> str:
+    return json.dumps({"start": plan.start, "message": plan.message,
+                       "checkpoint": str(plan.checkpoint) if plan.checkpoint else None})
+
+
+def checked(environ=os.environ) -> Plan | None:
+    """The checked start's plan (CHECKED), None when the ranks must plan themselves."""
+    value = environ.get(CHECKED)
+    if not value or restart(environ):
+        return None
+    got = json.loads(value)
+    return Plan(start=got["start"], message=got["message"],
+                checkpoint=Path(got["checkpoint"]) if got["checkpoint"] else None)
+
+
 def restart(environ=os.environ) -> str | None:
     """'NAME=N' when this start is restart N of the same run (RESTARTS), else None. A restart
     resumes by itself: as training.resume=auto (never over a finished run, and a new run's

@@ -80,7 +80,7 @@ def _repl(model, tokenizer, max_new_tokens: int, read=input, out=sys.stdout) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kit chat", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="kit chat", description=__doc__.splitlines()[0])
     parser.add_argument("target", metavar="RUN_OR_ADAPTER",
                         help="a run folder (launch/<run>) or an adapter folder inside one")
     parser.add_argument("--prompt", help="one question: print the reply and exit (no REPL)")

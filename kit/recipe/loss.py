@@ -133,18 +133,13 @@ def _deferred_head(self, hidden: torch.Tensor) -> torch.Tensor:
     return F.linear(hidden, self.weight)
 
 
-# Config fields of models that transform the logits after the head (softcapping, scaling): the
-# fused loss would skip that step, so it refuses them.
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
-                    "output_multiplier_scale")
-
-
 def install(model, kind: str) -> None:
     """Set the loss of a transformers model (or the one inside a PEFT model) by config name."""
     import functools
     import types
 
     from kit.config import ConfigError
+    from kit.inputs import sources
 
     if kind == "hf":
         return
@@ -152,10 +147,10 @@ def install(model, kind: str) -> None:
     if kind == "chunked":
         inner.loss_function = chunked_causal_lm_loss
         return
-    transforms = [f for f in LOGIT_TRANSFORMS if getattr(inner.config, f, None) not in (None, 1, 1.0)]
-    if transforms:
-        raise ConfigError(f"training.loss: 'fused' is not allowed for this model; its logits pass "
-                          f"through {', '.join(transforms)} after the head; allowed: hf, chunked")
+    # The check step refuses this from config.json before start (kit.inputs.sources); a model
+    # built another way (a notebook, a test) is refused here, in the same line.
+    if transforms := sources.logit_transforms(inner.config.to_dict()):
+        raise ConfigError(sources.fused_loss_refusal(transforms))
     head = inner.get_output_embeddings()
     if type(head) is not torch.nn.Linear or head.bias is not None or head.weight.requires_grad:
         raise ConfigError(

@@ -195,11 +195,11 @@ def _merge(run: Path, out: Path, adapter: str | None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m kit.recipe.checkpoint {list,verify,merge} ... (a failure: one line on stderr, exit 2)"""
+    """kit checkpoints {list,verify,merge} ... (kit merge RUN OUT: merge). A failure: one line on stderr, exit 2."""
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m kit.recipe.checkpoint", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="kit checkpoints", description=main.__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="checkpoints of a run, complete and incomplete").add_argument("run")
     sub.add_parser("verify", help="an adapter folder, a checkpoint, or a run's adapter and "

@@ -43,6 +43,7 @@ class Refused(ConfigError):
 def inputs(cfg: Config) -> None:
     """What the config points at: the model (kit.inputs.sources) and the data, row by row (kit.inputs.datafile)."""
     sources.check_model(cfg.model.name)
+    sources.check_with_model(cfg)  # its config.json against what the config asks of it
     datafile.check_file(cfg.data, stdlib=True)
 
 
@@ -71,8 +72,16 @@ def check(cfg: Config, nproc_per_node: int = 2, nnodes: int = 1,
     return runfolder.plan(cfg, nproc_per_node * nnodes)
 
 
+def data_line(cfg: Config, world_size: int, plan: runfolder.Plan) -> str:
+    """The success line: the data as rank 0 will print it, and what the start does to its run
+    folder. Imports torch and transformers: for a command's own process, not a notebook's."""
+    from kit.recipe import data  # torch, transformers: this process only (see above)
+
+    return f"{data.plan(cfg, world_size)}; run: {plan.message}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kit.run.check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="kit check", description=__doc__.split("\n")[0])
     parser.add_argument("config", nargs="?", help="a kit YAML (optional: key=value only)")
     parser.add_argument("overrides", nargs="*", help="key=value")
     parser.add_argument("--nproc", type=int, default=2, help="processes per node")
@@ -85,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(path, overrides)
         plan = check(cfg, args.nproc, args.nnodes)
         if plan.start is not None:
-            from kit.recipe import data  # torch, transformers: this process only (see above)
-
-            line = f"{data.plan(cfg, args.nproc * args.nnodes)}; run: {plan.message}"
+            line = data_line(cfg, args.nproc * args.nnodes, plan)
     except ConfigError as e:
         for line in str(e).splitlines():
             sys.stderr.write(f"ConfigError: {line}\n")

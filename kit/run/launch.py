@@ -37,7 +37,6 @@ from kit.run.check import inputs as check_inputs
 # The run handle lives in kit.run.runs; notebooks import it from here with launch.
 from kit.run.runs import DONE, Follow, Run, RunFailed, command, runs  # noqa: F401
 
-CONFIGS = ROOT / "kit" / "configs"
 # What a new start in a folder replaces: the files of the start itself, never a run's results or
 # logs. A recipe run's earlier files move into earlier/ first (kit.folder.runfolder); another module's
 # (a benchmark case, a reproduction) log of an earlier start is replaced.
@@ -65,10 +64,7 @@ def resolve(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
     if isinstance(cfg_or_path, Config):
         cfg = config_from_dict(apply_overrides(cfg_or_path.to_dict(), overrides))
     else:
-        path = Path(cfg_or_path)
-        if not path.exists() and (CONFIGS / f"{path}.yaml").is_file():
-            path = CONFIGS / f"{path}.yaml"
-        cfg = load_config(path, overrides)
+        cfg = load_config(cfg_or_path, overrides)  # a bundled config's name reads kit/configs/
     if name:
         cfg.run.name = name
         cfg = config_from_dict(cfg.to_dict())  # the name checked as the config's own is
@@ -230,6 +226,7 @@ while :; do
   fi
   ATTEMPT=$((ATTEMPT + 1))
   export KIT_RESTART_COUNT="$ATTEMPT"
+  unset KIT_CHECKED  # a restart plans anew: the folder holds newer checkpoints now
   echo "=== restart $ATTEMPT of ${{KIT_MAX_RESTARTS}} after exit code $rc, $(date '+%F %T')"
 done
 # Preempted: the ranks saved and wrote result.json "preempted" in this start (newer than pid).
@@ -339,8 +336,14 @@ def launch(cfg_or_path: Config | str | Path, overrides: list[str] | None = None,
     if plan.start is None:
         return Run(run_dir(cfg))
     run = Run(prepare(cfg, nproc=nproc, plan=plan))
-    run.start({**(env or {}), **({"KIT_CHECK": "0"} if force else {})})
+    run.start({**(env or {}), **checked_env(plan)})
     return run
+
+
+def checked_env(plan: runfolder.Plan) -> dict:
+    """What a start checked here gives run.sh: no check step (it ran here, once), and the plan
+    for the ranks (kit.folder.runfolder.CHECKED: they neither check nor plan again)."""
+    return {"KIT_CHECK": "0", runfolder.CHECKED: runfolder.checked_value(plan)}
 
 
 def _plan(cfg: Config, nproc: int) -> runfolder.Plan:
@@ -373,7 +376,7 @@ def run_to_end(cfg_or_path: Config | str | Path, overrides: list[str] | None = N
         if plan.start is None:
             return Run(run_dir(cfg))
     run = Run(prepare(cfg, nproc=nproc, module=module, args=args, plan=plan))
-    run.start(env)
+    run.start({**(env or {}), **(checked_env(plan) if plan else {})})
     try:
         run.wait(timeout=timeout, poll_s=0.2)
     except TimeoutError:

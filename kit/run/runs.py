@@ -192,13 +192,17 @@ class Run:
             self._proc.wait(timeout=5)
         return self.status
 
+    def send_signal(self, sig: int) -> None:
+        """`sig` to run.sh alone, which passes a stop request on to torchrun and the ranks."""
+        os.kill(int((self.folder / "pid").read_text()), sig)
+
     def preempt(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> float:
         """What a cluster does to a running run: `sig` to run.sh alone (Kubernetes' SIGTERM to a
         pod's first process; Slurm's SIGUSR1 ahead of a time limit), then wait until every
         process is gone. Returns the seconds that took. run.sh passes the request on: the ranks
         save their step and exit 75 (kit.recipe.preempt); the status is then "preempted"."""
         asked = time.monotonic()
-        os.kill(int((self.folder / "pid").read_text()), sig)
+        self.send_signal(sig)
         while self.processes():
             if time.monotonic() - asked > timeout:
                 raise TimeoutError(f"run {self.name!r} still running {timeout}s after {sig!r}")
