@@ -60,7 +60,8 @@ RANK_SIDE = [
     "kit.bench.worker", "kit.bench.article",  # the benchmark's ranks and the article baseline
     "kit.pitfalls.reproduce",  # the wrong code, run
     "kit.lab.order_rank", "kit.lab.loading_rank", "kit.lab.sharding", "kit.lab.memory",
-    "kit.lab.attention_bench",  # notebooks' experiments, run in ranks or a child process
+    "kit.lab.attention_bench", "kit.lab.quantize_nf4", "kit.lab.lora_adapters",  # torch in the
+    # process that runs them: a rank, a child process, notebooks 02 and 03 (one process, no group)
 ]
 KERNEL_HEAVY = ("torch", "transformers", "peft", "bitsandbytes", "ipywidgets")
 MAY_IMPORT_IPYWIDGETS = ("run.widgets", "__main__")  # relative to the package

@@ -69,22 +69,23 @@ def test_build_refuses_what_the_model_cannot_fit(override, line):
 
 def test_training_moves_b_first_then_a_and_leaves_the_callers_state():
     from kit.config import load_config
-    from kit.recipe import lora, quantize
+    from kit.lab import lora_adapters, quantize_nf4
+    from kit.recipe import lora
 
     cfg = load_config(None, ["model.name=kit:tiny-llama"])
-    model = lora.apply_lora(quantize.load_on_cpu("kit:tiny-llama"), cfg)  # NF4, as notebook 03
+    model = lora.apply_lora(quantize_nf4.load_on_cpu("kit:tiny-llama"), cfg)  # NF4, as notebook 03
     rows, _ = lora.sample_rows("kit:tiny-llama")
-    assert lora.adapter_norms(model)["B"] == 0.0 and lora.adapter_norms(model)["A"] > 0
+    assert lora_adapters.adapter_norms(model)["B"] == 0.0 and lora_adapters.adapter_norms(model)["A"] > 0
     model.eval()
     threads, rng = torch.get_num_threads(), torch.random.get_rng_state()
-    history = lora.train_adapters(model, rows, steps=3, lr=1e-3)
+    history = lora_adapters.train_adapters(model, rows, steps=3, lr=1e-3)
     assert [h["step"] for h in history] == [1, 2, 3]
     # A's gradient is s·Bᵀ·(output gradient): zero while B is, so only B moves at step 1.
     assert history[0]["|B|"] > 0 and history[0]["|A - A0|"] == 0.0
     assert 0 < history[1]["|A - A0|"] < history[2]["|A - A0|"]
-    assert history[-1]["|s·BA|"] == pytest.approx(lora.adapter_norms(model)["update"])
+    assert history[-1]["|s·BA|"] == pytest.approx(lora_adapters.adapter_norms(model)["update"])
     ids = torch.arange(3, 35).reshape(2, 16)
-    assert lora.adapter_changes_nothing_at_start(model, ids) > 0  # the adapter now changes logits
+    assert lora_adapters.adapter_changes_nothing_at_start(model, ids) > 0  # the adapter now changes logits
     assert not model.training and torch.get_num_threads() == threads
     assert torch.equal(torch.random.get_rng_state(), rng)
 
@@ -92,11 +93,11 @@ def test_training_moves_b_first_then_a_and_leaves_the_callers_state():
 def test_scaling_runs_scale_by_each_convention_from_the_same_start():
     import math
 
-    from kit.recipe import lora
+    from kit.lab import lora_adapters
 
-    runs = lora.scaling_runs("kit:tiny-llama", ranks=[4, 64], lrs=[1e-3], steps=3, alpha=16)
+    runs = lora_adapters.scaling_runs("kit:tiny-llama", ranks=[4, 64], lrs=[1e-3], steps=3, alpha=16)
     by = {(run["scaling"], run["r"]): run for run in runs}
-    paper, rs, ratio = lora.SCALINGS
+    paper, rs, ratio = lora_adapters.SCALINGS
     assert [by[(paper, r)]["scale"] for r in (4, 64)] == [4.0, 0.25]
     assert [by[(rs, r)]["scale"] for r in (4, 64)] == [8.0, 2.0]
     assert [by[(ratio, r)]["scale"] for r in (4, 64)] == [2.0, 2.0]
@@ -105,24 +106,24 @@ def test_scaling_runs_scale_by_each_convention_from_the_same_start():
     # Every run starts from the same base on the same batch: the same first loss (B = 0).
     assert len({run["losses"][0] for run in runs}) == 1
     assert all(math.isfinite(run["val_loss"]) and run["|s·BA|"] > 0 for run in runs)
-    summary = lora.scaling_summary(runs)
-    assert [row["scaling"] for row in summary] == list(lora.SCALINGS)
+    summary = lora_adapters.scaling_summary(runs)
+    assert [row["scaling"] for row in summary] == list(lora_adapters.SCALINGS)
     shrink = by[(paper, 64)]["|s·BA|"] / by[(paper, 4)]["|s·BA|"]
     assert summary[0]["|s·BA| r=64 / r=4"] == round(shrink, 1)
-    findings = lora.scaling_findings(runs)
-    assert [(row["lr"], row["scaling"]) for row in findings] == [(1e-3, s) for s in lora.SCALINGS]
+    findings = lora_adapters.scaling_findings(runs)
+    assert [(row["lr"], row["scaling"]) for row in findings] == [(1e-3, s) for s in lora_adapters.SCALINGS]
     assert findings[0]["|s·BA| as r grows"] == "shrinks" and shrink < 0.8
     # The rounding probe is the same run (rsLoRA, r=4 here), then the run on nudged weights.
-    once, nudged = lora.run_twice_one_ulp_apart("kit:tiny-llama", 4, 1e-3, 3)
+    once, nudged = lora_adapters.run_twice_one_ulp_apart("kit:tiny-llama", 4, 1e-3, 3)
     assert once == by[(rs, 4)]["val_loss"] and abs(once - nudged) < 1e-4
 
 
 def test_scaling_findings_name_where_the_highest_rank_ends():
     """The words section 6 checks on every CPU, from made-up runs: the update's ratio classes
     (0.8 and 1.25 apart from 'about the same') and the highest rank's place among the losses."""
-    from kit.recipe import lora
+    from kit.lab import lora_adapters
 
-    paper, rs, ratio = lora.SCALINGS
+    paper, rs, ratio = lora_adapters.SCALINGS
     def runs(label, updates, losses):
         return [{"lr": 0.01, "scaling": label, "r": r, "|s·BA|": u, "val_loss": v}
                 for r, u, v in zip((4, 16, 64), updates, losses, strict=True)]
@@ -130,19 +131,19 @@ def test_scaling_findings_name_where_the_highest_rank_ends():
     made = (runs(paper, (1, 0.7, 0.5), (6.23, 6.24, 6.14)) + runs(rs, (1, 1.1, 1.2), (6.42, 6.34, 6.51))
             + runs(ratio, (1, 3, 8), (6.40, 6.42, 6.43)))
     found = {row["scaling"]: (row["|s·BA| as r grows"], row["held-out loss"])
-             for row in lora.scaling_findings(made)}
+             for row in lora_adapters.scaling_findings(made)}
     assert found == {paper: ("shrinks", "r=64 lowest"), rs: ("about the same", "r=64 highest"),
                      ratio: ("grows", "all ranks within 0.05")}
 
 
 def test_adapter_state_against_the_base_counts_what_loading_holds():
     from kit.budget import shapes
-    from kit.recipe import lora, quantize
+    from kit.lab import lora_adapters, quantize_nf4
 
-    found = lora.state_against_base("kit:tiny-llama", ranks=(8,))
+    found = lora_adapters.state_against_base("kit:tiny-llama", ranks=(8,))
     assert found["state"]["all-linear (QLoRA paper)"] == [16 * shapes.lora_params(
         shapes.shape_of("kit:tiny-llama"), 8, "all-linear")]  # fmt: skip
     # The NF4 base as bitsandbytes holds it: packed weights and the rest (the scales, which are
     # not parameters, are the small difference).
-    loaded = quantize.quantized_bytes(quantize.load_on_cpu("kit:tiny-llama"))["total"]
+    loaded = quantize_nf4.quantized_bytes(quantize_nf4.load_on_cpu("kit:tiny-llama"))["total"]
     assert loaded < found["base_nf4"] < 1.02 * loaded

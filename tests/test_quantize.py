@@ -5,6 +5,7 @@ import torch
 from conftest import TINY
 
 from kit.config import load_config
+from kit.lab import quantize_nf4
 from kit.recipe import quantize
 
 
@@ -32,7 +33,7 @@ def test_eval_forward_leaves_the_4bit_weights_as_loaded():
 def test_load_on_cpu_stays_on_the_cpu_where_there_is_a_gpu():
     """Without an explicit device_map transformers puts a 4-bit model on the current GPU: a
     notebook looking at a layer would touch CUDA in its kernel."""
-    from kit.recipe.quantize import load_on_cpu
+    from kit.lab.quantize_nf4 import load_on_cpu
 
     model = load_on_cpu("kit:tiny-llama")
     assert {p.device.type for p in model.parameters()} == {"cpu"}
@@ -48,8 +49,8 @@ def test_read_weight_reads_the_tensor_from_pretrained_loads():
 
     name = "model.layers.1.mlp.down_proj.weight"
     model = AutoModelForCausalLM.from_pretrained(builtin.resolve("kit:tiny-llama"))
-    assert torch.equal(quantize.read_weight("kit:tiny-llama", name), model.get_parameter(name))
-    assert len(quantize.tensor_files("kit:tiny-llama")) == len(model.state_dict())
+    assert torch.equal(quantize_nf4.read_weight("kit:tiny-llama", name), model.get_parameter(name))
+    assert len(quantize_nf4.tensor_files("kit:tiny-llama")) == len(model.state_dict())
 
 
 def test_normality_tells_heavy_tails_from_a_normal_sample():
@@ -58,12 +59,12 @@ def test_normality_tells_heavy_tails_from_a_normal_sample():
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         laplace = torch.distributions.Laplace(0.0, 1.0).sample((256, 512))  # excess kurtosis 3
-    twin = quantize.normal_twin(laplace)
+    twin = quantize_nf4.normal_twin(laplace)
     assert twin.shape == laplace.shape
     assert twin.std().item() == pytest.approx(laplace.std().item(), rel=0.01)
-    assert abs(quantize.excess_kurtosis(normal).item()) < 0.1
-    assert quantize.excess_kurtosis(laplace).item() == pytest.approx(3.0, abs=0.3)
-    heavy, plain = quantize.normality(laplace), quantize.normality(normal)
+    assert abs(quantize_nf4.excess_kurtosis(normal).item()) < 0.1
+    assert quantize_nf4.excess_kurtosis(laplace).item() == pytest.approx(3.0, abs=0.3)
+    heavy, plain = quantize_nf4.normality(laplace), quantize_nf4.normality(normal)
     assert plain["beyond_3_std_%"] == pytest.approx(0.27, abs=0.05)
     assert heavy["beyond_3_std_%"] > 4 * plain["beyond_3_std_%"]
     assert heavy["block_absmax_in_stds"] > plain["block_absmax_in_stds"]
@@ -77,13 +78,13 @@ def test_a_4bit_round_trip_leaves_at_most_16_values_per_block():
 
     w = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
 
-    restored = F.dequantize_4bit(*quantize.quantize_weight(w, "nf4", double_quant=False))
-    assert quantize.values_per_block(restored, 64)[0] <= 16
-    assert quantize.values_per_block(w, 64) == (64, 64.0)
+    restored = F.dequantize_4bit(*quantize_nf4.quantize_weight(w, "nf4", double_quant=False))
+    assert quantize_nf4.values_per_block(restored, 64)[0] <= 16
+    assert quantize_nf4.values_per_block(w, 64) == (64, 64.0)
 
 
 def test_linear_kurtosis_covers_every_decoder_weight_on_one_thread():
     before = torch.get_num_threads()
-    found = quantize.linear_kurtosis("kit:tiny-llama")  # 2 layers x 7 linears, normal init
+    found = quantize_nf4.linear_kurtosis("kit:tiny-llama")  # 2 layers x 7 linears, normal init
     assert len(found) == 14 and all(abs(k) < 0.5 for k in found), found
     assert torch.get_num_threads() == before

@@ -42,10 +42,11 @@ def test_lora_params_follow_rank_and_targets():
 
 def test_lora_formula_matches_peft_on_the_real_tiny_model():
     from kit.config import load_config
-    from kit.recipe import lora, quantize
+    from kit.lab import quantize_nf4
+    from kit.recipe import lora
 
     cfg = load_config(None, ["lora.r=4", "lora.target_modules=[q_proj, v_proj, down_proj]"])
-    peft_model = lora.apply_lora(quantize.load_on_cpu("kit:tiny-llama"), cfg)
+    peft_model = lora.apply_lora(quantize_nf4.load_on_cpu("kit:tiny-llama"), cfg)
     expected = shapes.lora_params(shapes.shape_of("kit:tiny-llama"), 4,
                                   ["q_proj", "v_proj", "down_proj"])  # fmt: skip
     assert lora.trainable_summary(peft_model)["trainable"] == expected

@@ -56,7 +56,7 @@ def quant_constant_bytes(model: nn.Module) -> int:
     """Bytes of bitsandbytes' quantization constants (not parameters: FSDP never shards them)."""
     import bitsandbytes as bnb
 
-    from kit.recipe.quantize import state_bytes
+    from kit.lab.quantize_nf4 import state_bytes
 
     total = 0
     for m in model.modules():
