@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The house check on one GPU (issue 13: same behaviour after the restructure): the GPU-marked
-# tests, the recipe on a 1.24B Llama under FSDP2, FSDP1 and FSDP2 with the speed levers (each
-# started through kit.run.launch.run_to_end, each adapter reloaded with plain PEFT), notebook 04's
-# per-rank report on the GPU, then the 8B pair of benchmarks/matrices/bench-8b-1gpu-house.yaml.
+# The house check on one GPU (issues 13 and 29: same behaviour after a restructure): the
+# GPU-marked tests, the recipe on a 1.24B Llama under FSDP2 and FSDP2 with the speed levers (each
+# started through kit.run.launch.run_to_end, each adapter reloaded with plain PEFT; FSDP1 on one
+# process is refused in one line by design), the same FSDP2 run through the front door
+# (`kit train`), notebook 04's per-rank report on the GPU, then the 8B pair of
+# benchmarks/matrices/bench-8b-1gpu-house.yaml.
 # Longer than one device call: started detached and polled:
 #   setsid nohup bash benchmarks/gpu_house_check.sh /tmp/house > /tmp/house.log 2>&1 &
 #   bash benchmarks/poll.sh /tmp/house 570 DONE
@@ -16,7 +18,7 @@ print("torch", torch.__version__, "transformers", transformers.__version__, "pef
       "bitsandbytes", bitsandbytes.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0))
 PY
 start=$(date +%s)
-python3 -m pytest -q -m gpu tests/test_quantize.py -p no:cacheprovider > "$OUT/pytest-gpu.log" 2>&1
+python3 -m pytest -q -m gpu tests/test_quantize.py tests/test_offload.py -p no:cacheprovider > "$OUT/pytest-gpu.log" 2>&1
 echo "pytest -m gpu rc=$? $(tail -1 "$OUT/pytest-gpu.log")"
 python3 - "$OUT" <<'PY'
 import json, subprocess, sys, time
@@ -24,7 +26,7 @@ from pathlib import Path
 from kit.run.launch import run_to_end
 from kit.lab.sharding_report import bytes_per_rank, launch_report
 out = Path(sys.argv[1])
-cases = {"1b-fsdp2": [], "1b-fsdp1": ["sharding.engine=fsdp1"],
+cases = {"1b-fsdp2": [],
          "1b-fsdp2-levers": ["training.compile=true", "training.loss=fused",
                              "training.recompute.keeps=matmuls"]}
 rows = []
@@ -46,7 +48,19 @@ for engine, ranks in report.items():
     print("report", engine, ranks[0]["units"][:3], bytes_per_rank(ranks), flush=True)
 PY
 echo "recipe: $(( $(date +%s) - start ))s"
-python3 -c "from kit import builtin; print(builtin.resolve('kit:llama-8b'))"
+python3 -m kit train kit/configs/llama-1b-gpu.yaml --nproc 1 "run.output_dir=$OUT/1b-door" > "$OUT/door.log" 2>&1
+echo "kit train rc=$? $(tail -1 "$OUT/door.log")"
+python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+losses = {n: [r["loss"] for r in map(json.loads, (out / n / "metrics.jsonl").read_text().splitlines())
+              if r.get("split") == "train"] for n in ("1b-fsdp2", "1b-door")}
+print("door vs run_to_end: steps", len(losses["1b-door"]), "max |loss diff|",
+      max(abs(a - b) for a, b in zip(*losses.values())))
+PY
+echo "door: $(( $(date +%s) - start ))s"
+python3 -c "from kit.inputs import builtin; print(builtin.resolve('kit:llama-8b'))"
 echo "build 8b: $(( $(date +%s) - start ))s"
 python3 -m kit.bench benchmarks/matrices/bench-8b-1gpu-house.yaml --out "$OUT/bench"
 echo "bench: $(( $(date +%s) - start ))s"
