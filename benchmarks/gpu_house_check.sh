@@ -11,7 +11,7 @@
 set -uo pipefail
 OUT=${1:-/tmp/house}; mkdir -p "$OUT"
 bash benchmarks/gpu_setup.sh
-export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 PYTHONPATH=$PWD  # the kit is not installed here
 python3 - <<'PY' | tee "$OUT/versions.txt"
 import torch, transformers, peft, bitsandbytes
 print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__,

@@ -169,7 +169,13 @@ def main(argv: list[str] | None = None) -> int:
 
         module, words, _ = PASS_THROUGH[argv[0]]
         return importlib.import_module(module).main([*words, *argv[1:]])
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if argv[:1] == ["jobs"]:  # options between its key=value words too
+        args = commands.choices["jobs"].parse_intermixed_args(argv[1:])
+        args.command = "jobs"
+    else:
+        args = parser.parse_args(argv)  # no command, or a wrong one: argparse says which exist
     return globals()[f"_command_{args.command}"](args)
 
 

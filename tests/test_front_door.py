@@ -87,8 +87,9 @@ def test_each_mistake_is_one_line_and_exit_2_from_the_front_door(case, softcappe
     before = snapshot(folder)
     outside = (ROOT / "launch" / "../../x").resolve()
     existed = outside.exists()
-    proc = kit("train", TINY, *[o.format(softcapped=softcapped) for o in overrides],
-               f"run.output_dir={folder}", timeout=120)
+    proc = kit("train", TINY, "--nproc", "2",  # options may stand between the words
+               *[o.format(softcapped=softcapped) for o in overrides], f"run.output_dir={folder}",
+               timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stdout + proc.stderr
     assert proc.stderr.startswith(expected), proc.stderr

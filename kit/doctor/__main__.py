@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--script", help="scan a training script for known pitfalls")
     parser.add_argument("--run", help="diagnose a run folder (metrics, result, adapter, logs)")
     parser.add_argument("--explain", help="explain the errors in a log file ('-': stdin)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     findings: list[Finding] = []
     if args.config:
         findings += preflight(args.config, overrides=args.overrides)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from kit.config import Config, ConfigError, apply_overrides, read_yaml
+from kit.config import BUNDLED, Config, ConfigError, apply_overrides, read_yaml
 from kit.findings import Finding
 
 
@@ -129,9 +129,12 @@ def read_config(cfg, overrides: list[str] | None = None) -> tuple[dict | None, l
         tree = copy.deepcopy(cfg)
     else:
         path = Path(cfg)
+        if not path.exists() and (BUNDLED / f"{cfg}.yaml").is_file():  # tiny-cpu: kit/configs/
+            path = BUNDLED / f"{cfg}.yaml"
         if not path.is_file():
             msg = f"config file {str(path)!r} does not exist"
-            return None, [Finding("error", "config_missing", msg, "give the path of a YAML file")]
+            return None, [Finding("error", "config_missing", msg, "give the path of a YAML file, "
+                                  "or a bundled config's name")]
         try:
             tree = read_yaml(path)  # a syntax error names the file, line and column
         except ConfigError as e:

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value")
     parser.add_argument("--nproc", type=int, default=2, help="processes per node")
     parser.add_argument("--nnodes", type=int, default=1)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     path, overrides = args.config, list(args.overrides)
     if path and "=" in path:
         path, overrides = None, [path, *overrides]

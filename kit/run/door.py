@@ -44,7 +44,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     path, overrides = args.config, list(args.overrides)
     if "=" in path:
         path, overrides = None, [path, *overrides]
