@@ -63,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         print(check_step.data_line(cfg, args.nproc * args.nnodes, plan))
     except ConfigError as e:
         return _refuse(str(e).splitlines())
-    run = Run(prepare(cfg, nproc=args.nproc, plan=plan, nnodes=args.nnodes))
+    try:
+        run = Run(prepare(cfg, nproc=args.nproc, plan=plan, nnodes=args.nnodes))
+    except RuntimeError as e:  # the folder's run is running now
+        return _refuse([f"run.name: {e}"])
     run.start({**checked_env(plan), "NPROC_PER_NODE": str(args.nproc),
                "NNODES": str(args.nnodes)})
     return follow(run)
@@ -102,6 +105,9 @@ def follow(run: Run, poll_s: float = 0.2) -> int:
     status, code = run.status, run.exit_code
     if status == "failed":
         sys.stderr.write(f"kit: run {run.name!r} failed: {run.failure().args[0]}\n")
+    elif status == "preempted":  # stopped at a step with its checkpoint: resumable
+        print(f"kit: run {run.name!r} stopped after saving a checkpoint: {run.folder}; the same "
+              "command with training.resume=auto continues it")
     else:
         print(f"kit: run {run.name!r} {status}: {run.folder}")
     return code if code is not None else 1
