@@ -102,7 +102,7 @@ def test_each_case_is_a_run_folder_with_its_config_and_log(tiny_bench):
         assert (out / "logs" / f"{case}.log").read_text() == run.output()
     # The kit's recipe trains with the case's overrides; the runner's settings underneath.
     kit = Run(out / "runs" / "kit").config
-    assert (kit.training.loss, kit.recipe.lora.r, kit.training.scheduler) == ("chunked", 16, "constant")
+    assert (kit.training.loss, kit.lora.r, kit.training.scheduler) == ("chunked", 16, "constant")
 
 
 @pytest.mark.slow
