@@ -92,3 +92,12 @@ def test_a_failure_raises_and_the_group_is_destroyed(tmp_path):
     for rank in (0, 1):
         assert json.loads((out / f"after{rank}.json").read_text()) == {"initialized": False}
     assert "ValueError: on purpose" in done.stderr
+
+
+def test_the_harness_is_the_only_rank_side_experiment_main():
+    """benchmarks/house_count.py's count: no module but the recipe's entries starts a process
+    group under `if __name__ == "__main__"`; the experiments are case tables on the harness."""
+    import runpy
+
+    count = runpy.run_path(str(ROOT / "benchmarks" / "house_count.py"))["count"]
+    assert count(ROOT)["rank-side experiment mains"] == []

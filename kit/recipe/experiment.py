@@ -101,14 +101,12 @@ def _function(experiment: Experiment, name: str) -> Callable:
     return experiment.cases[name]
 
 
-def run(experiment: Experiment, argv: list[str]) -> int:
-    """Parse, join the group, run every case (one row per case and rank), clean up."""
+def run(experiment: Experiment, args: argparse.Namespace, started: float) -> int:
+    """Join the group, run every case (one row per case and rank), clean up. `args`: parse()'s."""
     from kit.config import load_config
     from kit.folder import jsonl
     from kit.inputs import builtin
 
-    started = time.perf_counter()
-    args = parse(experiment, argv)
     base = load_config(args.config, args.overrides)
     names = args.names or (experiment.default(base) if experiment.default else list(
         experiment.cases) if isinstance(experiment.cases, Mapping) else [])  # fmt: skip
@@ -152,10 +150,11 @@ def run(experiment: Experiment, argv: list[str]) -> int:
 
 
 def main(experiment: Experiment, argv: list[str] | None = None) -> int:
-    """A module's `__main__`: run(experiment, argv) as a rank's entry point (kit.recipe.dist.entry:
+    """A module's `__main__`: parse argv, then run() as a rank's entry point (kit.recipe.dist.entry:
     a ConfigError is one line and exit 2; other exceptions are prefixed with the rank and
     re-raised, which torchrun's @record writes to the rank's error file)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    argv = sys.argv[1:] if argv is None else argv
-    return record(lambda: kdist.entry(lambda: run(experiment, argv)))()
+    started = time.perf_counter()
+    args = parse(experiment, sys.argv[1:] if argv is None else argv)  # a usage error: exit 2
+    return record(lambda: kdist.entry(lambda: run(experiment, args, started)))()
