@@ -13,7 +13,12 @@ before the next case starts. The process group is destroyed at the end, on failu
 
 A case that raises: with `failures="record"` (experiments where some cases are meant to fail) its
 row says ok=false and the error on every rank, and the next case runs; with `failures="raise"`
-(the default: a failure is a broken run) the exception ends the run, after the cleanup.
+(the default: a failure is a broken run) the exception ends the run, after the cleanup. A module
+whose rows are its own (kit.bench.worker streams a JSON line per measurement) declares no row_path:
+the harness then writes none.
+
+The five experiments on it: kit.lab.order_rank (05), kit.lab.sharding (04), kit.lab.loading_rank
+(10), kit.pitfalls.reproduce (08, 11), kit.bench.worker (09); tests/test_experiment.py tests it.
 """
 
 from __future__ import annotations
