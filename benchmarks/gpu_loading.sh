@@ -16,7 +16,7 @@ echo "build: rc=$? in $(( $(date +%s) - start ))s" | tee -a "$OUT/progress.txt"
 for mode in ${MODES:-full stream}; do
   start=$(date +%s)
   torchrun --standalone --nproc_per_node=1 -m kit.lab.loading_rank kit/configs/llama-1b-gpu.yaml \
-    --report "$OUT/report" model.name=kit:llama-8b model.loading="$mode" > "$OUT/$mode.log" 2>&1
+    "$OUT/report" model.name=kit:llama-8b model.loading="$mode" > "$OUT/$mode.log" 2>&1
   echo "$mode: rc=$? in $(( $(date +%s) - start ))s" | tee -a "$OUT/progress.txt"
 done
 python3 - "$OUT/report" <<'PY' | tee "$OUT/table.md"

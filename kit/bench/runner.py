@@ -79,7 +79,7 @@ def run_case(matrix_path: Path, case: dict, cfg: Config, nproc: int, out: Path) 
         stale.unlink(missing_ok=True)
     try:
         run = run_to_end(cfg, nproc=nproc, module="kit.bench.worker",
-                         args=[str(matrix_path), case["name"], str(out), "{config}"],
+                         args=["{config}", str(out), case["name"], "--matrix", str(matrix_path)],
                          env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
                          timeout=case.get("timeout_s", 600), check=False)
         rc = run.exit_code if run.exit_code is not None else -1

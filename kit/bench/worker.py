@@ -1,6 +1,6 @@
 """The benchmark's rank side: one case of a matrix inside torchrun, row by row into a JSON-lines file.
 
-    torchrun --nproc_per_node=2 -m kit.bench.worker MATRIX CASE OUT CONFIG [key=value ...]
+    torchrun --nproc_per_node=2 -m kit.bench.worker CONFIG OUT CASE --matrix MATRIX [key=value ...]
 
 Started by the runner (kit.bench), through the case's run folder (`OUT/runs/CASE/run.sh`, written
 by kit.run.launch.prepare). CONFIG is that folder's config.yaml: the training setup (model, device,
@@ -22,16 +22,15 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from kit.bench.matrix import load_matrix
 from kit.bench.report import PEAK_BF16_FLOPS
 from kit.budget.shapes import flops_per_token, shape_of
-from kit.config import Config, load_config
+from kit.config import Config
 from kit.folder import jsonl
+from kit.recipe import experiment
 
 
 def synthetic_batch(step: int, rank: int, batch: int, seq: int, vocab: int, device) -> dict:
@@ -89,12 +88,12 @@ def _loaded(seconds: float, env) -> dict:
 class _Run:
     """One case inside torchrun: build the recipe, then step(batch) -> loss."""
 
-    def __init__(self, cfg: Config, case: dict):
+    def __init__(self, cfg: Config, case: dict, env):
         from kit.inputs import builtin
         from kit.recipe import dist as kdist
 
         self.case = case
-        self.env = env = kdist.init(cfg.training.device, cfg.run.dist_timeout_min)
+        self.env = env  # the group the harness joined (kit.recipe.experiment)
         if case.get("cap_gib") and env.device.type == "cuda":
             total = torch.cuda.get_device_properties(env.device).total_memory
             torch.cuda.set_per_process_memory_fraction(
@@ -166,14 +165,16 @@ def _peaks(device) -> tuple[float | None, float | None]:
             round(torch.cuda.max_memory_reserved(device) / 2**30, 3))
 
 
-def worker(matrix_path: str, name: str, out: str, config_path: str, *overrides: str) -> int:
+def worker(this: experiment.Case) -> None:
+    """One case of the matrix on this rank (the harness's case `this`: the case's name, its config
+    with the run's overrides, the group, OUT); its rows stream into OUT/cases/CASE.jsonl."""
     # As the runner read it (validated, a scaling case filled in from the case it scales).
-    matrix = load_matrix(matrix_path)
+    matrix = load_matrix(this.options["matrix"])
+    name, cfg = this.name, this.cfg
     case = next(c for c in matrix["cases"] if c["name"] == name)
-    cfg = load_config(config_path, list(overrides))
-    rows_file = Path(out) / "cases" / f"{name}.jsonl"
-    started = time.perf_counter()
-    run = _Run(cfg, case)
+    rows_file = this.out / "cases" / f"{name}.jsonl"
+    started = this.started  # before the config was read and the group joined, as ever
+    run = _Run(cfg, case, this.env)
     env = run.env
     device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in device_name), None)
@@ -263,14 +264,9 @@ def worker(matrix_path: str, name: str, out: str, config_path: str, *overrides: 
     if env.is_main:  # the run folder's result: kit.run.launch.Run reads the case as completed
         (cfg.output_dir / "result.json").write_text(json.dumps(
             {"status": "completed", "case": name, "seconds": seconds}))
-    # End the process group before the interpreter does: left to exit, gloo's threads were once
-    # destroyed still running ("terminate called without an active exception", SIGABRT after
-    # "done", the case's run then read as failed).
-    from kit.recipe import dist as kdist
-
-    torch.distributed.barrier()
-    kdist.cleanup()
-    return 0
+    # The harness then waits for every rank and ends the process group before the interpreter
+    # does: left to exit, gloo's threads were once destroyed still running ("terminate called
+    # without an active exception", SIGABRT after "done", the case's run then read as failed).
 
 
 # Kernel families by name (first match wins): where a step's GPU time goes.
@@ -327,14 +323,12 @@ def profile_step(run: _Run, batch: dict) -> dict:
             "top_kernels_ms": [[n[:90], round(v / 1e3, 2)] for n, v in top]}
 
 
-@record
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) < 4 or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 2
-    return worker(*argv)
-
+# Any case of the matrix, by name: its rows are its own (a JSON line per setup, batch, curve,
+# profile, done), so the harness writes none; unseeded: each recipe seeds itself.
+EXPERIMENT = experiment.Experiment(
+    prog="kit.bench.worker", doc=__doc__, cases=lambda name: worker, row_path=None,
+    options={"matrix": "the benchmark matrix (YAML)"}, seed=False,
+)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(experiment.main(EXPERIMENT))

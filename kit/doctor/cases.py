@@ -12,7 +12,6 @@ kit.run.launch.run_to_end (config.yaml, run.sh, run.log), like every other run o
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from kit.doctor.explain import explain
 from kit.doctor.preflight import preflight
 from kit.doctor.script import scan_script
 from kit.findings import Finding, codes, ordered
+from kit.folder import jsonl
 
 TINY = ROOT / "kit" / "configs" / "tiny-cpu.yaml"
 CPU = {"gpus": [], "nproc_per_node": 2, "vars": {}}  # the machine the doctor assumes for a case
@@ -100,7 +100,7 @@ def _out(out: str | Path) -> Path:
 
 def _read(folder: Path, code: str, side: str, nproc: int, console: str) -> Repro:
     """One step's outcome from every rank's report; torchrun's summary when a rank died first."""
-    got = [json.loads(f.read_text()) for f in sorted((folder / code).glob(f"{side}.rank*.json"))]
+    got = jsonl.read_ranks(folder / code, prefix=f"{side}.rank")  # each rank's report
     failed = [g for g in got if not g["ok"]]
     # The cause is the error the doctor knows; other ranks often only died of its absence
     # ("Connection closed by peer", code peer_died).

@@ -1,9 +1,10 @@
 """The load-only run behind kit.lab.loading_report (rank side): load as model.loading says, add LoRA,
 shard with the config's engine, run one forward, and write what it cost and what each rank holds.
 
-    torchrun --nproc_per_node=2 -m kit.lab.loading_rank CONFIG --report DIR [--modes full,stream]
+    torchrun --nproc_per_node=2 -m kit.lab.loading_rank CONFIG DIR [MODE ...] [key=value ...]
 
-DIR/<mode>/rank<R>.json: load + shard seconds; peak host memory until sharded (VmHWM, and the
+The modes (model.loading values; by default the config's) run one after the other in this process
+(the digests compare; memory peaks then do not). DIR/<mode>/rank<R>.json: load + shard seconds; peak host memory until sharded (VmHWM, and the
 sampled split into anonymous and file-backed pages, kit.recipe.meters.HostMemory); device memory after
 sharding and its peak while loading (on a CPU both are host memory); the most bytes the model
 itself held on the rank while loading (full, rank0: all of it before sharding; stream: its shards
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from kit.config import Config
-from kit.recipe import engines, loading, meters, model
+from kit.recipe import engines, experiment, loading, meters, model
 
 
 def shard_digest(wrapped: torch.nn.Module) -> str:
@@ -94,43 +95,19 @@ def report(cfg: Config, env) -> dict:
             "logits_digest": hashlib.sha256(logits.numpy().tobytes()).hexdigest()}  # fmt: skip
 
 
-def _main(argv: list[str]) -> int:
-    import argparse
-    import json
-    from pathlib import Path
-
-    from kit.config import load_config
-    from kit.inputs import builtin
-    from kit.recipe import dist as kdist
-
-    parser = argparse.ArgumentParser(prog="python -m kit.lab.loading_rank")
-    parser.add_argument("config", help="the run's config.yaml")
-    parser.add_argument("--report", required=True, help="folder for <mode>/rank<R>.json")
-    parser.add_argument("--modes", default="", help="model.loading values, one after the other "
-                        "in this process (the digests compare; memory peaks then do not)")
-    parser.add_argument("overrides", nargs="*", help="config key=value")
-    args = parser.parse_intermixed_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    modes = args.modes.split(",") if args.modes else [cfg.model.loading]
-    env = kdist.init(cfg.training.device, cfg.run.dist_timeout_min)
-    try:
-        with kdist.main_process_first(env):
-            builtin.resolve(cfg.model.name)
-        for mode in modes:
-            mode_cfg = load_config(args.config, [*args.overrides, f"model.loading={mode}"])
-            torch.manual_seed(mode_cfg.training.seed)
-            row = report(mode_cfg, env)
-            out = Path(args.report) / mode
-            out.mkdir(parents=True, exist_ok=True)
-            (out / f"rank{env.rank}.json").write_text(json.dumps(row, indent=1))
-    finally:
-        kdist.cleanup()
-    return 0
-
+# One case per model.loading mode, in turn in one process group (by default the config's own
+# mode); every rank writes DIR/<mode>/rank<R>.json (kit.recipe.experiment).
+EXPERIMENT = experiment.Experiment(
+    prog="kit.lab.loading_rank", doc=__doc__,
+    cases={mode: (lambda case: report(case.cfg, case.env))
+           for mode in ("auto", "full", "rank0", "stream")},
+    row_path=lambda out, mode, rank: out / mode / f"rank{rank}.json",
+    row=lambda case, got, error, trace: got,
+    default=lambda cfg: [cfg.model.loading],
+    overrides=lambda mode: [f"model.loading={mode}"],
+)
 
 if __name__ == "__main__":
     import sys
 
-    from kit.recipe import dist as _kdist
-
-    sys.exit(_kdist.entry(lambda: _main(sys.argv[1:])))
+    sys.exit(experiment.main(EXPERIMENT))

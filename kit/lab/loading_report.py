@@ -3,7 +3,7 @@
     rows = measure("tiny-cpu", ["model.name=kit:llama-135m"], modes=("full", "rank0", "stream"))
     table(rows)    # per mode and rank: seconds, host memory, read the file?, digests
 
-The ranks run `python -m kit.lab.loading_rank CONFIG --report DIR` (kit/lab/loading_rank.py): each loads
+The ranks run `python -m kit.lab.loading_rank CONFIG DIR MODE ...` (kit/lab/loading_rank.py): each loads
 the base model as the mode says, adds LoRA, shards with the config's engine and writes its time,
 its peak host memory and digests of what it holds and of a forward's logits into DIR/rank<R>.json. This module
 starts those runs and reads the files: no torch.
@@ -11,9 +11,9 @@ starts those runs and reads the files: no torch.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from kit.folder import jsonl
 from kit.run.launch import run_to_end
 
 
@@ -28,7 +28,7 @@ def measure(config: str, overrides: list[str] | None = None, modes=("full", "ran
         folder = (Path(out) / ("together" if together else group[0])).resolve()
         run_to_end(config, [f"run.output_dir={folder}", *(overrides or [])], nproc=nproc,
                    module="kit.lab.loading_rank",
-                   args=["{config}", "--report", "{run_dir}/report", "--modes", ",".join(group)])
+                   args=["{config}", "{run_dir}/report", *group])
         for mode in group:
             rows += read(folder / "report" / mode)
     return rows
@@ -36,8 +36,7 @@ def measure(config: str, overrides: list[str] | None = None, modes=("full", "ran
 
 def read(folder: str | Path) -> list[dict]:
     """The rank<R>.json files of one report, in rank order."""
-    ranks = sorted(Path(folder).glob("rank*.json"), key=lambda p: int(p.stem[4:]))
-    return [json.loads(p.read_text()) for p in ranks]
+    return jsonl.read_ranks(folder)
 
 
 def table(rows: list[dict]) -> list[dict]:

@@ -1,7 +1,7 @@
 """Notebook 05's cases, rank side: the recipe's order of operations, and the same lines with one
 step moved, each run for real on every rank.
 
-    torchrun --nproc_per_node=2 -m kit.lab.order_rank CONFIG OUT
+    torchrun --nproc_per_node=2 -m kit.lab.order_rank CONFIG OUT [FUNCTION-ENGINE-BASE ...]
 
 `recipe_order` is the order kit.recipe.model.build and kit.lab.sharding follow: load the 4-bit base, add
 LoRA, switch on activation checkpointing, train mode, shard, then build the optimizer. Every other
@@ -10,8 +10,9 @@ case function is those lines with one step moved, removed or changed, and nothin
 carries the pieces they share (load, LoRA, shard, train) and measures what happened: every step's
 loss, step 1's layer forwards and the bytes autograd kept for backward, which tensors the
 optimizer holds, whether the adapters are sharded and equal on every rank, where the weights
-were placed, or the exception's first line. Rank 0 writes OUT/cases/<function>-<engine>-<base>.json;
-kit.lab.order (kernel side) reads them.
+were placed, or the exception's first line. The runs are a case table on the experiment harness
+(kit.recipe.experiment: the group, the rows, the cleanup); rank 0 writes
+OUT/cases/<function>-<engine>-<base>.json, and kit.lab.order (kernel side) reads them.
 """
 
 from __future__ import annotations
@@ -20,14 +21,9 @@ import contextlib
 import functools
 import gc
 import importlib.metadata
-import json
 import logging
-import os
 import sys
-import time
-import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -38,10 +34,9 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-from kit.config import load_config
 from kit.inputs import builtin
 from kit.recipe import dist as kdist
-from kit.recipe import quantize
+from kit.recipe import experiment, quantize
 from kit.recipe.layers import decoder_layer_classes, decoder_layers
 from kit.recipe.recompute import enable_activation_checkpointing
 
@@ -302,44 +297,43 @@ VERSIONS = {name: importlib.metadata.version(name)
             for name in ("torch", "transformers", "peft", "bitsandbytes")}  # fmt: skip
 
 
-def run_one(cfg, env, function: str, engine: str, base: str) -> dict:
-    trial = Trial(cfg, env, engine, base)
+def run_one(cfg, env, function: str, engine: str, base: str, notes: dict | None = None) -> dict:
+    """One run on this rank: what it measured, with ok and error (an exception is raised; the
+    harness records it)."""
+    trial = Trial(cfg, env, engine, base, {} if notes is None else notes)
     torch.manual_seed(cfg.training.seed)
-    try:
-        globals()[function](trial)
-        return {"ok": True, "error": "", **trial.notes}
-    except Exception as e:  # noqa: BLE001 - what the person would see is the measurement
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(traceback.format_exc(), file=sys.stderr, flush=True)
-        return {"ok": False, "error": f"{type(e).__name__}: {first}"[:300], **trial.notes}
+    globals()[function](trial)
+    return {"ok": True, "error": "", **trial.notes}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        raise SystemExit("usage: torchrun ... -m kit.lab.order_rank CONFIG OUT")
-    cfg, out = load_config(argv[0]), Path(argv[1]) / "cases"
-    env = kdist.init(cfg.training.device, timeout_min=cfg.run.dist_timeout_min)
-    with kdist.main_process_first(env):
-        builtin.resolve(cfg.model.name)
-    out.mkdir(parents=True, exist_ok=True)
-    for index, (function, engine, base) in enumerate(RUNS):
-        start = time.perf_counter()
-        got = run_one(cfg, env, function, engine, base)
-        gc.collect()
-        if env.is_main:
-            record = {"index": index, "function": function, "engine": engine, "base": base,
-                      "device": str(env.device), "ranks": env.world_size,
-                      "versions": VERSIONS, "seconds": round(time.perf_counter() - start, 2),
-                      **got}  # fmt: skip
-            target = out / f"{function}-{engine}-{base}.json"
-            target.with_suffix(".tmp").write_text(json.dumps(record, indent=1))
-            os.replace(target.with_suffix(".tmp"), target)
-            print(f"{function} {engine} {base}: {got['error'] or 'ok'}", flush=True)
-        dist.barrier()  # every rank finished this case before the next starts
-    kdist.cleanup()
-    return 0
+def _case(function: str, engine: str, base: str):
+    def run(case: experiment.Case) -> dict:
+        try:
+            return run_one(case.cfg, case.env, function, engine, base, case.notes)
+        finally:
+            gc.collect()
 
+    return run
+
+
+def _row(case: experiment.Case, got: dict | None, error: str, trace: str) -> dict:
+    """Rank 0's record of a run: which, where, how long, then what it measured (or the error and
+    what it measured before)."""
+    function, engine, base = case.name.split("-")
+    if trace:
+        print(trace, file=sys.stderr, flush=True)
+    return {"index": case.index, "function": function, "engine": engine, "base": base,
+            "device": str(case.env.device), "ranks": case.env.world_size, "versions": VERSIONS,
+            "seconds": round(case.seconds, 2), "ok": not error, "error": error[:300],
+            **case.notes}  # fmt: skip
+
+
+EXPERIMENT = experiment.Experiment(
+    prog="kit.lab.order_rank", doc=__doc__,
+    cases={"-".join(run): _case(*run) for run in RUNS},
+    row_path=lambda out, name, rank: out / "cases" / f"{name}.json",
+    row=_row, writers="main", failures="record",
+)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(experiment.main(EXPERIMENT))

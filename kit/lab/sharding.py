@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from kit.config import Config
-from kit.recipe import engines
+from kit.recipe import engines, experiment
 from kit.recipe.layers import decoder_layer_classes
 
 
@@ -27,7 +27,7 @@ def shard(model: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
 
 # --------------------------------------------------------------------------- what each rank holds (04)
 #
-#   torchrun --nproc_per_node=2 -m kit.lab.sharding CONFIG --report OUT [--engines fsdp2,fsdp1,ddp]
+#   torchrun --nproc_per_node=2 -m kit.lab.sharding CONFIG OUT [fsdp2 fsdp1 ddp] [key=value ...]
 #
 # Builds the model exactly as the recipe does (kit.recipe.model.build, then shard), once per engine, runs one forward/backward, and writes OUT/<engine>/rank<R>.json: every
 # parameter's full shape and the piece this rank holds, the compute dtypes seen inside forward,
@@ -263,44 +263,18 @@ def report_rank(cfg: Config, env, out) -> dict:
     }  # fmt: skip
 
 
-def _report_main(argv: list[str]) -> int:
-    import argparse
-    import json
-    import os
-    from pathlib import Path
-
-    import torch.distributed as dist
-
-    from kit.config import load_config
-    from kit.inputs import builtin
-    from kit.recipe import dist as kdist
-
-    # A rank's entry point: it exits without a traceback on a config error, like kit.train.
-    parser = argparse.ArgumentParser(prog="python -m kit.lab.sharding")
-    parser.add_argument("config", help="the run's config.yaml")
-    parser.add_argument("--report", required=True, help="folder for <engine>/rank<R>.json")
-    parser.add_argument("--engines", default="fsdp2,fsdp1,ddp")
-    parser.add_argument("overrides", nargs="*", help="config key=value")
-    args = parser.parse_args(argv)
-    cfgs = [load_config(args.config, [*args.overrides, f"sharding.engine={e}"])
-            for e in args.engines.split(",")]  # fmt: skip
-    env = kdist.init(cfgs[0].training.device, cfgs[0].run.dist_timeout_min)
-    try:
-        with kdist.main_process_first(env):
-            builtin.resolve(cfgs[0].model.name)
-        for cfg in cfgs:
-            torch.manual_seed(cfg.training.seed)
-            row = report_rank(cfg, env, args.report)
-            folder = Path(args.report) / cfg.sharding.engine
-            os.makedirs(folder, exist_ok=True)
-            (folder / f"rank{env.rank}.json").write_text(json.dumps(row, indent=1))
-            dist.barrier()
-    finally:
-        kdist.cleanup()
-    return 0
-
+# The report as a case table on the experiment harness (kit.recipe.experiment): one case per
+# engine, its config the launch's with sharding.engine set; every rank writes OUT/<engine>/rank<R>.json.
+EXPERIMENT = experiment.Experiment(
+    prog="kit.lab.sharding", doc="What each rank holds, per engine (notebook 04).",
+    cases={e: (lambda case: report_rank(case.cfg, case.env, case.out))
+           for e in ("fsdp2", "fsdp1", "ddp")},
+    row_path=lambda out, engine, rank: out / engine / f"rank{rank}.json",
+    row=lambda case, got, error, trace: got,
+    overrides=lambda engine: [f"sharding.engine={engine}"],
+)
 
 if __name__ == "__main__":
     import sys
 
-    sys.exit(_report_main(sys.argv[1:]))
+    sys.exit(experiment.main(EXPERIMENT))

@@ -11,9 +11,9 @@ This module only starts that run and reads the files: it imports no torch.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from kit.folder import jsonl
 from kit.run.launch import run_to_end
 
 
@@ -24,7 +24,7 @@ def launch_report(out, engines=("fsdp2", "fsdp1", "ddp"), nproc: int = 2,
     out = Path(out).resolve()
     run_to_end(config, [f"run.output_dir={out}", *(overrides or [])], nproc=nproc,
                module="kit.lab.sharding",
-               args=["{config}", "--report", "{run_dir}", "--engines", ",".join(engines)])
+               args=["{config}", "{run_dir}", *engines])
     found = read_report(out)
     return {engine: found[engine] for engine in engines}
 
@@ -33,9 +33,9 @@ def read_report(out) -> dict[str, list[dict]]:
     """{engine: [rank 0's report, rank 1's, ...]}"""
     found = {}
     for folder in sorted(Path(out).iterdir()):
-        ranks = sorted(folder.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+        ranks = jsonl.read_ranks(folder) if folder.is_dir() else []
         if ranks:
-            found[folder.name] = [json.loads(p.read_text()) for p in ranks]
+            found[folder.name] = ranks
     return found
 
 

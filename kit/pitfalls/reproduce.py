@@ -9,21 +9,18 @@ kit.doctor.cases.reproduce writes and runs the run folder that does this, and re
 step is a pitfall code (wrong side, then fixed side) or CODE:wrong / CODE:fixed. Steps run in turn
 in one process group: a wrong side fails alike on every rank before any collective is left half
 done, rank-0-only work follows a step's last collective, the timeout waits on a group of its own; a
-step that kills a process (crashes=True) comes last. After each step every rank
-writes OUT/<code>/<side>.rank<N>.json: ok, the exception, what it observed, the in-run checks.
+step that kills a process (crashes=True) comes last. The steps are a case table on the experiment
+harness (kit.recipe.experiment); after each step every rank writes OUT/<code>/<side>.rank<N>.json:
+ok, the exception, what it observed, the in-run checks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 import sys
 import time
-import traceback
 from datetime import timedelta
-from pathlib import Path
 
 import safetensors
 import torch
@@ -40,11 +37,10 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-from kit.config import apply_overrides, config_from_dict, load_config
+from kit.config import apply_overrides, config_from_dict
 from kit.inputs import builtin
-from kit.pitfalls import get
-from kit.recipe import checkpoint, engines
-from kit.recipe import dist as kdist
+from kit.pitfalls import get, reproduced
+from kit.recipe import checkpoint, engines, experiment
 from kit.recipe.checks import check_adapter, check_checkpointing_active
 from kit.recipe.layers import decoder_layer_classes, decoder_layers
 from kit.recipe.model import build
@@ -346,17 +342,31 @@ def _rank0_busy(group, env) -> dict:
 # --------------------------------------------------------------------------- running steps
 
 
-def _report(fn, cfg, env, out: Path) -> dict:
-    try:
-        got = dict(fn(cfg, env, out) or {})  # the rest of it after these pops: measurements
-        return {"ok": True, "error": "", "traceback": "", "observed": got.pop("observed", "no error"),
-                "findings": [dataclasses.asdict(f) for f in got.pop("findings", [])],
-                "measured": got}  # fmt: skip
-    except Exception as e:  # noqa: BLE001 - recording what the user would see is the point
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        error = f"{type(e).__name__}: {first}"[:400]
-        return {"ok": False, "error": error, "traceback": traceback.format_exc(),
+def _step(fn):
+    """A step of the case table: the reproduction `fn` on this rank, in OUT/<code>/<side>/."""
+
+    def run(case: experiment.Case) -> dict:
+        code, side = case.name.split(":")
+        folder = case.out / code / side
+        folder.mkdir(parents=True, exist_ok=True)
+        return dict(fn(case.cfg, case.env, folder) or {})
+
+    return run
+
+
+def _report(case: experiment.Case, got: dict | None, error: str, trace: str) -> dict:
+    """A rank's report of a step: ok, the exception, what it observed, the in-run checks' findings
+    and the rest of what it returned (measurements)."""
+    code, side = case.name.split(":")
+    if error:  # recording what the user would see is the point
+        error = error[:400]
+        return {"code": code, "side": side, "ok": False, "error": error, "traceback": trace,
                 "observed": error, "findings": [], "measured": {}}  # fmt: skip
+    got = dict(got or {})  # the rest of it after these pops: measurements
+    return {"code": code, "side": side, "ok": True, "error": "", "traceback": "",
+            "observed": got.pop("observed", "no error"),
+            "findings": [dataclasses.asdict(f) for f in got.pop("findings", [])],
+            "measured": got}  # fmt: skip
 
 
 def steps(items: list[str]) -> list[tuple[str, str]]:
@@ -369,32 +379,18 @@ def steps(items: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) < 3:
-        raise SystemExit("usage: torchrun ... -m kit.pitfalls.reproduce CONFIG OUT STEP ...")
-    cfg, out, todo = _with(load_config(argv[0]), "model.loading=full"), Path(argv[1]), steps(argv[2:])
-    env = kdist.init(cfg.training.device, timeout_min=cfg.run.dist_timeout_min)
-    with kdist.main_process_first(env):
-        builtin.resolve(cfg.model.name)
-    for code, side in todo:
-        record = get(code)
-        folder = out / code
-        (folder / side).mkdir(parents=True, exist_ok=True)
-        torch.manual_seed(cfg.training.seed)
-        fn = globals()[record.wrong if side == "wrong" else record.fixed]
-        report = {"code": code, "side": side, **_report(fn, cfg, env, folder / side)}
-        target = folder / f"{side}.rank{env.rank}.json"
-        target.with_suffix(".tmp").write_text(json.dumps(report, indent=1))
-        os.replace(target.with_suffix(".tmp"), target)
-        line = "ok" if report["ok"] else report["error"]
-        print(f"[rank {env.rank}] {code}:{side}: {line}", file=sys.stderr, flush=True)
-        if not report["ok"] and record.crashes:
-            break
-        dist.barrier()  # every rank finished this step before the next one starts
-    kdist.cleanup()
-    return 0
-
+# Every step: its wrong side and its fixed side, in turn in one process group. A failing step
+# that kills a process (crashes=True) ends the launch: no barrier after it.
+EXPERIMENT = experiment.Experiment(
+    prog="kit.pitfalls.reproduce", doc=__doc__,
+    cases={f"{p.code}:{side}": _step(globals()[getattr(p, side)])
+           for p in reproduced() for side in ("wrong", "fixed") if getattr(p, side)},
+    row_path=lambda out, name, rank: out.joinpath(*name.split(":")).with_suffix(f".rank{rank}.json"),
+    row=_report, failures="record",
+    default=lambda cfg: [], expand=lambda names: [f"{c}:{s}" for c, s in steps(names)],
+    overrides=lambda name: ["model.loading=full"],
+    stop=lambda case, row: not row["ok"] and get(case.name.split(":")[0]).crashes,
+)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(experiment.main(EXPERIMENT))

@@ -17,7 +17,7 @@
 
 Every mode gives every rank the same bytes and the same logits (tests/test_loading.py: the
 digest of each rank's shards after FSDP2 and of a forward's logits). `python -m kit.lab.loading_rank
-CONFIG --report DIR` loads, shards and measures (kit.lab.loading_report starts it from a notebook).
+CONFIG DIR [MODE ...]` loads, shards and measures (kit.lab.loading_report starts it from a notebook).
 
 Gaps filled by hand: transformers loads a 4-bit model on meta or whole, but has no "receive a
 quantized model from rank 0" path (accelerate's is for FSDP1 wrapping and skips 4-bit layers'
