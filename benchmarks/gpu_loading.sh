@@ -11,7 +11,7 @@ OUT=${1:-/tmp/load}; mkdir -p "$OUT"
 # shellcheck source=benchmarks/gpu_env.sh
 source benchmarks/gpu_env.sh
 start=$(date +%s)
-python3 -c "from kit import builtin; print(builtin.build('llama-8b'))" > "$OUT/build.log" 2>&1
+python3 -c "from kit.inputs import builtin; print(builtin.build('llama-8b'))" > "$OUT/build.log" 2>&1
 echo "build: rc=$? in $(( $(date +%s) - start ))s" | tee -a "$OUT/progress.txt"
 for mode in ${MODES:-full stream}; do
   start=$(date +%s)

@@ -12,7 +12,7 @@ source benchmarks/gpu_env.sh
 python3 -m pip install -q --no-index --no-deps --find-links .whl/gpu pytest iniconfig pluggy \
   2>&1 | grep -v WARNING
 python3 -m pytest -q -m gpu tests/test_offload.py 2>&1 | tail -3 | tee "$OUT/gpu-test.txt"
-python3 -c "from kit import builtin; builtin.build('llama-8b')" > "$OUT/build.log" 2>&1
+python3 -c "from kit.inputs import builtin; builtin.build('llama-8b')" > "$OUT/build.log" 2>&1
 # name, batch, recompute, offload
 while read -r name batch recompute offload; do
   start=$(date +%s)

@@ -64,7 +64,7 @@ launch() {
 # Plain PEFT: the base as the kit loads it (NF4 onto the GPU), then from_pretrained the adapter.
 import json, sys, torch
 from peft import PeftModel
-from kit import data, quantize
+from kit.recipe import data, quantize
 from kit.config import load_config
 run = sys.argv[1]
 cfg = load_config(f"{run}/config.yaml")

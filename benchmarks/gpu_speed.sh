@@ -18,7 +18,7 @@ print("torch", torch.__version__, "transformers", transformers.__version__, "pef
 PY
 start=$(date +%s)
 MATRIX=${MATRIX:-benchmarks/matrices/bench-8b.yaml}
-python3 -c "import sys, yaml; from kit import builtin; print(builtin.resolve(yaml.safe_load(open(sys.argv[1]))['model']))" "$MATRIX"
+python3 -c "import sys, yaml; from kit.inputs import builtin; print(builtin.resolve(yaml.safe_load(open(sys.argv[1]))['model']))" "$MATRIX"
 echo "build: $(( $(date +%s) - start ))s"
 python3 -m kit.bench "$MATRIX" --out "$OUT/bench" ${BENCH_ONLY:+--only "$BENCH_ONLY"} ${BENCH_NPROC:+--nproc "$BENCH_NPROC"}
 echo "bench: $(( $(date +%s) - start ))s"

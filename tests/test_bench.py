@@ -45,7 +45,7 @@ def test_each_case_measures_batches_until_one_does_not_fit(tiny_bench):
         assert any(r["kind"] == "done" for r in rows if r["case"] == case)
         # Loading and sharding alone, and each rank's peak host memory by then.
         setup = next(r for r in rows if r["case"] == case and r["kind"] == "setup")
-        assert 0 < setup["load_s"] <= setup["seconds"], setup
+        assert 0 < setup["load_s"] <= setup["seconds"] + 0.05, setup  # seconds: 0.1 s steps
         assert len(setup["peak_host_mib"]) == 2 and min(setup["peak_host_mib"]) > 100, setup
 
 

@@ -41,7 +41,7 @@ def test_a_run_of_some_cases_shows_only_their_caps():
 def test_plot_writes_a_png_without_pyplot_or_torch(tmp_path):
     """What notebook 09's kernel does with recorded rows: neither torch nor pyplot's global
     state (a notebook's backend stays as it is)."""
-    code = ("import sys; from kit import bench_report, jsonl\n"
+    code = ("import sys; from kit.bench import report as bench_report; from kit.folder import jsonl\n"
             f"bench_report.plot(jsonl.read({str(RECORDED)!r}), {str(tmp_path / 'r.png')!r})\n"
             "print(sorted(m for m in ('torch', 'matplotlib.pyplot') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

@@ -33,7 +33,7 @@ def test_configs_hold_recipes_and_benchmarks_hold_matrices():
 @pytest.mark.parametrize("path", MATRICES, ids=lambda p: p.name)
 def test_benchmark_matrices_hold_valid_kit_configs(path):
     """Every kit case of a kit.bench matrix is a valid recipe config (checked before a GPU run)."""
-    from kit.bench import load_matrix
+    from kit.bench.matrix import load_matrix
 
     matrix = load_matrix(path)
     assert any("kit.bench" in line for line in path.read_text().splitlines()[:6])

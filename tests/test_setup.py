@@ -63,7 +63,7 @@ def test_the_notebook_kernel_is_this_environments(tmp_path):
         "argv": ["/elsewhere/venv/bin/python3", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "Python 3", "language": "python"}))
     env = {"JUPYTER_DATA_DIR": str(tmp_path / "user"), "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-c", "from kit import tour; print(tour.kernel_python())"],
+    proc = subprocess.run([sys.executable, "-c", "from kit.run import tour; print(tour.kernel_python())"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert Path(proc.stdout.strip()).parent == Path(sys.executable).parent, proc.stdout
