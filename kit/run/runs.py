@@ -88,7 +88,7 @@ class Run:
 
     # ------------------------------------------------------------------ state
     def _root(self) -> psutil.Process | None:
-        """run.sh's bash process while it lives (checked against pid reuse by start time)."""
+        """The bash process of run.sh while it lives (checked against pid reuse by start time)."""
         if self._proc is not None:
             self._proc.poll()  # reap our child, so a finished run is not a zombie
         try:
