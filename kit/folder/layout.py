@@ -41,6 +41,7 @@ class RunFolder:
     PROBE = "probe.pt"  # logits on a fixed batch (checkpointing.save_probe_logits)
     CHECKPOINTS = "checkpoints"  # step-NNNNNN/ each (kit.folder.manifest)
     EARLIER = "earlier"  # what a later start replaced, byte for byte (kit.folder.runfolder)
+    TRAINER = "trainer"  # kit.recipe.sft: the Trainer's own output_dir (its checkpoints)
     # A checkpoint's folder: step-N, or step-N.tmp while it is written.
     STEP_FOLDER = re.compile(r"step-(\d+)(\.tmp)?")
 
@@ -55,7 +56,7 @@ class RunFolder:
         """Every name the folder may hold directly (LAUNCHERS included)."""
         return {cls.CONFIG, cls.RUN_SH, *cls.LAUNCHERS, cls.PID, cls.EXIT_CODE, cls.STOP_REQUESTED,
                 cls.LOG, cls.LOGS, cls.METRICS, cls.RESULT, cls.ADAPTER, cls.PROBE,
-                cls.CHECKPOINTS, cls.EARLIER}
+                cls.CHECKPOINTS, cls.EARLIER, cls.TRAINER}
 
     @staticmethod
     def step_name(step: int) -> str:
@@ -114,6 +115,10 @@ class RunFolder:
     @property
     def earlier(self) -> Path:
         return self.path / self.EARLIER
+
+    @property
+    def trainer(self) -> Path:
+        return self.path / self.TRAINER
 
     def step_folder(self, step: int) -> Path:
         return self.checkpoints / self.step_name(step)
