@@ -41,7 +41,6 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from kit.config import apply_overrides, config_from_dict, load_config
-from kit.folder.layout import RunFolder
 from kit.inputs import builtin
 from kit.pitfalls import get
 from kit.recipe import checkpoint, engines
@@ -297,11 +296,10 @@ def full_state_dict_save(cfg, env, out):
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, options):
         state = model.state_dict()
     if env.is_main:
-        adapter = out / RunFolder.ADAPTER  # where a run keeps its adapter
-        model.module.save_pretrained(adapter, state_dict=state)  # no error, no tensors
-        n = len(safetensors.safe_open(str(adapter / "adapter_model.safetensors"), "pt").keys())
+        model.module.save_pretrained(out / "adapter", state_dict=state)  # no error, no tensors
+        n = len(safetensors.safe_open(str(out / "adapter/adapter_model.safetensors"), "pt").keys())
         return {"observed": f"adapter_model.safetensors holds {n} tensors, no error",
-                "findings": check_adapter(adapter)}  # fmt: skip
+                "findings": check_adapter(out / "adapter")}  # fmt: skip
 
 
 def saved_the_kit_way(cfg, env, out):
@@ -309,7 +307,7 @@ def saved_the_kit_way(cfg, env, out):
     layout, model = _trained_fsdp1(cfg, env)
     state = checkpoint.gather_trainable(model)  # a collective: every rank
     if env.is_main:
-        folder = checkpoint.save_adapter(layout, state, out / RunFolder.ADAPTER)
+        folder = checkpoint.save_adapter(layout, state, out / "adapter")
         n = checkpoint.verify_adapter(folder, layout.shapes)["tensors"]
         return {"observed": f"kit.recipe.checkpoint.save_adapter wrote {n} tensors (verified)",
                 "findings": check_adapter(folder)}  # fmt: skip
