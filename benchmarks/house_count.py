@@ -20,7 +20,7 @@ from pathlib import Path
 
 NAMES = ("config.yaml", "run.sh", "metrics.jsonl", "result.json", "run.log", "adapter",
          "checkpoints", "earlier", "pid", "exit_code", "probe.pt")
-LITERAL = re.compile(r"""["'](%s)["'/]""" % "|".join(re.escape(n) for n in NAMES))
+LITERAL = re.compile(r"""["']({})["'/]""".format("|".join(re.escape(n) for n in NAMES)))
 ENTRIES = ("train.py", "sft.py")
 
 
