@@ -292,7 +292,7 @@ def trainjob(cfg: Config, pod_dir: str, nnodes: int, nproc: int, image: str, pvc
         "metadata": {"name": _k8s_name(cfg.run.name)},
         "spec": {
             "runtimeRef": {"name": "torch-distributed"},
-            "trainer": {"image": image, "command": ["bash", f"{pod_dir}/{RunFolder.RUN_SH}", RESUME],
+            "trainer": {"image": image, "command": _command(pod_dir),
                         "numNodes": nnodes, "numProcPerNode": nproc,
                         "resourcesPerNode": {"limits": {"nvidia.com/gpu": nproc}},
                         "env": _env()},
@@ -303,6 +303,11 @@ def trainjob(cfg: Config, pod_dir: str, nnodes: int, nproc: int, image: str, pvc
     }
 
 
+def _command(pod_dir: str) -> list[str]:
+    """What a pod runs: the run folder's run.sh, resuming."""
+    return ["bash", f"{pod_dir}/{RunFolder.RUN_SH}", RESUME]
+
+
 def pytorchjob(cfg: Config, pod_dir: str, nnodes: int, nproc: int, image: str, pvc: str) -> dict:
     """training-operator v1: it sets MASTER_ADDR (the Master's service), MASTER_PORT (the port
     named pytorchjob-port), PET_NNODES, PET_NODE_RANK and PET_NPROC_PER_NODE in every pod."""
@@ -310,7 +315,7 @@ def pytorchjob(cfg: Config, pod_dir: str, nnodes: int, nproc: int, image: str, p
 
     def replicas(n: int) -> dict:
         container = {"name": "pytorch",  # the operator finds its container by this name
-                     "image": image, "command": ["bash", f"{pod_dir}/{RunFolder.RUN_SH}", RESUME],
+                     "image": image, "command": _command(pod_dir),
                      "env": _env(),
                      "ports": [{"name": "pytorchjob-port", "containerPort": PORT}],
                      "resources": {"limits": {"nvidia.com/gpu": nproc}},

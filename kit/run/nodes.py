@@ -48,16 +48,17 @@ def start_nodes(folder: str | Path, nnodes: int = 2, env: dict | None = None) ->
     base = {**os.environ, "NNODES": str(nnodes), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port), **{k: str(v) for k, v in (env or {}).items()}}
     procs = []
+    run_sh = str(RunFolder(folder).run_sh)
     for node in range(nnodes):
-        where = node_dir(folder, node)
-        where.mkdir(parents=True, exist_ok=True)
-        RunFolder(where).exit_code.unlink(missing_ok=True)
-        with open(RunFolder(where).log, "wb") as log:
+        where = RunFolder(node_dir(folder, node))
+        where.path.mkdir(parents=True, exist_ok=True)
+        where.exit_code.unlink(missing_ok=True)
+        with open(where.log, "wb") as log:
             procs.append(subprocess.Popen(
-                ["bash", str(RunFolder(folder).run_sh)], cwd=folder, env={**base, "NODE_RANK": str(node)},
+                ["bash", run_sh], cwd=folder, env={**base, "NODE_RANK": str(node)},
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True))  # fmt: skip
-        RunFolder(where).pid.write_text(f"{procs[-1].pid}\n")  # run.sh writes the same
+        where.pid.write_text(f"{procs[-1].pid}\n")  # run.sh writes the same
     return Nodes(folder, port, procs, [Run(node_dir(folder, n)) for n in range(nnodes)])
 
 
