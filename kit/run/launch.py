@@ -279,6 +279,7 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
     if not isinstance(cfg, Config) or overrides or name:
         cfg = resolve(cfg_or_path, overrides, name)
     folder = run_dir(cfg)
+    files = RunFolder(folder)
     if folder.exists() and Run(folder).status == "running":
         raise RuntimeError(f"run {cfg.run.name!r} is running; stop it first: "
                            f"Run.attach({cfg.run.name!r}).stop()")
@@ -287,12 +288,12 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
         plan = plan or runfolder.plan(cfg, nproc)
         plan.keep_earlier(folder)
     else:
-        RunFolder(folder).log.unlink(missing_ok=True)
-        shutil.rmtree(RunFolder(folder).logs, ignore_errors=True)
+        files.log.unlink(missing_ok=True)
+        shutil.rmtree(files.logs, ignore_errors=True)
     for f in PLUMBING:
         (folder / f).unlink(missing_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
-    RunFolder(folder).config.write_text(cfg.to_yaml())
+    files.config.write_text(cfg.to_yaml())
     try:
         rel = folder.relative_to(ROOT)
     except ValueError:
@@ -309,8 +310,8 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
         device=cfg.training.device, on_cpu=int(cfg.training.device == "cpu"), check=check,
         **RUN_ENV, **FOLDER_NAMES,
     )
-    RunFolder(folder).run_sh.write_text(script)
-    RunFolder(folder).run_sh.chmod(0o755)
+    files.run_sh.write_text(script)
+    files.run_sh.chmod(0o755)
     return folder
 
 
