@@ -11,7 +11,6 @@ an exception on any rank is printed with its rank before torchrun stops the othe
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
@@ -22,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from kit import pitfalls
 from kit.config import Config, ConfigError, load_config
 from kit.folder import runfolder
+from kit.folder.layout import RunFolder
 from kit.inputs import builtin, sources
 from kit.recipe import (
     checkpoint,
@@ -46,6 +46,7 @@ class Recipe:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.out = cfg.output_dir
+        self.folder = RunFolder(self.out)  # what rank 0 writes there, by name
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -63,7 +64,7 @@ class Recipe:
         if env.is_main:
             self.plan.keep_earlier(self.out)
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(cfg.to_yaml())
+            self.folder.config.write_text(cfg.to_yaml())
         with kdist.main_process_first(env):  # rank 0 builds kit models / fills caches first
             builtin.resolve(cfg.model.name)
             data.warm_cache(cfg.data)
@@ -142,9 +143,8 @@ class Recipe:
             )
             self.say(f"resumed from {folder} at step {step}")
         self.history = []
-        metrics = self.out / "metrics.jsonl"
-        if self.env.is_main and step and metrics.exists():
-            self.history = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        if self.env.is_main and step:
+            self.history = self.folder.read_metrics()
         return step
 
     def _prove_save(self) -> None:
@@ -297,10 +297,10 @@ class Recipe:
         if cfg.checkpointing.save_probe_logits:
             probe = self.probe_logits()
             if env.is_main:
-                torch.save(probe, self.out / "probe.pt")
+                torch.save(probe, self.folder.probe)
         if cfg.checkpointing.save_adapter and env.is_main:
             folder = checkpoint.save_adapter(
-                self.adapter_layout, state, self.out / "adapter", self.tokenizer
+                self.adapter_layout, state, self.folder.adapter, self.tokenizer
             )
             info = checkpoint.verify_adapter(folder, self.adapter_layout.shapes)
             result["adapter"] = {"path": str(folder), **info}
@@ -321,8 +321,7 @@ class Recipe:
         }
         self.history.append(row)
         if self.env.is_main:
-            with open(self.out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
+            self.folder.append_metrics(row)
 
     def finish(self, saved: dict) -> dict:
         train = [r["loss"] for r in self.history if r["split"] == "train"] or [None]
@@ -341,7 +340,7 @@ class Recipe:
             **saved,
         }
         if self.env.is_main:
-            (self.out / "result.json").write_text(json.dumps(result, indent=2))
+            self.folder.write_result(result)
             def f(x):
                 return "-" if x is None else f"{x:.4f}"
 

@@ -38,6 +38,7 @@ from kit.bench.matrix import case_nproc, load_matrix
 from kit.bench.report import plot, render
 from kit.config import Config, ConfigError, load_config
 from kit.folder import jsonl
+from kit.folder.layout import RunFolder
 from kit.run.launch import run_to_end
 
 # The kit recipe's settings in every case, before the case's own overrides: LoRA r16 on every
@@ -75,7 +76,8 @@ def case_config(matrix: dict, case: dict, out: Path) -> Config:
 def run_case(matrix_path: Path, case: dict, cfg: Config, nproc: int, out: Path) -> int:
     """One case in its own torchrun (kit.run.launch.run_to_end); its exit code, -9 after a timeout."""
     log = out / "logs" / f"{case['name']}.log"
-    for stale in (log, out / "runs" / case["name"] / "result.json"):
+    folder = RunFolder(out / "runs" / case["name"])  # the case's run folder (case_config)
+    for stale in (log, folder.result):
         stale.unlink(missing_ok=True)
     try:
         run = run_to_end(cfg, nproc=nproc, module="kit.bench.worker",
@@ -85,8 +87,8 @@ def run_case(matrix_path: Path, case: dict, cfg: Config, nproc: int, out: Path) 
         rc = run.exit_code if run.exit_code is not None else -1
     except TimeoutError:
         rc = -9
-    if (out / "runs" / case["name"] / "run.log").exists():
-        shutil.copyfile(out / "runs" / case["name"] / "run.log", log)
+    if folder.log.exists():
+        shutil.copyfile(folder.log, log)
     return rc
 
 

@@ -30,6 +30,7 @@ from kit.bench.report import PEAK_BF16_FLOPS
 from kit.budget.shapes import flops_per_token, shape_of
 from kit.config import Config
 from kit.folder import jsonl
+from kit.folder.layout import RunFolder
 from kit.recipe import experiment
 
 
@@ -262,8 +263,8 @@ def worker(this: experiment.Case) -> None:
     seconds = round(time.perf_counter() - started, 1)
     emit({"kind": "done", "seconds": seconds})
     if env.is_main:  # the run folder's result: kit.run.launch.Run reads the case as completed
-        (cfg.output_dir / "result.json").write_text(json.dumps(
-            {"status": "completed", "case": name, "seconds": seconds}))
+        RunFolder(cfg.output_dir).write_result(
+            {"status": "completed", "case": name, "seconds": seconds}, indent=None)
     # The harness then waits for every rank and ends the process group before the interpreter
     # does: left to exit, gloo's threads were once destroyed still running ("terminate called
     # without an active exception", SIGABRT after "done", the case's run then read as failed).

@@ -23,6 +23,7 @@ from kit.doctor.preflight import preflight
 from kit.doctor.script import scan_script
 from kit.findings import Finding, codes, ordered
 from kit.folder import jsonl
+from kit.folder.layout import RunFolder
 
 TINY = ROOT / "kit" / "configs" / "tiny-cpu.yaml"
 CPU = {"gpus": [], "nproc_per_node": 2, "vars": {}}  # the machine the doctor assumes for a case
@@ -84,9 +85,9 @@ def read(codes=(), sides=SIDES, nproc: int = 2, out: str | Path = "") -> dict[st
     runs: dict[str, dict] = {side: {} for side in sides}
     for i, steps in enumerate(launches(codes, sides)):
         folder = out / f"launch-{i}"
-        if not (folder / "exit_code").is_file():  # run.sh writes it when torchrun has ended
+        if not RunFolder(folder).exit_code.is_file():  # run.sh writes it when torchrun has ended
             raise FileNotFoundError(f"{folder}: no finished launch of reproduce() here")
-        console = (folder / "run.log").read_text(errors="replace")
+        console = RunFolder(folder).log.read_text(errors="replace")
         for step in steps:
             code, side = step.split(":")
             runs[side][code] = _read(folder, code, side, nproc, console)

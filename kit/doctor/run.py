@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kit.doctor.explain import explain
 from kit.findings import Finding, errors, ordered
-from kit.folder import jsonl
+from kit.folder.layout import RunFolder
 from kit.recipe.checks import check_adapter, check_rank_times, check_step
 
 
@@ -23,7 +23,8 @@ def diagnose_run(run_dir: str | Path) -> list[Finding]:
     if not run.is_dir():
         return [Finding("error", "run_missing", f"{run} is not a folder", "give a run folder")]
     out: list[Finding] = []
-    rows = jsonl.read(run / "metrics.jsonl", strict=False)
+    folder = RunFolder(run)
+    rows = folder.read_metrics(strict=False)
     train = [r for r in rows if r.get("split") == "train"]
     for r in rows:
         out += check_step(r)
@@ -56,8 +57,8 @@ def diagnose_run(run_dir: str | Path) -> list[Finding]:
         cols = list(zip(*per_rank, strict=False))
         out += check_rank_times([sorted(c)[len(c) // 2] for c in cols])
     result = None
-    if (run / "result.json").is_file():
-        result = json.loads((run / "result.json").read_text())
+    if folder.result.is_file():
+        result = json.loads(folder.result.read_text())
         sums = result.get("lora_checksums") or []
         if len(set(sums)) > 1:
             out.append(
@@ -68,9 +69,9 @@ def diagnose_run(run_dir: str | Path) -> list[Finding]:
                     "gradients were not synchronised: check the engine's reduction",
                 )
             )
-    if (run / "adapter").is_dir():
-        out += check_adapter(run / "adapter")
-    logs = [run / "run.log", *sorted(run.glob("logs/**/*.log")), *sorted(run.glob("*.err"))]
+    if folder.adapter.is_dir():
+        out += check_adapter(folder.adapter)
+    logs = [folder.log, *sorted(folder.logs.glob("**/*.log")), *sorted(run.glob("*.err"))]
     text = "\n".join(p.read_text(errors="replace") for p in logs if p.is_file())
     out += explain(text)
     if result is None and not errors(out):

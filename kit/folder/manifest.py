@@ -20,12 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
+
+from kit.folder.layout import RunFolder
 
 MARKER = "COMPLETE.json"
 VERSION = 1
-STEP_FOLDER = re.compile(r"step-(\d+)(\.tmp)?")
+STEP_FOLDER = RunFolder.STEP_FOLDER
 
 # The config fields an exact resume must match ("section.*": every field of that section).
 # training.steps is not one: continuing a run to more steps is allowed.
@@ -55,7 +56,7 @@ def first_line(e: BaseException) -> str:
 
 
 def checkpoints_root(output_dir) -> Path:
-    return Path(output_dir) / "checkpoints"
+    return RunFolder(output_dir).checkpoints
 
 
 def resume_fields(config: dict | None) -> dict:

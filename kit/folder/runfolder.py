@@ -34,9 +34,11 @@ from pathlib import Path
 
 from kit.config import Config, ConfigError
 from kit.folder import manifest
+from kit.folder.layout import RunFolder
 
-END = ("adapter", "result.json", "probe.pt")  # what a run writes when it ends (or stops)
-EARLIER = "earlier"
+# What a run writes when it ends (or stops).
+END = (RunFolder.ADAPTER, RunFolder.RESULT, RunFolder.PROBE)
+EARLIER = RunFolder.EARLIER
 
 
 @dataclass
@@ -64,44 +66,34 @@ class Plan:
         for name in names:
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             os.replace(folder / name, dest / name)  # a rename: the bytes stay as they were
-        if self.trim_metrics and (dest / "metrics.jsonl").is_file():
-            kept = [line for line in (dest / "metrics.jsonl").read_text().splitlines(True)
+        if self.trim_metrics and RunFolder(dest).metrics.is_file():
+            kept = [line for line in RunFolder(dest).metrics.read_text().splitlines(True)
                     if line.strip() and json.loads(line).get("step", 0) <= (self.start or 0)]
-            (folder / "metrics.jsonl").write_text("".join(kept))
+            RunFolder(folder).metrics.write_text("".join(kept))
         (dest / "why.txt").write_text("\n".join([why or self.message, *self.notes,
                                                  f"moved: {', '.join(names)}"]) + "\n")
         self.notes.append(f"kept the earlier {', '.join(names)} in {dest}")
         return dest
 
 
-def _result(folder: Path) -> dict | None:
-    try:
-        return json.loads((folder / "result.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _metrics_past(folder: Path, step: int) -> bool:
-    try:
-        lines = (folder / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return False
-    return any(line.strip() and json.loads(line).get("step", 0) > step for line in lines)
+    return any(row.get("step", 0) > step for row in RunFolder(folder).read_metrics())
 
 
 def _config_changed(folder: Path, cfg: Config) -> bool:
     try:
-        return (folder / "config.yaml").read_text() != cfg.to_yaml()
+        return RunFolder(folder).config.read_text() != cfg.to_yaml()
     except OSError:
         return False
 
 
 # What kit.run.jobs writes beside run.sh: the other ways to start this run, not a record of one.
-LAUNCHERS = {"accelerate.yaml", "job.sbatch", "trainjob.yaml", "pytorchjob.yaml"}
+LAUNCHERS = set(RunFolder.LAUNCHERS)
 # Files every start writes anew (kit.run.launch.prepare, run.sh), and the launchers: never moved.
-PLUMBING = {"run.sh", "pid", "exit_code", "stop_requested"} | LAUNCHERS
+PLUMBING = {RunFolder.RUN_SH, RunFolder.PID, RunFolder.EXIT_CODE,
+            RunFolder.STOP_REQUESTED} | LAUNCHERS
 # What the running start itself is writing when the ranks plan (run.sh's log, torchrun's logs/).
-LIVE = ("run.log", "logs")
+LIVE = (RunFolder.LOG, RunFolder.LOGS)
 
 
 # A restart of the same run by what started it: run.sh after a failed attempt (KIT_MAX_RESTARTS),
@@ -165,12 +157,12 @@ def _plan(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume
     if start_over and resume:
         raise ConfigError(f"run.start_over: true is not allowed with training.resume={resume!r}; "
                           "start over or resume, not both")
-    result = _result(out)
+    result = RunFolder(out).read_result()
     complete, _ = manifest.scan(out)
-    trained = [n for n in ("adapter", "result.json") if (out / n).exists()]
-    trained += ["checkpoints"] if complete else []
+    trained = [n for n in (RunFolder.ADAPTER, RunFolder.RESULT) if (out / n).exists()]
+    trained += [RunFolder.CHECKPOINTS] if complete else []
     present = sorted(p.name for p in out.iterdir() if p.name != EARLIER) if out.is_dir() else []
-    changed = ["config.yaml"] if _config_changed(out, cfg) else []
+    changed = [RunFolder.CONFIG] if _config_changed(out, cfg) else []
     # An earlier start's own record (its log, its config) when this start would replace it.
     record = [n for n in LIVE if n in present and not ranks] + changed
 
@@ -181,7 +173,7 @@ def _plan(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume
                 "allowed: training.resume=auto to continue it (a finished run is left as it "
                 "is), run.start_over=true to start over (the earlier run moves into "
                 f"{EARLIER}/), or another run.name")
-        moved = [n for n in present if n not in keep and (n != "config.yaml" or changed)]
+        moved = [n for n in present if n not in keep and (n != RunFolder.CONFIG or changed)]
         what = "starting over" if trained else "starting at step 0"
         return Plan(0, displaced=moved, message=f"{out}: {what}")
 
@@ -203,7 +195,7 @@ def _plan(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume
                     f"{', '.join(trained)} but no complete valid checkpoint{why}; an exact "
                     "resume needs one (checkpointing.save_every > 0); allowed: another "
                     f"run.name, or run.start_over=true (the earlier run moves into {EARLIER}/)")
-            moved = [n for n in present if n not in keep and (n != "config.yaml" or changed)]
+            moved = [n for n in present if n not in keep and (n != RunFolder.CONFIG or changed)]
             return Plan(0, notes=notes, displaced=moved,
                         message=f"{out}: no checkpoint yet, starting at step 0")
     else:
@@ -226,7 +218,7 @@ def _plan(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume
     if (other := manifest.world_note(ckpt, world_size, t.batch_size * t.grad_accum)) is not None:
         notes.append(other)
     trim = _metrics_past(out, step)
-    moved = [n for n in END if (out / n).exists()] + (["metrics.jsonl"] if trim else [])
+    moved = [n for n in END if (out / n).exists()] + ([RunFolder.METRICS] if trim else [])
     # Checkpoints past the one resumed (damaged ones auto skipped, or a timeline an explicit
     # path leaves): kept aside, so no later resume picks them and no save meets them.
     moved += [str(f.relative_to(out)) for s_, f in manifest.step_folders(out) if s_ > step]

@@ -87,7 +87,7 @@ def _row(setting: str, cfg, nproc: int, timeout: float) -> dict:
         return {**row, "error": (where + failure.message.splitlines()[0])[:400]}
     train = [r for r in run.metrics() if r["split"] == "train"]
     if not train:
-        return {**row, "error": f"no train steps in {run.folder / 'metrics.jsonl'}"}
+        return {**row, "error": f"no train steps in {run.files.metrics}"}
     timed = train[1:] or train
     return {**row, "peak_mem_gib": max(r["peak_mem_gib"] for r in train),
             "step_s": statistics.median(r["step_s"] for r in timed),

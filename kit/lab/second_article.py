@@ -3,7 +3,7 @@ settings set beside what kit.run.jobs writes, and its numbers recomputed with th
 memory math. Notebook 10 shows each table; nothing here is quoted, every value is restated.
 
     accelerate_table({"kit": yaml.safe_load(open(DIR / "accelerate.yaml"))})
-    launch_table((DIR / "run.sh").read_text())
+    launch_table(RunFolder(DIR).run_sh.read_text())
     weight_claims(), budget_table(), env_search("NCCL_TIMEOUT"), gather_traffic(100, 450, 400)
 
 Kernel side: no torch. The torch files are searched as files (found without importing torch).
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from kit.budget.estimate import DTYPE_BYTES, Setup, estimate, quantized_bytes_per_param
 from kit.budget.shapes import flops_per_token, lora_params, shape_of
+from kit.folder.layout import RunFolder
 
 # --------------------------------------------------------------------------- accelerate
 
@@ -112,7 +113,7 @@ def launch_table(run_sh: str, width: int = 80) -> list[dict]:
         m = re.search(pattern, run_sh, re.M)
         line = m.group(0).split("  #")[0].strip() if m else "-"
         rows.append({"what": what, "article": article,
-                     "run.sh": line if len(line) <= width else line[:width - 3] + "..."})
+                     RunFolder.RUN_SH: line if len(line) <= width else line[:width - 3] + "..."})
     return rows
 
 

@@ -18,21 +18,22 @@ import sys
 from pathlib import Path
 
 from kit.config import ConfigError
+from kit.folder.layout import RunFolder
 
 
 def locate(target: str | Path) -> tuple[Path, Path]:
     """(run folder, adapter folder) for a run folder or an adapter folder inside one."""
-    path = Path(target)
-    if (path / "config.yaml").is_file() and (path / "adapter").is_dir():
-        return path, path / "adapter"
+    path, folder = Path(target), RunFolder(target)
+    if folder.config.is_file() and folder.adapter.is_dir():
+        return path, folder.adapter
     if (path / "adapter_config.json").is_file():
-        run = next((up for up in path.parents if (up / "config.yaml").is_file()), None)
+        run = next((up for up in path.parents if RunFolder(up).config.is_file()), None)
         if run is None:
             raise ConfigError(f"RUN_OR_ADAPTER: {str(path)!r} is an adapter outside any run folder; "
                               "give the run folder (it names the base model in config.yaml)")
         return run, path
-    raise ConfigError(f"RUN_OR_ADAPTER: {str(path)!r} is not a run folder (config.yaml and "
-                      "adapter/) nor an adapter folder (adapter_config.json)")
+    raise ConfigError(f"RUN_OR_ADAPTER: {str(path)!r} is not a run folder ({RunFolder.CONFIG} and "
+                      f"{RunFolder.ADAPTER}/) nor an adapter folder (adapter_config.json)")
 
 
 def reply(model, tokenizer, messages: list[dict], max_new_tokens: int = 128,

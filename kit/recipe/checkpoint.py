@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from kit.folder import manifest
+from kit.folder.layout import RunFolder
 from kit.folder.manifest import MARKER, CheckpointError, checkpoints_root, first_line, scan, summary
 from kit.recipe.merge import (
     fresh_folder,
@@ -197,7 +198,7 @@ def _run_config(output_dir) -> dict:
     import yaml
 
     try:
-        return yaml.safe_load((Path(output_dir) / "config.yaml").read_text()) or {}
+        return yaml.safe_load(RunFolder(output_dir).config.read_text()) or {}
     except (OSError, yaml.YAMLError):
         return {}
 
@@ -230,9 +231,10 @@ def save_training_state(**kwargs) -> Path:
         why = _no_space(e)
         if why is None:
             raise
+        name = RunFolder.step_name(kwargs["step"])
         raise CheckpointError(
-            f"checkpoint step-{kwargs['step']:06d} cannot be written ({why}); it stays "
-            f"step-{kwargs['step']:06d}.tmp, which no resume takes; with space again, "
+            f"checkpoint {name} cannot be written ({why}); it stays "
+            f"{name}.tmp, which no resume takes; with space again, "
             "training.resume=auto (or any restart) resumes from the checkpoint before") from None
 
 
@@ -272,7 +274,7 @@ def _write_training_state(*, wrapped, engine, optimizer, scheduler, batches, ste
     from kit.recipe import faults
 
     started = time.perf_counter()
-    folder = checkpoints_root(output_dir) / f"step-{step:06d}"
+    folder = RunFolder(output_dir).step_folder(step)
     tmp = folder.with_name(folder.name + ".tmp")
     if env.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # this step's own unfinished save, if one was killed
@@ -295,7 +297,7 @@ def _write_training_state(*, wrapped, engine, optimizer, scheduler, batches, ste
     faults.maybe_slow_save()
     dist.barrier()  # every rank's files exist from here on
     if env.is_main:
-        save_adapter(layout, adapter_state, tmp / "adapter", tokenizer)
+        save_adapter(layout, adapter_state, tmp / RunFolder.ADAPTER, tokenizer)
         torch.save(
             {"step": step, "scheduler": scheduler.state_dict(), "batches": batches.state_dict(),
              "format": fmt, "world_size": env.world_size},

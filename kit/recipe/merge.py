@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from kit.folder import manifest
+from kit.folder.layout import RunFolder
 from kit.folder.manifest import MARKER, CheckpointError, first_line
 
 
@@ -79,7 +80,8 @@ def verify_checkpoint(folder, cfg_dict: dict | None = None, world_size: int | No
     if why:
         raise CheckpointError(why)
     info = manifest.read(folder)
-    adapter = verify_adapter(Path(folder) / "adapter", saved_shapes(Path(folder) / "adapter"))
+    saved = Path(folder) / RunFolder.ADAPTER  # a checkpoint's adapter, named as a run's
+    adapter = verify_adapter(saved, saved_shapes(saved))
     return {"step": info["step"], "files": len(info["files"]), "bytes": info["bytes"],
             "adapter_tensors": adapter["tensors"]}
 
@@ -95,8 +97,8 @@ def load_for_inference(run_dir, adapter: str | Path | None = None, merged: bool 
     from kit.inputs import builtin
     from kit.recipe import quantize
 
-    cfg = load_config(Path(run_dir) / "config.yaml")
-    adapter = Path(adapter or Path(run_dir) / "adapter")
+    cfg = load_config(RunFolder(run_dir).config)
+    adapter = Path(adapter or RunFolder(run_dir).adapter)
     base = builtin.resolve(cfg.model.name)
     if builtin.init_at_load(base) is not None:  # random weights made at load, never written
         raise CheckpointError(f"model.name: {cfg.model.name} has no weights on disk (its weights "
@@ -176,9 +178,9 @@ def _verify(path: Path) -> list[str]:
         return [f"{path}: {verify_adapter(path, saved_shapes(path))}"]
     if (path / MARKER).exists() or manifest.STEP_FOLDER.fullmatch(path.name):
         return [f"{path}: {verify_checkpoint(path)}"]
-    if not (path / "config.yaml").is_file():
+    if not RunFolder(path).config.is_file():
         raise CheckpointError(f"verify: '{path}' is no adapter, checkpoint or run folder")
-    adapter = path / "adapter"
+    adapter = RunFolder(path).adapter
     lines = [f"{adapter}: {verify_adapter(adapter, saved_shapes(adapter))}"]
     return lines + [f"{f}: {verify_checkpoint(f)}" for _, f in manifest.step_folders(path)]
 
@@ -186,10 +188,10 @@ def _verify(path: Path) -> list[str]:
 def _merge(run: Path, out: Path, adapter: str | None) -> Path:
     if out.exists():
         raise CheckpointError(f"out: '{out}' exists; choose a new folder")
-    if not (run / "config.yaml").is_file():
+    if not RunFolder(run).config.is_file():
         raise CheckpointError(f"run: '{run}' " + (
             "has no config.yaml (not a run folder)" if run.is_dir() else "does not exist"))
-    folder = Path(adapter) if adapter else run / "adapter"
+    folder = Path(adapter) if adapter else RunFolder(run).adapter
     verify_adapter(folder, saved_shapes(folder))
     return merge_adapter(run, out, folder)
 
@@ -202,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kit checkpoints", description=main.__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="checkpoints of a run, complete and incomplete").add_argument("run")
-    sub.add_parser("verify", help="an adapter folder, a checkpoint, or a run's adapter and "
-                   "checkpoints").add_argument("path")
+    sub.add_parser("verify", help="an adapter folder, a checkpoint, or a run's "
+                   "adapter and checkpoints").add_argument("path")
     m = sub.add_parser("merge", help="fold the adapter into the base; export with save_pretrained")
     m.add_argument("run")
     m.add_argument("out", help="a folder that does not exist yet")

@@ -40,7 +40,6 @@ go to <run>/trainer/. Rank side.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -51,6 +50,7 @@ import torch
 from kit import pitfalls
 from kit.config import Config, ConfigError, load_config
 from kit.folder import runfolder
+from kit.folder.layout import RunFolder
 from kit.inputs import builtin
 from kit.recipe import checkpoint, checks, data, engines, lora, meters, model
 from kit.recipe import dist as kdist
@@ -195,6 +195,7 @@ class Recorder:
 
     def __init__(self, out: Path, device, is_main: bool, world: int, layout):
         self.out, self.device, self.is_main, self.world, self.layout = out, device, is_main, world, layout
+        self.folder = RunFolder(out)
         self.history: list[dict] = []
         self.trainer = None
         self.started = self._last = time.perf_counter()
@@ -230,8 +231,7 @@ class Recorder:
             raise FloatingPointError(str(finding))
         self.history.append(row)
         if self.is_main:
-            with open(self.out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
+            self.folder.append_metrics(row)
 
 
 def recorder(*a, **kw):
@@ -269,7 +269,7 @@ def run(cfg: Config) -> dict:
     if is_main:
         plan.keep_earlier(out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(cfg.to_yaml())
+        RunFolder(out).config.write_text(cfg.to_yaml())
     with state.main_process_first():  # rank 0 builds kit models / fills caches first
         builtin.resolve(cfg.model.name)
         data.warm_cache(cfg.data)
@@ -309,7 +309,7 @@ def run(cfg: Config) -> dict:
         raise checkpoint.CheckpointError(f"the ranks' adapters differ (checksums {sums})")
     result = {"lora_checksums": sums, "params": params}
     if cfg.checkpointing.save_adapter and is_main:
-        folder = checkpoint.save_adapter(layout, state_dict, out / "adapter", tokenizer)
+        folder = checkpoint.save_adapter(layout, state_dict, RunFolder(out).adapter, tokenizer)
         info = checkpoint.verify_adapter(folder, layout.shapes)  # reads every tensor back
         result["adapter"] = {"path": str(folder), **info}
         say(f"adapter: {folder} ({info['tensors']} tensors, {info['bytes']:,} bytes, whole)")
@@ -324,7 +324,7 @@ def run(cfg: Config) -> dict:
               "engine": cfg.sharding.engine, "adapter_dtype": str(want).removeprefix("torch."),
               "loading": cfg.model.loading, **result}
     if is_main:
-        (out / "result.json").write_text(json.dumps(result, indent=2))
+        RunFolder(out).write_result(result)
         say(f"{result['status']} at step {steps}: loss {train[0]} -> {train[-1]} (val {val[-1]})")
     state.wait_for_everyone()
     return result

@@ -11,6 +11,7 @@ import os
 import re
 
 from kit.config import Config, ConfigError
+from kit.folder.layout import RunFolder
 
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
@@ -46,7 +47,7 @@ def sft_config(cfg: Config, use_cpu: bool, environ=None):
     names = {f.name for f in dataclasses.fields(SFTConfig)}
     recompute = next(n for n in ("activation_checkpointing", "gradient_checkpointing") if n in names)
     fields = {  # SFTConfig key: (value, kit field)
-        "output_dir": (str(cfg.output_dir / "trainer"), "run.output_dir"),
+        "output_dir": (str(RunFolder(cfg.output_dir).trainer), "run.output_dir"),
         "max_steps": (t.steps, "training.steps"),
         "per_device_train_batch_size": (t.batch_size, "training.batch_size"),
         "per_device_eval_batch_size": (t.batch_size, "training.batch_size"),

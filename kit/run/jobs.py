@@ -36,6 +36,7 @@ import yaml
 from kit import ROOT, pitfalls
 from kit.config import Config, ConfigError
 from kit.folder import runfolder
+from kit.folder.layout import RunFolder
 from kit.run import launch, schemas
 
 IMAGE = "registry.example.com/kit:latest"  # a placeholder: an image with the kit's dependencies
@@ -54,13 +55,13 @@ RESUME = "training.resume=auto"
 GRACE_S = 30  # Kubernetes' SIGTERM-to-SIGKILL period, as the ranks' preemption save expects
 # The torch-distributed runtime's trainer job and container (kit/schemas' runtime example).
 TRAINER_JOB, TRAINER_CONTAINER = "trainer-node", "trainer"
-FILES = ("accelerate.yaml", "job.sbatch", "trainjob.yaml", "pytorchjob.yaml")  # and run.sh
-assert set(FILES) == runfolder.LAUNCHERS  # a start never moves them (kit.folder.runfolder)
+FILES = RunFolder.LAUNCHERS  # and run.sh; a start never moves them (kit.folder.runfolder)
 # What each file is for, as the command line prints it.
 USES = {
-    "run.sh": "bash {folder}/run.sh, on each node (NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT)",
+    RunFolder.RUN_SH: f"bash {{folder}}/{RunFolder.RUN_SH}, on each node (NNODES, NODE_RANK, "
+                      "MASTER_ADDR, MASTER_PORT)",
     "accelerate.yaml": "accelerate launch --config_file {folder}/accelerate.yaml -m kit.recipe.sft "
-                       "{folder}/config.yaml",
+                       f"{{folder}}/{RunFolder.CONFIG}",
     "job.sbatch": "sbatch {folder}/job.sbatch   (Slurm)",
     "trainjob.yaml": "kubectl apply -f {folder}/trainjob.yaml   (Kubeflow Trainer v2)",
     "pytorchjob.yaml": "kubectl apply -f {folder}/pytorchjob.yaml   (training-operator v1)",
@@ -104,7 +105,7 @@ def write(config: Config | str | Path, overrides: list[str] | None = None, nnode
     launch.prepare(cfg, nproc=nproc, plan=plan, nnodes=nnodes)  # run.sh: c10d across nodes
     for file, text in texts.items():
         (folder / file).write_text(text)
-    (folder / "logs").mkdir(exist_ok=True)  # Slurm opens its output there before run.sh starts
+    RunFolder(folder).logs.mkdir(exist_ok=True)  # Slurm opens its output there before run.sh starts
     (folder / "job.sbatch").chmod(0o755)
     return folder
 
@@ -218,7 +219,7 @@ SBATCH = """\
 #SBATCH --gpus-per-node={nproc}
 #SBATCH --exclusive
 #SBATCH --time={time}
-#SBATCH --output={folder}/logs/slurm-%j.out
+#SBATCH --output={folder}/{LOGS}/slurm-%j.out
 # Preemption and time limits: requeued, never lost. SIGUSR1 120 s before --time ends (and
 # Slurm's SIGTERM when it preempts) makes the ranks save a checkpoint and run.sh exit 75
 # (kit.recipe.preempt); the job then requeues itself, and the requeued job (SLURM_RESTART_COUNT > 0)
@@ -243,7 +244,7 @@ rc=0
 # the single quotes). A node that fails stops the others.
 # shellcheck disable=SC2016
 srun --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=1 \\
-  bash -c 'NODE_RANK="$SLURM_NODEID" exec bash "$0" "$@"' "$RUN_DIR/run.sh" "$@" || rc=$?
+  bash -c 'NODE_RANK="$SLURM_NODEID" exec bash "$0" "$@"' "$RUN_DIR/{RUN_SH}" "$@" || rc=$?
 if [ "$rc" = 75 ]; then  # preempted, its checkpoint saved: run again from the queue
   scontrol requeue "$SLURM_JOB_ID" || true
 fi
@@ -257,7 +258,8 @@ def sbatch(cfg: Config, folder: Path, nnodes: int, nproc: int, time: str) -> str
                           "spaces (Slurm's #SBATCH --output line names it)")
     return SBATCH.format(name=cfg.run.name, nnodes=nnodes, nproc=nproc, date=_now(),
                          rel=_rel(folder), time=time, folder=folder,
-                         folder_q=shlex.quote(str(folder)), port=PORT, restarts=RESTARTS)
+                         folder_q=shlex.quote(str(folder)), port=PORT, restarts=RESTARTS,
+                         LOGS=RunFolder.LOGS, RUN_SH=RunFolder.RUN_SH)
 
 
 # --------------------------------------------------------------------------- Kubernetes
@@ -290,7 +292,7 @@ def trainjob(cfg: Config, pod_dir: str, nnodes: int, nproc: int, image: str, pvc
         "metadata": {"name": _k8s_name(cfg.run.name)},
         "spec": {
             "runtimeRef": {"name": "torch-distributed"},
-            "trainer": {"image": image, "command": ["bash", f"{pod_dir}/run.sh", RESUME],
+            "trainer": {"image": image, "command": _command(pod_dir),
                         "numNodes": nnodes, "numProcPerNode": nproc,
                         "resourcesPerNode": {"limits": {"nvidia.com/gpu": nproc}},
                         "env": _env()},
@@ -301,6 +303,11 @@ def trainjob(cfg: Config, pod_dir: str, nnodes: int, nproc: int, image: str, pvc
     }
 
 
+def _command(pod_dir: str) -> list[str]:
+    """What a pod runs: the run folder's run.sh, resuming."""
+    return ["bash", f"{pod_dir}/{RunFolder.RUN_SH}", RESUME]
+
+
 def pytorchjob(cfg: Config, pod_dir: str, nnodes: int, nproc: int, image: str, pvc: str) -> dict:
     """training-operator v1: it sets MASTER_ADDR (the Master's service), MASTER_PORT (the port
     named pytorchjob-port), PET_NNODES, PET_NODE_RANK and PET_NPROC_PER_NODE in every pod."""
@@ -308,7 +315,7 @@ def pytorchjob(cfg: Config, pod_dir: str, nnodes: int, nproc: int, image: str, p
 
     def replicas(n: int) -> dict:
         container = {"name": "pytorch",  # the operator finds its container by this name
-                     "image": image, "command": ["bash", f"{pod_dir}/run.sh", RESUME],
+                     "image": image, "command": _command(pod_dir),
                      "env": _env(),
                      "ports": [{"name": "pytorchjob-port", "containerPort": PORT}],
                      "resources": {"limits": {"nvidia.com/gpu": nproc}},

@@ -31,6 +31,7 @@ from pathlib import Path
 from kit import ROOT
 from kit.config import Config, apply_overrides, config_from_dict, load_config
 from kit.folder import runfolder
+from kit.folder.layout import RunFolder
 from kit.run.check import check as check_start
 from kit.run.check import inputs as check_inputs
 
@@ -40,7 +41,7 @@ from kit.run.runs import DONE, Follow, Run, RunFailed, command, runs  # noqa: F4
 # What a new start in a folder replaces: the files of the start itself, never a run's results or
 # logs. A recipe run's earlier files move into earlier/ first (kit.folder.runfolder); another module's
 # (a benchmark case, a reproduction) log of an earlier start is replaced.
-PLUMBING = ("run.sh", "pid", "exit_code", "stop_requested")
+PLUMBING = (RunFolder.RUN_SH, RunFolder.PID, RunFolder.EXIT_CODE, RunFolder.STOP_REQUESTED)
 
 
 class PreflightFailed(RuntimeError):
@@ -131,15 +132,15 @@ DIST_TIMEOUT_MIN="${{DIST_TIMEOUT_MIN:-{timeout}}}"  # collective timeout (run.d
 # sharing one folder (Slurm, a Kubernetes volume) each keep their own.
 NODE_DIR="$RUN_DIR"
 if [ "$NNODES" != 1 ] && [ "$NODE_RANK" != 0 ]; then
-  NODE_DIR="$RUN_DIR/logs/node-$NODE_RANK"
+  NODE_DIR="$RUN_DIR/{LOGS}/node-$NODE_RANK"
   mkdir -p "$NODE_DIR"
 fi
 # The pid lets kit.run.launch.Run.attach find a terminal-started run; written whole by a rename, as
 # a watcher (kit.run.launch started this with the same pid written) may read it at any moment.
-echo $$ > "$NODE_DIR/pid.$$" && mv -f "$NODE_DIR/pid.$$" "$NODE_DIR/pid"
-rm -f "$NODE_DIR/exit_code"
-trap 'echo $? > "$NODE_DIR/exit_code"' EXIT
-if [ -t 1 ]; then exec > >(tee -a "$NODE_DIR/run.log") 2>&1; fi   # the notebook redirects itself
+echo $$ > "$NODE_DIR/{PID}.$$" && mv -f "$NODE_DIR/{PID}.$$" "$NODE_DIR/{PID}"
+rm -f "$NODE_DIR/{EXIT_CODE}"
+trap 'echo $? > "$NODE_DIR/{EXIT_CODE}"' EXIT
+if [ -t 1 ]; then exec > >(tee -a "$NODE_DIR/{LOG}") 2>&1; fi   # the notebook redirects itself
 
 # Across nodes NCCL reads these; export them before run.sh (job.sbatch, a manifest's env):
 #   NCCL_SOCKET_IFNAME=eth0  the interface the nodes reach each other on, for NCCL's bootstrap
@@ -211,7 +212,7 @@ while :; do
     RDZV=("${{RDZV[@]/--rdzv-id=*/--rdzv-id=$RDZV_ID-restart-$ATTEMPT}}")
   fi
   ( set -x; exec "$PYTHON" -m torch.distributed.run "${{RDZV[@]}}" --nproc_per_node="$NPROC_PER_NODE" \\
-    --log-dir "$RUN_DIR/logs" --redirects 3 --tee 3 \\
+    --log-dir "$RUN_DIR/{LOGS}" --redirects 3 --tee 3 \\
     -m {module} {args} "$@" ) &
   TORCHRUN=$!
   while :; do  # wait returns early (128 + n) when a trapped signal arrives: wait again
@@ -230,12 +231,15 @@ while :; do
   echo "=== restart $ATTEMPT of ${{KIT_MAX_RESTARTS}} after exit code $rc, $(date '+%F %T')"
 done
 # Preempted: the ranks saved and wrote result.json "preempted" in this start (newer than pid).
-if [ -n "$(find "$RUN_DIR/result.json" -newer "$NODE_DIR/pid" 2>/dev/null)" ] &&
-   grep -q '"status": "preempted"' "$RUN_DIR/result.json"; then
+if [ -n "$(find "$RUN_DIR/{RESULT}" -newer "$NODE_DIR/{PID}" 2>/dev/null)" ] &&
+   grep -q '"status": "preempted"' "$RUN_DIR/{RESULT}"; then
   exit 75
 fi
 exit "$rc"
 """
+# The run folder's names in run.sh's commands (its comments say them in words).
+FOLDER_NAMES = {"PID": RunFolder.PID, "EXIT_CODE": RunFolder.EXIT_CODE, "LOG": RunFolder.LOG,
+                "LOGS": RunFolder.LOGS, "RESULT": RunFolder.RESULT}
 # What the recipe's run.sh passes kit.train: its config and where to write.
 TRAIN_ARGS = ("{config}", "run.output_dir={run_dir}", "run.dist_timeout_min={timeout}")
 # The recipe's check step (kit.run.check), before anything in the folder is touched.
@@ -272,6 +276,7 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
     if not isinstance(cfg, Config) or overrides or name:
         cfg = resolve(cfg_or_path, overrides, name)
     folder = run_dir(cfg)
+    files = RunFolder(folder)
     if folder.exists() and Run(folder).status == "running":
         raise RuntimeError(f"run {cfg.run.name!r} is running; stop it first: "
                            f"Run.attach({cfg.run.name!r}).stop()")
@@ -280,12 +285,12 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
         plan = plan or runfolder.plan(cfg, nproc)
         plan.keep_earlier(folder)
     else:
-        (folder / "run.log").unlink(missing_ok=True)
-        shutil.rmtree(folder / "logs", ignore_errors=True)
+        files.log.unlink(missing_ok=True)
+        shutil.rmtree(files.logs, ignore_errors=True)
     for f in PLUMBING:
         (folder / f).unlink(missing_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.yaml").write_text(cfg.to_yaml())
+    files.config.write_text(cfg.to_yaml())
     try:
         rel = folder.relative_to(ROOT)
     except ValueError:
@@ -300,15 +305,15 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
         rdzv_id=cfg.run.name,
         timeout=cfg.run.dist_timeout_min, module=module, args=words,
         device=cfg.training.device, on_cpu=int(cfg.training.device == "cpu"), check=check,
-        **RUN_ENV,
+        **RUN_ENV, **FOLDER_NAMES,
     )
-    (folder / "run.sh").write_text(script)
-    (folder / "run.sh").chmod(0o755)
+    files.run_sh.write_text(script)
+    files.run_sh.chmod(0o755)
     return folder
 
 
 # Placeholders in run.sh arguments, and the shell expressions they become there.
-_PLACEHOLDERS = {"{config}": '"$RUN_DIR/config.yaml"', "{run_dir}": '"$RUN_DIR"',
+_PLACEHOLDERS = {"{config}": f'"$RUN_DIR/{RunFolder.CONFIG}"', "{run_dir}": '"$RUN_DIR"',
                  "{timeout}": '"$DIST_TIMEOUT_MIN"'}
 
 
@@ -382,7 +387,7 @@ def run_to_end(cfg_or_path: Config | str | Path, overrides: list[str] | None = N
     except TimeoutError:
         run.stop()
         raise TimeoutError(f"run {run.name!r} stopped after {timeout}s (every process of it); "
-                           f"log: {run.folder / 'run.log'}") from None
+                           f"log: {run.files.log}") from None
     except RunFailed:
         if check:
             raise

@@ -21,13 +21,14 @@ from pathlib import Path
 
 import psutil
 
+from kit.folder.layout import RunFolder
 from kit.run.runs import Run
 
 
 def node_dir(folder: str | Path, node: int) -> Path:
     """Where run.sh keeps a node's pid, exit_code and terminal log: node 0 in the run folder
     (what kit.run.launch.Run reads), node N in logs/node-N/ (nodes may share the folder)."""
-    return Path(folder) if node == 0 else Path(folder) / "logs" / f"node-{node}"
+    return RunFolder(folder).node_dir(node)
 
 
 def free_port() -> int:
@@ -47,16 +48,17 @@ def start_nodes(folder: str | Path, nnodes: int = 2, env: dict | None = None) ->
     base = {**os.environ, "NNODES": str(nnodes), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port), **{k: str(v) for k, v in (env or {}).items()}}
     procs = []
+    run_sh = str(RunFolder(folder).run_sh)
     for node in range(nnodes):
-        where = node_dir(folder, node)
-        where.mkdir(parents=True, exist_ok=True)
-        (where / "exit_code").unlink(missing_ok=True)
-        with open(where / "run.log", "wb") as log:
+        where = RunFolder(node_dir(folder, node))
+        where.path.mkdir(parents=True, exist_ok=True)
+        where.exit_code.unlink(missing_ok=True)
+        with open(where.log, "wb") as log:
             procs.append(subprocess.Popen(
-                ["bash", str(folder / "run.sh")], cwd=folder, env={**base, "NODE_RANK": str(node)},
+                ["bash", run_sh], cwd=folder, env={**base, "NODE_RANK": str(node)},
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True))  # fmt: skip
-        (where / "pid").write_text(f"{procs[-1].pid}\n")  # run.sh writes the same
+        where.pid.write_text(f"{procs[-1].pid}\n")  # run.sh writes the same
     return Nodes(folder, port, procs, [Run(node_dir(folder, n)) for n in range(nnodes)])
 
 

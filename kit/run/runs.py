@@ -27,7 +27,7 @@ import psutil
 
 from kit import ROOT
 from kit.config import Config, load_config
-from kit.folder import jsonl
+from kit.folder.layout import RunFolder
 
 DONE = ("completed", "failed", "stopped", "preempted")
 EXIT_PREEMPTED = 75  # kit.recipe.preempt's: the ranks saved a checkpoint on a stop request and left
@@ -53,6 +53,7 @@ class Run:
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder).resolve()
+        self.files = RunFolder(self.folder)  # the folder's files by name
         self.name = self.folder.name
         self._proc: subprocess.Popen | None = None
 
@@ -65,33 +66,33 @@ class Run:
         folder = Path(name)
         if not folder.is_absolute() and len(folder.parts) == 1:  # a bare name: launch/<name>
             folder = ROOT / "launch" / folder
-        if not (folder / "run.sh").is_file():
+        if not RunFolder(folder).run_sh.is_file():
             raise FileNotFoundError(f"no run folder with run.sh at {folder}")
         return cls(folder)
 
     @property
     def config(self) -> Config:
-        return load_config(self.folder / "config.yaml")
+        return load_config(self.files.config)
 
     def start(self, env: dict | None = None) -> Run:
         """Start run.sh in its own session, output into run.log; returns at once."""
         env = {**os.environ, **{k: str(v) for k, v in (env or {}).items()}}
-        with open(self.folder / "run.log", "wb") as log:
+        with open(self.files.log, "wb") as log:
             self._proc = subprocess.Popen(
-                ["bash", str(self.folder / "run.sh")], cwd=self.folder, env=env,
+                ["bash", str(self.files.run_sh)], cwd=self.folder, env=env,
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: stop() signals it as one
             )
-        (self.folder / "pid").write_text(f"{self._proc.pid}\n")  # run.sh writes the same
+        self.files.pid.write_text(f"{self._proc.pid}\n")  # run.sh writes the same
         return self
 
     # ------------------------------------------------------------------ state
     def _root(self) -> psutil.Process | None:
-        """run.sh's bash process while it lives (checked against pid reuse by start time)."""
+        """The bash process of run.sh while it lives (checked against pid reuse by start time)."""
         if self._proc is not None:
             self._proc.poll()  # reap our child, so a finished run is not a zombie
         try:
-            pid_file = self.folder / "pid"
+            pid_file = self.files.pid
             proc = psutil.Process(int(pid_file.read_text()))
             if proc.create_time() > pid_file.stat().st_mtime + 5 or \
                     proc.status() == psutil.STATUS_ZOMBIE:
@@ -107,7 +108,7 @@ class Run:
         procs = [root] if root else []
         if root is None and self.exit_code is None:  # bash gone: a torchrun left behind?
             try:
-                pgid = int((self.folder / "pid").read_text())
+                pgid = int(self.files.pid.read_text())
             except (FileNotFoundError, ValueError):
                 pgid = None
             for p in psutil.process_iter() if pgid else []:
@@ -126,7 +127,7 @@ class Run:
     @property
     def exit_code(self) -> int | None:
         try:
-            return int((self.folder / "exit_code").read_text())
+            return int(self.files.exit_code.read_text())
         except (FileNotFoundError, ValueError):
             return None
 
@@ -136,11 +137,11 @@ class Run:
         outside, e.g. a cluster's SIGTERM, after which the ranks saved a checkpoint: resumable)."""
         if self.processes():
             return "running"
-        if not (self.folder / "pid").exists():
+        if not self.files.pid.exists():
             return "prepared"
         if self.exit_code == 0:  # run.sh's exit code: torchrun's, so every rank's
             return "completed"
-        if (self.folder / "stop_requested").exists():
+        if self.files.stop_requested.exists():
             return "stopped"
         return "preempted" if self.exit_code == EXIT_PREEMPTED else "failed"
 
@@ -175,7 +176,7 @@ class Run:
         procs = self.processes()
         if not procs:
             return self.status
-        (self.folder / "stop_requested").write_text(datetime.now().isoformat() + "\n")
+        self.files.stop_requested.write_text(datetime.now().isoformat() + "\n")
         for p in procs:
             _signal(p, signal.SIGTERM)
         # Polled, not psutil.wait_procs: a run started by another interpreter leaves its bash a
@@ -194,7 +195,7 @@ class Run:
 
     def send_signal(self, sig: int) -> None:
         """`sig` to run.sh alone, which passes a stop request on to torchrun and the ranks."""
-        os.kill(int((self.folder / "pid").read_text()), sig)
+        os.kill(int(self.files.pid.read_text()), sig)
 
     def preempt(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> float:
         """What a cluster does to a running run: `sig` to run.sh alone (Kubernetes' SIGTERM to a
@@ -212,12 +213,12 @@ class Run:
     # ------------------------------------------------------------------ outputs
     def metrics(self) -> list[dict]:
         """Rows of metrics.jsonl (rank 0): split train|val, step, loss, lr, tokens_per_s, ..."""
-        return jsonl.read(self.folder / "metrics.jsonl")
+        return self.files.read_metrics()
 
     def output(self) -> str:
         """run.log as text: every rank's output, torchrun's own lines, run.sh's header."""
         try:
-            return (self.folder / "run.log").read_text(errors="replace")
+            return self.files.log.read_text(errors="replace")
         except FileNotFoundError:
             return ""
 
@@ -225,18 +226,15 @@ class Run:
         return max((r["step"] for r in self.metrics() if r.get("split") == "train"), default=0)
 
     def result(self) -> dict | None:
-        try:
-            return json.loads((self.folder / "result.json").read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
+        return self.files.read_result()
 
     def tail(self, n: int = 20, rank: int | None = None) -> list[str]:
         """Last n lines of run.log (all ranks), or of one rank's stdout+stderr under logs/."""
         if rank is None:
-            return _lines(self.folder / "run.log")[-n:]
+            return _lines(self.files.log)[-n:]
         lines = []
         for stream in ("stdout.log", "stderr.log"):
-            for f in self.folder.glob(f"logs/*/attempt_*/{rank}/{stream}"):
+            for f in self.files.logs.glob(f"*/attempt_*/{rank}/{stream}"):
                 lines += _lines(f)
         return lines[-n:]
 
@@ -245,7 +243,7 @@ class Run:
         from the OOM killer, SIGSEGV: it leaves no error of its own, and its peers then fail with
         "Connection reset by peer"); else torchrun's per-rank error.json (written by @record) of
         the earliest failure; else the recipe's "[rank N] ..." line; else torchrun's summary."""
-        log = str(self.folder / "run.log")
+        log = str(self.files.log)
         errors = self._errors()
         # A rank's own error (not a lost peer's) comes first: a peer torchrun then stops may die
         # of a signal in the same second (SIGABRT in gloo's teardown was seen), and the summary's
@@ -271,7 +269,7 @@ class Run:
     def _errors(self) -> list[tuple]:
         """(when, local rank, message, extra info, file) of every rank's error.json (@record)."""
         errors = []
-        for f in self.folder.glob("logs/*/attempt_*/*/error.json"):
+        for f in self.files.logs.glob("*/attempt_*/*/error.json"):
             try:
                 msg = json.loads(f.read_text())["message"]
                 extra = msg.get("extraInfo", {}) if isinstance(msg, dict) else {}
@@ -333,7 +331,7 @@ class Follow:
 
 def runs() -> list[Run]:
     """Every run folder under launch/, newest first."""
-    folders = [p.parent for p in (ROOT / "launch").glob("*/run.sh")]
+    folders = [p.parent for p in (ROOT / "launch").glob(f"*/{RunFolder.RUN_SH}")]
     return [Run(f) for f in sorted(folders, key=lambda f: f.stat().st_mtime, reverse=True)]
 
 
@@ -390,4 +388,4 @@ def _signal(p: psutil.Process, sig: int) -> None:
 
 def command(folder: Path) -> str:
     """The terminal command that runs a prepared folder (what the notebook shows)."""
-    return f"bash {shlex.quote(str(folder / 'run.sh'))}"
+    return f"bash {shlex.quote(str(RunFolder(folder).run_sh))}"

@@ -72,8 +72,8 @@ class Dashboard:
         self.rows: list[dict] = []
         self.status = "prepared"
         self.failure = None
-        self._metrics = Follow(run.folder / "metrics.jsonl")
-        self._log = Follow(run.folder / "run.log")
+        self._metrics = Follow(run.files.metrics)
+        self._log = Follow(run.files.log)
         self._printed = 0
         self._plotted_at = 0.0
         self._thread: threading.Thread | None = None
