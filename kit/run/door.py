@@ -80,7 +80,7 @@ def _refuse(lines: list[str]) -> int:
 
 def follow(run: Run, poll_s: float = 0.2) -> int:
     """Print the run's output (run.log) as it grows until run.sh exits; its exit code."""
-    log = Follow(run.folder / "run.log")
+    log = Follow(run.files.log)
     asked = []
 
     def stop(signum, frame):
