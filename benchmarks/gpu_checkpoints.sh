@@ -17,7 +17,7 @@ for engine in $ENGINES; do
   train $d sharding.engine=$engine checkpointing.save_every=5 checkpointing.format=sharded checkpointing.keep_last=0 training.stop_at_step=10
   train $d sharding.engine=$engine checkpointing.save_every=5 checkpointing.format=full checkpointing.keep_last=0 training.resume=auto
   start=$(date +%s.%N)
-  python3 -m kit.recipe.checkpoint merge $d $d/merged >> "$d.log" 2>&1; rc=$?
+  python3 -m kit checkpoints merge $d $d/merged >> "$d.log" 2>&1; rc=$?
   echo "$engine merge rc=$rc seconds=$(python3 -c "print(round($(date +%s.%N)-$start,1))") bytes=$(du -sb $d/merged | cut -f1)" | tee -a "$OUT/merge.txt"
 done
 for engine in $ENGINES; do train $OUT/$engine-straight sharding.engine=$engine; done

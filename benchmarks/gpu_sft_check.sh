@@ -2,7 +2,7 @@
 # kit.recipe.sft (TRL's SFTTrainer under `accelerate launch`) on ONE GPU with FSDP, for real: a 1.24B
 # Llama (kit:llama-1b, random weights the kit builds on the GPU), NF4 + LoRA r16, packed rows of
 # up to 512 tokens, batch 4, 40 steps. Each launcher is written by `python -m kit jobs` into a
-# new run folder; each saved adapter is verified as the kit does (python -m kit.recipe.checkpoint
+# new run folder; each saved adapter is verified as the kit does (kit checkpoints
 # verify) and reloaded with plain peft.PeftModel.from_pretrained on the base (its logits and its
 # loss on the sample must change). FSDP2 first; then FSDP1 on one process, which kit.run.jobs
 # refuses, launched anyway through accelerate (its FSDP1 config for 2 processes,
@@ -58,7 +58,7 @@ launch() {
   echo "$name: rc=$rc in $(( $(date +%s) - t ))s (at $(( $(date +%s) - start ))s)"
   grep -E "trainable of|^adapter:|^completed|Error|error:" "$OUT/$name.log" | grep -v Warning | head -8
   if [ -d "$dir/adapter" ]; then
-    python3 -m kit.recipe.checkpoint verify "$dir/adapter" > "$RUNS/$name.verify" 2>&1
+    python3 -m kit checkpoints verify "$dir/adapter" > "$RUNS/$name.verify" 2>&1
     echo "verify rc=$? $(cat "$RUNS/$name.verify")" | tee -a "$OUT/$name.log"
     python3 - "$dir" > "$RUNS/$name.reload" 2>> "$OUT/$name.log" <<'PY'
 # Plain PEFT: the base as the kit loads it (NF4 onto the GPU), then from_pretrained the adapter.

@@ -198,15 +198,24 @@ def test_the_doctor_preflight_finds_what_would_fail(case, tmp_path):
     assert [f for f in findings if f.level == "error"], case
 
 
-def test_the_check_step_says_what_the_run_will_see_before_it_starts(trained):
-    """run.sh's check step prints one line before torchrun starts any rank: the data line that
-    rank 0 prints after loading (the same rows per split and per rank, tokens, what the loss
-    covers, steps and epochs), and what the start does to the run folder."""
-    log = (trained / "run.log").read_text().splitlines()
+@pytest.mark.slow
+def test_the_check_step_says_what_the_run_will_see_before_it_starts(tmp_path):
+    """run.sh's check step (a start from a terminal or a cluster's job) prints one line before
+    torchrun starts any rank: the data line that rank 0 prints after loading (the same rows per
+    split and per rank, tokens, what the loss covers, steps and epochs), and what the start does
+    to the run folder. (`kit train` and `launch` run the same check in their own process.)"""
+    from kit.run.launch import prepare
+
+    folder = prepare(TINY, [f"run.output_dir={tmp_path / 'run'}", "training.steps=2",
+                            "training.eval_every=0"], nproc=2)
+    proc = subprocess.run(["bash", str(folder / "run.sh")], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    log = proc.stdout.splitlines()
     checked = one_line("\n".join(line for line in log if line.startswith("data: ")))
     ranks = [line.split(":", 1)[1] for line in log if line.startswith("[default0]:data: ")]
     assert checked.startswith("data: 432 training rows (216 per rank), ")
-    assert ranks == [checked.removesuffix(f"; run: {trained}: starting at step 0")], (checked, ranks)
+    assert ranks == [checked.removesuffix(f"; run: {folder}: starting at step 0")], (checked, ranks)
     assert log.index(checked) < next(i for i, line in enumerate(log) if line.startswith("["))
 
 

@@ -251,13 +251,13 @@ def test_load_names_the_file_it_cannot_read(tmp_path):
 
 
 def cli(*args) -> subprocess.Popen:
-    """Start `python -m kit.recipe.checkpoint ARGS` (several run side by side: each imports torch)."""
-    return subprocess.Popen([sys.executable, "-m", "kit.recipe.checkpoint", *map(str, args)], cwd=ROOT,
+    """Start `kit checkpoints ARGS` (several run side by side: each imports torch)."""
+    return subprocess.Popen([sys.executable, "-m", "kit", "checkpoints", *map(str, args)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_command_line_failures_are_one_line_naming_the_path_exit_2(tmp_path, capsys):
-    """python -m kit.recipe.checkpoint, for real: a missing run, a run with no adapter, a truncated
+    """kit checkpoints, for real: a missing run, a run with no adapter, a truncated
     adapter file, an empty adapter, a damaged checkpoint, a merge into a folder that exists."""
     run = tmp_path / "run"  # a run folder whose run saved no adapter
     run.mkdir()
@@ -292,7 +292,7 @@ def test_command_line_failures_are_one_line_naming_the_path_exit_2(tmp_path, cap
             code = checkpoint.main([str(a) for a in args])
             stdout, stderr = capsys.readouterr()
         assert code == 2, (args, stderr[-2000:])
-        assert stderr.startswith(f"python -m kit.recipe.checkpoint {expected}"), stderr[-2000:]
+        assert stderr.startswith(f"kit checkpoints {expected}"), stderr[-2000:]
         assert stderr.count("\n") == 1 and stdout == "", stderr
     assert (out / "mine.txt").read_text() == "a user's file" and not (tmp_path / "new").exists()
     with pytest.raises(checkpoint.CheckpointError, match="out: '.*' exists; choose a new folder"):

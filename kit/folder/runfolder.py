@@ -109,7 +109,7 @@ CHECKED = "KIT_CHECKED"
 
 
 def checked_value(plan: Plan) -> str:
-    return json.dumps({"start": plan.start, "message": plan.message,
+    return json.dumps({"start": plan.start, "message": plan.message, "notes": plan.notes,
                        "checkpoint": str(plan.checkpoint) if plan.checkpoint else None})
 
 
@@ -119,7 +119,7 @@ def checked(environ=os.environ) -> Plan | None:
     if not value or restart(environ):
         return None
     got = json.loads(value)
-    return Plan(start=got["start"], message=got["message"],
+    return Plan(start=got["start"], message=got["message"], notes=got["notes"],
                 checkpoint=Path(got["checkpoint"]) if got["checkpoint"] else None)
 
 

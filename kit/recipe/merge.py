@@ -1,8 +1,8 @@
 """Reading back what was trained, outside training: verify a saved adapter or checkpoint, load the
 base exactly as trained plus the adapter in one process (no FSDP), export a merged standalone
-model, generate greedily; and the command line `python -m kit.recipe.checkpoint {list,verify,merge}`,
-where every failure is one line on stderr and exit code 2. `kit.recipe.checkpoint` re-exports all of it
-(notebook 08 calls `checkpoint.merge_adapter`).
+model, generate greedily; and the command line `kit checkpoints {list,verify,merge}` (also `kit
+merge RUN OUT`), where every failure is one line on stderr and exit code 2.
+`kit.recipe.checkpoint` re-exports all of it (notebook 08 calls `checkpoint.merge_adapter`).
 
 The kit never deletes a user's files: a merge into a folder that exists is refused, and the export
 is written into a temporary folder of its own next to it, renamed when complete.
