@@ -1,6 +1,9 @@
 # Count, per process, calls of the functions that check a start (issue 29: checks per launch).
 # Loaded through PYTHONPATH by benchmarks/count_checks.sh; every process of a launch inherits it.
-import atexit, json, os, sys
+import atexit
+import json
+import os
+import sys
 
 WATCH = {("config.py", "_check"), ("engines.py", "check"), ("preflight.py", "preflight"),
          ("__init__.py", "machine_violations"), ("runfolder.py", "plan"), ("check.py", "check")}
