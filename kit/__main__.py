@@ -2,6 +2,7 @@
 
     kit train tiny-cpu training.steps=20 --nproc 2    # check once, write launch/<run>/, train, follow
     kit check my.yaml data.path=rows.jsonl          # the check alone: one line, or what is wrong
+    kit plan my.yaml --gpus 1 --gpu-mem 24 --gpu H100   # the planner's choices, nothing started
     kit doctor my.yaml                              # known pitfalls for this config and machine
     kit bench benchmarks/matrices/bench-tiny.yaml --out launch/bench   # recipes side by side
     kit merge launch/my-run launch/my-run/merged    # the adapter folded into the base, exported
@@ -33,6 +34,8 @@ PASS_THROUGH = {
               "follow the output (kit train -h)"),
     "check": ("kit.run.check", [], "the check step alone: config, model, data rows, this machine, "
               "the run folder; one line on success (kit check -h)"),
+    "plan": ("kit.run.plan", [], "what the planner chooses for a config on this machine or on "
+             "stated GPUs: each value, who chose it and why (kit plan -h)"),
     "doctor": ("kit.doctor.__main__", [], "known QLoRA + FSDP pitfalls of a config, a script or a "
                "run folder (kit doctor -h)"),
     "bench": ("kit.bench.runner", [], "a matrix of training configurations, side by side, in one "

@@ -30,6 +30,7 @@ import yaml
 from kit import pitfalls
 
 DType = Literal["bfloat16", "float16", "float32"]
+AUTO = "auto"  # a value the planner chooses (kit.budget.plan)
 
 
 class ConfigError(ValueError):
@@ -85,7 +86,8 @@ class LoraConfig:
     # Adapters that read one input (q/k/v; gate/up) drop it once and run their down-projections
     # as one matmul (kit.recipe.lora_groups): fewer, larger kernels. The members share one dropout mask
     # instead of three, which changes what is learned a little (measured in benchmarks/results/).
-    group_inputs: bool = False
+    # auto: the planner's choice (kit.budget.plan: grouped on GPUs, where it pays).
+    group_inputs: bool | Literal["auto"] = "auto"
 
 
 @dataclass
@@ -138,7 +140,9 @@ class RecomputeConfig:
     # attention_matmuls: only the attention block's matmul results (q, k, v, o, attention) and the
     #   MLP's down projection; gate/up are recomputed (half of the matmul work twice): about half
     #   the memory of matmuls.
-    keeps: Literal["inputs", "matmuls", "mlp_matmuls", "attention_matmuls"] = "inputs"
+    # auto: the planner picks the policy and batch that it predicts fastest within memory
+    # (kit.budget.plan); inputs where it does not plan (a CPU, training.plan=off).
+    keeps: Literal["auto", "inputs", "matmuls", "mlp_matmuls", "attention_matmuls"] = "auto"
     # Run each layer's MLP this many tokens at a time, keeping only its input (kit.recipe.recompute):
     # at long sequences its gate/up intermediates are a layer's widest tensors (at the 8B shape
     # 56 KiB per token each). 0: off. Eager layers with keeps=inputs (or recompute off) only.
@@ -147,10 +151,18 @@ class RecomputeConfig:
 
 @dataclass
 class TrainingConfig:
+    # auto (the default): every value below left at "auto" is chosen by the planner
+    # (kit.budget.plan) from the model's shape, the GPUs, the engine and the data: the fastest
+    # configuration its memory estimate says fits; a value you set is kept. `kit plan CONFIG`
+    # shows the choices and why. off: "auto" values take the recipe's plain ones (batch 8, loss
+    # hf, no compile, recompute keeps inputs, adapters ungrouped).
+    plan: Literal["auto", "off"] = "auto"
     steps: int = 20  # optimizer steps
-    batch_size: int = 8  # sequences per device per micro-step
+    # Sequences per device per micro-step; auto: the largest the plan finds fastest within memory
+    # (8 on a CPU).
+    batch_size: int | Literal["auto"] = "auto"
     grad_accum: int = 1  # micro-steps per optimizer step
-    lr: float = 1e-2
+    lr: float = 2e-4  # for real models with LoRA; tiny random models learn at 1e-2 (tiny-cpu.yaml)
     weight_decay: float = 0.0
     warmup_steps: int = 2
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
@@ -163,15 +175,19 @@ class TrainingConfig:
     # at a time, gradient taken in forward: no logits for the whole batch ever exist (a further
     # ~1 GB per 2k tokens at 128k vocabulary). Needs a frozen output head; in training the
     # model's output then holds no logits (evaluation still gets them).
-    loss: Literal["hf", "chunked", "fused"] = "hf"
+    # auto: fused on GPUs where the model allows it (a frozen head, no logit softcapping or
+    # scaling), else chunked; hf on a CPU.
+    loss: Literal["auto", "hf", "chunked", "fused"] = "auto"
     # What autograd keeps for backward waits in pinned host memory (kit.recipe.offload): with whole-layer
     # recompute, each layer's input; with recompute off, all the layers keep. Saves GPU memory,
     # costs host memory and PCIe copies (a side stream overlaps them with compute). GPUs only.
-    offload_activations: bool = False
+    # auto: the planner offloads only when nothing fits in GPU memory otherwise (off on a CPU).
+    offload_activations: bool | Literal["auto"] = "auto"
     # torch.compile each decoder layer (after sharding, so FSDP's hooks stay outside the graph):
     # fuses the norm, rotary, activation, dropout and LoRA element-wise work around the matmuls.
     # The first step pays the compile (tens of seconds; a new batch shape compiles once more).
-    compile: bool = False
+    # auto: on GPUs (off on a CPU, with offloaded activations and with MLP tiles).
+    compile: bool | Literal["auto"] = "auto"
     # With compile: the share of a compiled layer's activations kept for backward (1.0: the
     # default partitioner). Below 1, torch's partitioner recomputes the cheapest work in backward
     # (element-wise first, matmuls last) until the kept activations fit this fraction: selective
@@ -194,7 +210,10 @@ class DataConfig:
     format: Literal["auto", "text", "messages"] = "auto"  # auto: messages if that field exists
     text_field: str = "text"
     messages_field: str = "messages"
-    max_seq_len: int = 32  # longer: more context, activation memory grows linearly (sdpa)
+    # Tokens per row; longer rows are cut. auto: the longest tokenized row of the training data
+    # (rounded up to a multiple of 8), at most the model's max_position_embeddings; with packing,
+    # 2048 (or the model's maximum if smaller). Activation memory grows linearly with it (sdpa).
+    max_seq_len: int | Literal["auto"] = "auto"
     # Pack several samples into each row (no padding); attention never crosses samples (position
     # ids restart per sample). See kit.recipe.data.
     packing: bool = False
@@ -394,20 +413,22 @@ def _check(cfg: Config) -> None:
         ("checkpointing.keep_last", cfg.checkpointing.keep_last, 0),
     ]  # fmt: skip
     for name, value, low in ranges:
+        if value == AUTO:  # training.batch_size: the planner's (kit.budget.plan)
+            continue
         unit = " (minutes)" if name == "run.dist_timeout_min" else ""
         need(value >= low, name, value, f"expected an integer >= {low}{unit}")
     need(0 < t.activation_memory_budget <= 1, "training.activation_memory_budget",
          t.activation_memory_budget, "expected a number in (0, 1]")
-    need(t.compile or t.activation_memory_budget == 1, "training.activation_memory_budget",
+    need(t.compile is not False or t.activation_memory_budget == 1, "training.activation_memory_budget",
          t.activation_memory_budget, "only 1.0 without training.compile=true (the budget steers "
          "the compiler's recompute)")
-    need(rc.enabled or rc.keeps == "inputs", "training.recompute.keeps",
+    need(rc.enabled or rc.keeps in ("inputs", AUTO), "training.recompute.keeps",
          rc.keeps, "only 'inputs' with training.recompute.enabled=false")
-    need(rc.keeps == "inputs" or t.activation_memory_budget == 1,
+    need(rc.keeps in ("inputs", AUTO) or t.activation_memory_budget == 1,
          "training.activation_memory_budget", t.activation_memory_budget,
          f"only 1.0 with training.recompute.keeps={rc.keeps!r} (its policy decides "
          "what is recomputed)")
-    need(not (lo.recompute and rc.enabled and rc.keeps != "inputs"),
+    need(not (lo.recompute and rc.enabled and rc.keeps not in ("inputs", AUTO)),
          "lora.recompute", lo.recompute, "only false with training.recompute.keeps="
          f"{rc.keeps!r} (its policy already recomputes the adapters' branch)")
     for name in ("warmup_steps", "eval_every"):
@@ -415,15 +436,15 @@ def _check(cfg: Config) -> None:
     need(t.lr > 0, "training.lr", t.lr, "expected a number > 0")
     need(t.weight_decay >= 0, "training.weight_decay", t.weight_decay, "expected a number >= 0")
     need(t.max_grad_norm >= 0, "training.max_grad_norm", t.max_grad_norm, "expected >= 0 (0: off)")
-    need(d.max_seq_len >= 2, "data.max_seq_len", d.max_seq_len, "expected an integer >= 2")
+    need(d.max_seq_len == AUTO or d.max_seq_len >= 2, "data.max_seq_len", d.max_seq_len, "expected an integer >= 2")
     need(0 <= d.val_fraction < 1, "data.val_fraction", d.val_fraction, "expected 0 <= x < 1")
     need(rc.mlp_tile_tokens >= 0, "training.recompute.mlp_tile_tokens", rc.mlp_tile_tokens,
          "expected an integer >= 0 (tokens per tile; 0: off)")
-    need(not rc.mlp_tile_tokens or (not t.compile and rc.keeps == "inputs"),
+    need(not rc.mlp_tile_tokens or (t.compile is not True and rc.keeps in ("inputs", AUTO)),
          "training.recompute.mlp_tile_tokens", rc.mlp_tile_tokens,
          "only 0 with training.compile=true or a selective training.recompute.keeps (the tiles "
          "run outside their graph and policy)")
-    need(not (t.offload_activations and t.compile), "training.offload_activations", True,
+    need(not (t.offload_activations is True and t.compile is True), "training.offload_activations", True,
          "only without training.compile (compiled layers keep their own saved tensors)")
     need(m.loading != "stream" or cfg.sharding.engine != "ddp", "model.loading", m.loading,
          "only with sharding.engine=fsdp2 or fsdp1 (it shards as it loads); with ddp: full "

@@ -34,6 +34,7 @@ from kit.recipe import (
     meters,
     model,
     offload,
+    planning,
     preempt,
     recompute,
 )
@@ -58,13 +59,19 @@ class Recipe:
         # mistake is its one line; the others end quietly): the engine, this machine, model.name,
         # and what this start does to the run folder (kit.folder.runfolder: rank 0 hashes the
         # checkpoints' files once, before any rank writes; nothing trained is replaced in place).
-        self.plan = kdist.on_main(env, self._check_and_plan)
+        # Then rank 0 plans every value left at "auto" (kit.budget.plan: this GPU, the data's
+        # rows, the model's shape); every rank trains with that plan.
+        self.plan, self.planned = kdist.on_main(env, self._check_and_plan)
         if self.plan.start is None:  # finished: nothing to do, nothing touched
             return
         if env.is_main:
             self.plan.keep_earlier(self.out)
             self.out.mkdir(parents=True, exist_ok=True)
+            # As given ("auto" kept): a resume on the same machine plans the same again, and a
+            # checkpoint's manifest compares the config that was asked for.
             self.folder.config.write_text(cfg.to_yaml())
+        self.say(self.planned.line())
+        cfg = self.cfg = self.planned.cfg
         with kdist.main_process_first(env):  # rank 0 builds kit models / fills caches first
             builtin.resolve(cfg.model.name)
             data.warm_cache(cfg.data)
@@ -117,18 +124,21 @@ class Recipe:
         )
         self.start_step = self._resume()
 
-    def _check_and_plan(self) -> runfolder.Plan:
+    def _check_and_plan(self) -> tuple[runfolder.Plan, planning.kplan.Planned | None]:
         cfg, env = self.cfg, self.env
         self.engine.check(cfg, env.world_size)
-        checked = runfolder.checked()  # a start checked before the ranks (kit.run.launch)
-        if checked is not None:
-            return checked
-        machine = {"device": env.device.type, "ranks": env.world_size, "packages": {}}
-        for _, violation in pitfalls.machine_violations(cfg, machine):
-            raise ConfigError(str(violation))
-        sources.check_model(cfg.model.name)
-        sources.check_with_model(cfg)  # before loading: config.json says what the model allows
-        return runfolder.plan(cfg, env.world_size, ranks=True)
+        folder = runfolder.checked()  # a start checked before the ranks (kit.run.launch)
+        if folder is None:
+            machine = {"device": env.device.type, "ranks": env.world_size, "packages": {}}
+            for _, violation in pitfalls.machine_violations(cfg, machine):
+                raise ConfigError(str(violation))
+            sources.check_model(cfg.model.name)
+            sources.check_with_model(cfg)  # before loading: config.json says what the model allows
+            folder = runfolder.plan(cfg, env.world_size, ranks=True)
+        if folder.start is None:
+            return folder, None
+        builtin.resolve(cfg.model.name)  # a kit model is built once, here, for its tokenizer
+        return folder, planning.resolve(cfg, env.device, env.world_size)
 
     def _resume(self) -> int:
         """Restore the checkpoint the plan chose (its manifest checked by kit.folder.runfolder); the
@@ -337,6 +347,7 @@ class Recipe:
             "device": self.env.device.type,
             "elapsed_s": round(time.perf_counter() - self.started, 3),
             "load": self.load,
+            "plan": self.planned.as_dict(),
             **saved,
         }
         if self.env.is_main:

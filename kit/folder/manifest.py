@@ -126,17 +126,19 @@ def read(folder: Path) -> dict | None:
     return marker if isinstance(marker, dict) else None
 
 
-def world_note(folder: Path, world_size: int, per_rank_rows: int) -> str | None:
+def world_note(folder: Path, world_size: int, per_rank_rows: int | None) -> str | None:
     """One line when checkpoint `folder` was written by another number of ranks than
-    `world_size` (per_rank_rows: training.batch_size x grad_accum), else None."""
+    `world_size` (per_rank_rows: training.batch_size x grad_accum; None: the batch is the plan's,
+    kit.budget.plan), else None."""
     saved = (read(Path(folder)) or {}).get("world_size")
     if saved in (None, world_size):
         return None
+    rows = ("a step's rows follow from the new plan" if per_rank_rows is None else
+            f"a step now takes {per_rank_rows * world_size} rows, not {per_rank_rows * saved}")
     return (f"{folder} was written by {saved} ranks, this run has {world_size}: the adapter and "
             "optimizer state are resharded and the data continues where it stopped (no sample "
-            f"repeated or skipped), but a step now takes {per_rank_rows * world_size} rows, not "
-            f"{per_rank_rows * saved}, and dropout draws from new per-rank streams: the losses "
-            f"from here are not those the {saved}-rank run would have had")
+            f"repeated or skipped), but {rows}, and dropout draws from new per-rank streams: the "
+            f"losses from here are not those the {saved}-rank run would have had")
 
 
 def _show(value) -> str:

@@ -215,7 +215,8 @@ def _plan(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume
                      f"schedule, the steps from {step + 1} on follow a {steps}-step one (the LR "
                      f"jumps there): not the same as a {steps}-step run from the start")
     t = cfg.training
-    if (other := manifest.world_note(ckpt, world_size, t.batch_size * t.grad_accum)) is not None:
+    rows = t.batch_size * t.grad_accum if isinstance(t.batch_size, int) else None  # None: planned
+    if (other := manifest.world_note(ckpt, world_size, rows)) is not None:
         notes.append(other)
     trim = _metrics_past(out, step)
     moved = [n for n in END if (out / n).exists()] + ([RunFolder.METRICS] if trim else [])

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kit.budget import plan as kplan
 from kit.config import Config, ConfigError
 from kit.recipe import loading, lora, quantize, recompute
 from kit.recipe import loss as kloss
@@ -36,11 +37,14 @@ def build(cfg: Config, device: torch.device, *, train: bool = True) -> Built:
     training.seed (the same adapter on every rank), switch on recomputation and the loss, and put
     it in train mode (from_pretrained returns eval mode, where transformers' recompute silently
     does nothing). train=False stops after LoRA: the model as loaded, for looking inside.
-    A data.max_seq_len past the model's max_position_embeddings is refused (ConfigError)."""
+    A data.max_seq_len past the model's max_position_embeddings is refused (ConfigError).
+    Values left at "auto" that a run has not planned (kit.budget.plan) take the recipe's plain
+    ones: a notebook's model, merge and chat build it so."""
+    cfg = kplan.plain(cfg)
     attn, warning = quantize.attention_implementation(cfg.attention.implementation)
     model, tokenizer = loading.load(cfg, device, attn)  # model.loading: full | rank0 | stream
     most = getattr(model.config, "max_position_embeddings", None)
-    if isinstance(most, int) and cfg.data.max_seq_len > most:  # the doctor's pre-flight says it too
+    if isinstance(most, int) and isinstance(cfg.data.max_seq_len, int) and cfg.data.max_seq_len > most:  # the doctor's pre-flight says it too
         raise ConfigError(f"data.max_seq_len: {cfg.data.max_seq_len} is not allowed; "
                           f"{cfg.model.name} has max_position_embeddings={most}")
     if cfg.data.packing:  # with a KV cache, transformers ignores packing (kit.recipe.data)

@@ -1,0 +1,375 @@
+"""The planner: every config value left at "auto", chosen from the model's shape, the GPUs, the
+engine and the data; every value a person set is kept.
+
+    planned = plan(cfg, Hardware("cuda", world_size=1, memory_gib=24, name="NVIDIA H100"), seq_len=2048)
+    planned.cfg          # a Config with no "auto" left: what the ranks train with
+    print(planned.table())   # each choice, who made it, why; predicted peak and expected speed
+
+Kernel side, no torch: the ranks call it at start (kit.train: rank 0 plans, every rank gets the
+plan), `kit plan CONFIG` prints it without starting anything. The memory side is the estimate's
+(kit.budget.estimate, checked against measured runs); the speed side is a two-term model of a
+step written below (`speed`), calibrated on the kit's measured 8B runs on one H100.
+
+What it chooses on a GPU (on a CPU, and with training.plan=off, the recipe's plain values):
+  - training.loss: fused where the model allows it (its head frozen, no logit softcapping or
+    scaling after the head), else chunked: no logits of the whole batch in fp32;
+  - training.compile: on (each decoder layer compiled), unless activations are offloaded or the
+    MLP is tiled (those run outside a compiled graph);
+  - lora.group_inputs: on (q/k/v and gate/up drop their shared input once);
+  - training.recompute.keeps and training.batch_size: of every policy and batch the estimate says
+    fit, the one `speed` predicts fastest.
+FP8 base matmuls (quantization.fp8_matmul) stay opt-in: they move the loss; the plan says what
+they would add on a GPU that has them.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+
+from kit.budget.estimate import Setup, estimate
+from kit.budget.shapes import Shape, flops_per_token, shape_of
+from kit.config import AUTO, Config, ConfigError
+
+# The recipe's plain values: what "auto" means where the kit does not plan (a CPU; plan=off).
+PLAIN = {"training.batch_size": 8, "training.loss": "hf", "training.compile": False,
+         "training.recompute.keeps": "inputs", "lora.group_inputs": False,
+         "training.offload_activations": False}
+POLICIES = ("matmuls", "mlp_matmuls", "attention_matmuls", "inputs")
+MAX_BATCH = 64
+
+# The step model (`speed`), calibrated on one H100 at the Llama-3-8B shape, sequence 2,048
+# (benchmarks/results/round3-8b-1xh100.md, round3-24-8b-1xh100.md; grouped bf16 adapters):
+# - OVERHEAD_TOKENS: what a micro-step costs beyond its tokens (the optimizer, FSDP's gathers,
+#   dequantizing each 4-bit weight, kernel launches), in tokens' worth of work: keeping every
+#   matmul, batch 2 ran at 0.60x batch 8's speed per token (9,724 against 16,090 with FP8),
+#   which gives ~4,600; rounded to 4,096.
+# - RERUN_COST: the step's extra time per unit of a layer's forward matmul work run again in
+#   backward: the matmuls are ~2/3 of a step and their forward a third of that (profile-8b).
+# - INPUTS_EXTRA: whole-layer recompute also reruns attention and the 4-bit dequantization.
+# - PEAK_SHARE: the share of the GPU's bf16 peak the step model's ideal step reaches
+#   (keeping every matmul, batch 8 at 13,503 tokens/s = 0.55 of 989 TFLOP/s after the model's
+#   overhead term).
+OVERHEAD_TOKENS = 4096
+RERUN_COST = 0.22
+INPUTS_EXTRA = 0.05
+PEAK_SHARE = 0.55
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12,
+                   "L40S": 362e12, "RTX 4090": 165e12}  # dense bf16, vendors' data sheets
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the plan needs of the machine: one process per GPU (or per CPU rank)."""
+
+    device: str  # "cuda" | "cpu"
+    world_size: int = 1
+    memory_gib: float | None = None  # per GPU: what the run may use (a cap, or the GPU's)
+    name: str = ""
+    fp8: bool = False  # compute capability 8.9 or higher: FP8 tensor cores
+
+    @property
+    def peak_flops(self) -> float | None:
+        return next((v for k, v in PEAK_BF16_FLOPS.items() if k in self.name), None)
+
+
+@dataclass
+class Choice:
+    field: str
+    value: object
+    by: str  # "you" (the config set it), "plan", "plain" (the recipe's plain value)
+    why: str
+
+
+@dataclass
+class Planned:
+    cfg: Config
+    hardware: Hardware
+    seq_len: int
+    choices: list[Choice] = field(default_factory=list)
+    predicted_gib: float | None = None  # the estimate's allocated peak per GPU
+    needed_gib: float | None = None  # with the estimate's headroom (what must fit)
+    tokens_per_s: float | None = None  # per GPU, the step model's (`speed`)
+    notes: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        t, rc = self.cfg.training, self.cfg.training.recompute
+        parts = [f"batch {t.batch_size} x {self.seq_len} tokens", f"loss {t.loss}",
+                 f"compile {'on' if t.compile else 'off'}",
+                 f"recompute {'keeps ' + rc.keeps if rc.enabled else 'off'}",
+                 f"adapters {'grouped' if self.cfg.lora.group_inputs else 'ungrouped'}"]
+        if t.offload_activations:
+            parts.append("activations offloaded")
+        mem = (f"; predicted peak {self.predicted_gib:.1f} GiB of {self.hardware.memory_gib:g}"
+               if self.predicted_gib is not None and self.hardware.memory_gib else "")
+        speed = f", ~{self.tokens_per_s:,.0f} tokens/s per GPU" if self.tokens_per_s else ""
+        return f"plan: {', '.join(parts)}{mem}{speed}"
+
+    def table(self) -> str:
+        hw = self.hardware
+        where = (f"{hw.world_size} x {hw.name or hw.device}"
+                 + (f", {hw.memory_gib:g} GiB each" if hw.memory_gib else ""))
+        rows = [f"plan for {where}; sequence {self.seq_len} tokens", "",
+                "| field | value | by | why |", "|---|---|---|---|"]
+        rows += [f"| {c.field} | {c.value} | {c.by} | {c.why} |" for c in self.choices]
+        if self.predicted_gib is not None and hw.device == "cuda":
+            rows += ["", f"predicted peak {self.predicted_gib:.1f} GiB per GPU "
+                     f"({self.needed_gib:.1f} with headroom; kit.budget.estimate)"]
+        elif self.predicted_gib is not None:
+            rows += ["", f"predicted peak {self.predicted_gib * 1024:,.0f} MiB per process "
+                     "(kit.budget.estimate)"]
+        if self.tokens_per_s:
+            rows.append(f"expected ~{self.tokens_per_s:,.0f} tokens/s per GPU (the planner's "
+                        "step model, calibrated on one H100; measured speeds: notebook 09)")
+        rows += self.notes
+        return "\n".join(rows)
+
+    def as_dict(self) -> dict:
+        return {"line": self.line(), "seq_len": self.seq_len, "predicted_gib": self.predicted_gib,
+                "needed_gib": self.needed_gib, "tokens_per_s": self.tokens_per_s,
+                "choices": [[c.field, c.value, c.by] for c in self.choices],
+                "hardware": {"device": self.hardware.device, "world_size": self.hardware.world_size,
+                             "memory_gib": self.hardware.memory_gib, "name": self.hardware.name}}
+
+
+def _get(cfg: Config, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _set(cfg: Config, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    node = cfg
+    for part in parents:
+        node = getattr(node, part)
+    setattr(node, last, value)
+
+
+def is_planned(cfg: Config) -> bool:
+    """True when no value the planner chooses is left at "auto"."""
+    return all(_get(cfg, f) != AUTO for f in PLAIN) and cfg.data.max_seq_len != AUTO
+
+
+def rerun_share(shape: Shape, keeps: str) -> float:
+    """The share of a decoder layer's forward matmul work that `keeps` runs again in backward."""
+    lin = {n: a * b for n, (a, b) in shape.linears().items()}
+    total = sum(lin.values())
+    again = {"matmuls": 0, "inputs": total,
+             "mlp_matmuls": total - lin["gate_proj"] - lin["up_proj"],
+             "attention_matmuls": lin["gate_proj"] + lin["up_proj"]}[keeps]
+    return again / total
+
+
+def speed(shape: Shape, seq_len: int, batch: int, keeps: str | None, hw: Hardware) -> float:
+    """Tokens/s per GPU the step model predicts (relative when the GPU's peak is unknown): a
+    micro-step of n tokens runs at n / (n + OVERHEAD_TOKENS) of the ideal rate, slowed by what
+    the recompute policy runs twice."""
+    n = batch * seq_len
+    cost = 1.0
+    if keeps is not None:  # recompute on
+        cost += RERUN_COST * rerun_share(shape, keeps) + (INPUTS_EXTRA if keeps == "inputs" else 0)
+    rate = n / (n + OVERHEAD_TOKENS) / cost
+    peak = hw.peak_flops
+    return rate * PEAK_SHARE * peak / flops_per_token(shape, seq_len) if peak else rate
+
+
+def _fused_allowed(cfg: Config, model_config: dict | None) -> str | None:
+    """None when the fused loss can run this model; else why not."""
+    from kit.inputs.sources import logit_transforms
+
+    targets = cfg.lora.target_modules
+    if not isinstance(targets, str) and "lm_head" in targets:
+        return "the output head trains (lora.target_modules has lm_head)"
+    if model_config and (found := logit_transforms(model_config)):
+        return f"the model's logits pass through {', '.join(found)} after the head"
+    return None
+
+
+def _shape(cfg: Config, model_config: dict | None) -> Shape | None:
+    try:
+        return shape_of(model_config if model_config is not None else cfg.model.name)
+    except (ValueError, KeyError, OSError):
+        return None
+
+
+def _setup(cfg: Config, hw: Hardware, seq_len: int) -> Setup:
+    probe = copy.deepcopy(cfg)
+    probe.data.max_seq_len = seq_len
+    return Setup.from_config(probe, world_size=hw.world_size)
+
+
+def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = None) -> Planned:
+    """The config with every "auto" chosen (see the module's doc). Raises ConfigError in one
+    line when nothing fits the GPUs' memory, naming the smallest change that does."""
+    out = copy.deepcopy(cfg)
+    t, rc = out.training, out.training.recompute
+    planned = Planned(out, hw, seq_len)
+    say = planned.choices.append
+    if out.data.max_seq_len == AUTO:
+        out.data.max_seq_len = seq_len
+        say(Choice("data.max_seq_len", seq_len, "plan", "the data's longest row (kit.recipe.data)"))
+    else:
+        say(Choice("data.max_seq_len", seq_len, "you", "set in the config"))
+    gpu = hw.device == "cuda" and t.plan == AUTO
+    if not gpu:
+        why = "training.plan=off" if t.plan != AUTO else "a CPU: the recipe's plain value"
+        for name, value in PLAIN.items():
+            if _get(out, name) == AUTO:
+                _set(out, name, value)
+                say(Choice(name, value, "plain", why))
+            else:
+                say(Choice(name, _get(out, name), "you", "set in the config"))
+        _fill_memory(planned, _shape(cfg, model_config))
+        return planned
+
+    shape = _shape(cfg, model_config)
+    if shape is None:
+        raise ConfigError(f"model.name: {cfg.model.name!r} has no config.json at hand to plan "
+                          "from; allowed: a local folder or a cached hub id, or training.plan=off")
+    # The loss, compile and groups first: they move memory little and speed much (measured).
+    if t.loss == AUTO:
+        blocked = _fused_allowed(out, model_config)
+        t.loss = "chunked" if blocked else "fused"
+        say(Choice("training.loss", t.loss, "plan", f"fused cannot run: {blocked}" if blocked
+                   else "the head and the loss a chunk at a time: no logits of the batch"))
+    else:
+        say(Choice("training.loss", t.loss, "you", "set in the config"))
+    if out.lora.group_inputs == AUTO:
+        out.lora.group_inputs = True
+        say(Choice("lora.group_inputs", True, "plan",
+                   "q/k/v and gate/up drop their input once, one down-projection each group"))
+    else:
+        say(Choice("lora.group_inputs", out.lora.group_inputs, "you", "set in the config"))
+
+    policies = ([rc.keeps] if rc.keeps != AUTO else
+                ["inputs"] if (not rc.enabled or rc.mlp_tile_tokens or out.lora.recompute
+                               or t.activation_memory_budget < 1) else list(POLICIES))
+    batches = [t.batch_size] if t.batch_size != AUTO else list(range(1, MAX_BATCH + 1))
+    # In GPU memory first; activations offloaded to host memory only when nothing fits so.
+    offload, chose_offload = t.offload_activations, t.offload_activations == AUTO
+    best = None
+    if offload is not True:
+        t.offload_activations = False
+        best = _search(out, hw, seq_len, shape, policies, batches)
+    if best is None and offload is not False and t.compile is not True and "inputs" in policies:
+        t.offload_activations = True
+        best = _search(out, hw, seq_len, shape, ["inputs"], batches)
+    if best is None:
+        t.offload_activations = offload if offload != AUTO else False
+        raise ConfigError(_refusal(out, hw, seq_len, shape, policies, batches))
+    say(Choice("training.offload_activations", t.offload_activations,
+               "plan" if chose_offload else "you", "set in the config" if not chose_offload else
+               "nothing fits in GPU memory otherwise" if t.offload_activations else
+               "what the layers keep fits in GPU memory"))
+    if t.compile == AUTO:
+        outside = ("training.offload_activations" if t.offload_activations else
+                   "training.recompute.mlp_tile_tokens" if rc.mlp_tile_tokens else None)
+        t.compile = outside is None
+        say(Choice("training.compile", t.compile, "plan", f"{outside} runs outside a compiled "
+                   "graph" if outside else "fuses each layer's element-wise work"))
+    else:
+        say(Choice("training.compile", t.compile, "you", "set in the config"))
+    (keeps, batch), _ = best
+    by_keeps = "you" if rc.keeps != AUTO else "plan"
+    rc.keeps = keeps if rc.enabled else rc.keeps if rc.keeps != AUTO else "inputs"
+    say(Choice("training.recompute.keeps", rc.keeps, by_keeps, "set in the config"
+               if by_keeps == "you" else "recompute is off" if not rc.enabled else
+               f"with batch {batch}: the fastest that fits, by the step model"))
+    by_batch = "you" if t.batch_size != AUTO else "plan"
+    t.batch_size = batch
+    say(Choice("training.batch_size", batch, by_batch, "set in the config" if by_batch == "you"
+               else f"the fastest that fits {hw.memory_gib:g} GiB"))
+    _fill_memory(planned, shape)
+    planned.tokens_per_s = (speed(shape, seq_len, batch, rc.keeps if rc.enabled else None, hw)
+                            if hw.peak_flops else None)
+    if hw.fp8 and not out.quantization.fp8_matmul and out.quantization.method != "none":
+        planned.notes.append(
+            "not chosen: quantization.fp8_matmul=true (this GPU has FP8 tensor cores; measured "
+            "+15-19% tokens/s on one H100, benchmarks/results/round3-8b-1xh100.md; it changes "
+            "the numerics, so it stays yours to choose)")
+    return planned
+
+
+def _fits(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, **changes) -> float | None:
+    """The estimate's needed GiB when `changes` (Setup fields) fit hw, else None."""
+    need = estimate(shape, replace(_setup(cfg, hw, seq_len), **changes)).needed_gib()
+    return need if hw.memory_gib is None or need <= hw.memory_gib else None
+
+
+def _search(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, policies, batches):
+    """((keeps, batch), needed GiB) predicted fastest among those that fit; None if none does."""
+    recompute = cfg.training.recompute.enabled
+    best, best_speed = None, -1.0
+    for keeps in policies:
+        for batch in batches:
+            need = _fits(cfg, hw, seq_len, shape, batch_size=batch, recompute_keeps=keeps)
+            if need is None:
+                break  # a larger batch needs more
+            s = speed(shape, seq_len, batch, keeps if recompute else None, hw)
+            if s > best_speed * 1.001:  # a tie goes to the smaller batch (less memory)
+                best, best_speed = ((keeps, batch), need), s
+        if not recompute:
+            break
+    return best
+
+
+def _refusal(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, policies, batches) -> str:
+    """One line: nothing fits; the smallest single change that does (tried in this order)."""
+    t = cfg.training
+    need = estimate(shape, replace(_setup(cfg, hw, seq_len), batch_size=batches[0],
+                                   recompute_keeps=policies[-1])).needed_gib()
+    trials = []
+    if batches[0] > 1:  # a batch you set: the largest that fits, with the policies allowed
+        for batch in range(batches[0] - 1, 0, -1):
+            if any(_fits(cfg, hw, seq_len, shape, batch_size=batch, recompute_keeps=k)
+                   is not None for k in policies):
+                return _line(cfg, hw, seq_len, need, f"training.batch_size={batch}")
+    if policies != ["inputs"] and t.recompute.enabled:
+        trials.append(("training.recompute.keeps=inputs", dict(recompute_keeps="inputs")))
+    if not t.recompute.enabled:
+        trials.append(("training.recompute.enabled=true",
+                       dict(recompute=True, recompute_keeps="inputs")))
+    if t.loss != "fused":
+        trials.append(("training.loss=fused", dict(loss="fused")))
+    if t.offload_activations is not True and t.compile is not True:
+        trials.append(("training.offload_activations=true", dict(offload_activations=True)))
+    base = dict(batch_size=batches[0], recompute_keeps=policies[-1])
+    for text, change in trials:
+        if _fits(cfg, hw, seq_len, shape, **{**base, **change}) is not None:
+            return _line(cfg, hw, seq_len, need, text)
+    for seq in (s for s in (32768, 16384, 8192, 4096, 2048, 1024, 512) if s < seq_len):
+        if _fits(cfg, hw, seq, shape, **base) is not None:
+            return _line(cfg, hw, seq_len, need, f"data.max_seq_len={seq}")
+    for gpus in (2, 4, 8, 16, 32, 64):
+        if gpus > hw.world_size and cfg.sharding.engine != "ddp" and _fits(
+                cfg, replace(hw, world_size=gpus), seq_len, shape, **base) is not None:
+            return _line(cfg, hw, seq_len, need, f"{gpus} GPUs (FSDP shards the weights)")
+    return _line(cfg, hw, seq_len, need, "a larger GPU or sharding.cpu_offload=true")
+
+
+def _line(cfg: Config, hw: Hardware, seq_len: int, need: float, change: str) -> str:
+    return (f"training.batch_size: {cfg.training.batch_size!r} does not fit: the smallest "
+            f"configuration needs {need:.1f} GiB per GPU with headroom, {hw.memory_gib:g} GiB "
+            f"available ({hw.world_size} x {hw.name or hw.device}, sequence {seq_len}); the "
+            f"smallest change that fits: {change}")
+
+
+def _fill_memory(planned: Planned, shape: Shape | None) -> None:
+    if shape is None:  # a model whose shape cannot be read: no prediction
+        return
+    est = estimate(shape, _setup(planned.cfg, planned.hardware, planned.seq_len))
+    planned.predicted_gib, planned.needed_gib = round(est.total_gib, 2), round(est.needed_gib(), 2)
+
+
+def plain(cfg: Config) -> Config:
+    """The config with every "auto" at the recipe's plain value (outside a planned run: a
+    notebook's model, merge, chat); data.max_seq_len "auto" is left for the data to decide."""
+    if all(_get(cfg, f) != AUTO for f in PLAIN):
+        return cfg
+    out = copy.deepcopy(cfg)
+    for name, value in PLAIN.items():
+        if _get(out, name) == AUTO:
+            _set(out, name, value)
+    return out

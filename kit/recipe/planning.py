@@ -1,0 +1,51 @@
+"""The plan on the rank side: this machine's GPUs and the data's rows, handed to the planner
+(kit.budget.plan), which chooses every config value left at "auto".
+
+    planned = resolve(cfg, env)     # rank 0 (kit.train), or a command's own process (kit plan)
+    planned.cfg                     # nothing "auto" left
+
+Rank 0 plans and every rank trains with its plan (kit.recipe.dist.on_main): one GPU kind per job.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kit.budget import plan as kplan
+from kit.config import AUTO, Config
+from kit.inputs import builtin, sources
+
+
+def hardware(device: torch.device, world_size: int) -> kplan.Hardware:
+    """This process's device as the planner sees it: on a GPU its memory under any cap set with
+    torch.cuda.set_per_process_memory_fraction (kit.bench's caps), its name, FP8 or not."""
+    if device.type != "cuda":
+        return kplan.Hardware("cpu", world_size)
+    props = torch.cuda.get_device_properties(device)
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    return kplan.Hardware("cuda", world_size, round(props.total_memory * fraction / 2**30, 2),
+                          props.name, (props.major, props.minor) >= (8, 9))
+
+
+def seq_len(cfg: Config) -> int:
+    """data.max_seq_len, or for "auto" the data's longest row (kit.recipe.data.auto_seq_len) as
+    the model's tokenizer reads it, at most the model's max_position_embeddings."""
+    if cfg.data.max_seq_len != AUTO:
+        return cfg.data.max_seq_len
+    from transformers import AutoTokenizer
+
+    from kit.recipe import data
+
+    tokenizer = AutoTokenizer.from_pretrained(builtin.resolve(cfg.model.name),
+                                              trust_remote_code=cfg.model.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    most = (sources.model_config(cfg.model.name) or {}).get("max_position_embeddings")
+    return data.auto_seq_len(cfg.data, tokenizer, most if isinstance(most, int) else None)
+
+
+def resolve(cfg: Config, device: torch.device, world_size: int,
+            hw: kplan.Hardware | None = None) -> kplan.Planned:
+    """The plan for `cfg` on `world_size` processes of `device` (or the hardware `hw` says)."""
+    return kplan.plan(cfg, hw or hardware(device, world_size), seq_len(cfg),
+                      sources.model_config(cfg.model.name))

@@ -1,0 +1,66 @@
+"""`kit plan`: what the planner (kit.budget.plan) chooses for a config, without starting a run.
+
+    kit plan tiny-cpu                                  # this machine (its GPUs, or a CPU)
+    kit plan my.yaml model.name=kit:llama-8b --gpus 1 --gpu-mem 24 --gpu H100
+    kit plan my.yaml --gpus 2 --gpu-mem 80             # a machine you do not have
+
+Prints each value the plan chose, who chose it (you, the plan, the recipe's plain value) and
+why, with the estimate's predicted peak per GPU and the step model's expected speed. A plan that
+cannot fit is one line on stderr naming the smallest change that fits (exit 2). The data's rows
+are tokenized here for data.max_seq_len=auto: this command's own process imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kit.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kit plan", description=__doc__.split("\n")[0])
+    parser.add_argument("config", nargs="?", help="a kit YAML or a bundled config's name")
+    parser.add_argument("overrides", nargs="*", help="key=value")
+    parser.add_argument("--gpus", type=int, help="GPUs (one process each); default: this machine's")
+    parser.add_argument("--gpu-mem", type=float, help="GiB per GPU the run may use")
+    parser.add_argument("--gpu", default="", help="the GPU's name, e.g. H100, H200, A100 (its "
+                        "bf16 peak gives the expected speed; H100/H200 also FP8)")
+    parser.add_argument("--nproc", type=int, default=2, help="processes on a CPU (default 2)")
+    args = parser.parse_intermixed_args(argv)
+    path, overrides = args.config, list(args.overrides)
+    if path and "=" in path:
+        path, overrides = None, [path, *overrides]
+    try:
+        cfg = load_config(path, overrides)
+        hw = _hardware(args)
+        from kit.recipe import planning  # torch: this command's own process
+
+        planned = planning.resolve(cfg, None, hw.world_size, hw)
+    except ConfigError as e:
+        sys.stderr.write(f"ConfigError: {e}\n")
+        return 2
+    print(planned.table())
+    return 0
+
+
+def _hardware(args):
+    from kit.budget.plan import Hardware
+
+    if args.gpus is None and args.gpu_mem is None:
+        import torch
+
+        if torch.cuda.is_available():
+            from kit.recipe import planning
+
+            return planning.hardware(torch.device("cuda", 0), torch.cuda.device_count())
+        return Hardware("cpu", args.nproc)
+    if not args.gpus or args.gpus < 1 or not args.gpu_mem or args.gpu_mem <= 0:
+        raise ConfigError(f"--gpus {args.gpus} --gpu-mem {args.gpu_mem}: not allowed; expected "
+                          "both, a whole number of GPUs >= 1 and GiB per GPU > 0")
+    return Hardware("cuda", args.gpus, args.gpu_mem, args.gpu,
+                    fp8=any(k in args.gpu for k in ("H100", "H200", "B200", "L40", "4090")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
