@@ -68,7 +68,17 @@ class Setup:
 
     @classmethod
     def from_config(cls, cfg, world_size: int = 2) -> Setup:
-        """The Setup a kit Config (kit/config.py) describes."""
+        """The Setup a kit Config (kit/config.py) describes. Values left at "auto" that move
+        memory little take the recipe's plain ones (kit.budget.plan.PLAIN); the batch and the
+        sequence length must be known (a planned config: kit.budget.plan)."""
+        def plain(value, default):
+            return default if value == "auto" else value
+
+        for name, value in (("training.batch_size", cfg.training.batch_size),
+                            ("data.max_seq_len", cfg.data.max_seq_len)):
+            if value == "auto":
+                raise ValueError(f"{name} is 'auto': the planner chooses it (kit.budget.plan); "
+                                 "estimate a planned config, or set it")
         targets = cfg.lora.target_modules
         return cls(
             world_size=world_size,
@@ -80,18 +90,18 @@ class Setup:
             lora_targets=targets if isinstance(targets, str) else tuple(targets),
             lora_dtype=cfg.lora.dtype,
             lora_dropout=cfg.lora.dropout > 0,
-            lora_groups=cfg.lora.group_inputs,
+            lora_groups=plain(cfg.lora.group_inputs, False),
             batch_size=cfg.training.batch_size,
             seq_len=cfg.data.max_seq_len,
             recompute=cfg.training.recompute.enabled,
-            recompute_keeps=cfg.training.recompute.keeps,
+            recompute_keeps=plain(cfg.training.recompute.keeps, "inputs"),
             attention=cfg.attention.implementation,
             cpu_offload=cfg.sharding.cpu_offload,
             loading=cfg.model.loading if cfg.model.loading != "auto"
             else "full" if cfg.sharding.engine == "ddp" else "stream",
             reshard_after_forward=cfg.sharding.reshard_after_forward,
-            loss=cfg.training.loss,
-            offload_activations=cfg.training.offload_activations,
+            loss=plain(cfg.training.loss, "hf"),
+            offload_activations=plain(cfg.training.offload_activations, False),
             mlp_tile_tokens=cfg.training.recompute.mlp_tile_tokens,
         )
 

@@ -350,8 +350,8 @@ def _refusal(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, policies, ba
 
 
 def _line(cfg: Config, hw: Hardware, seq_len: int, need: float, change: str) -> str:
-    return (f"training.batch_size: {cfg.training.batch_size!r} does not fit: the smallest "
-            f"configuration needs {need:.1f} GiB per GPU with headroom, {hw.memory_gib:g} GiB "
+    return (f"training.batch_size: {cfg.training.batch_size!r} does not fit: it needs "
+            f"{need:.1f} GiB per GPU with headroom (kit.budget.estimate), {hw.memory_gib:g} GiB "
             f"available ({hw.world_size} x {hw.name or hw.device}, sequence {seq_len}); the "
             f"smallest change that fits: {change}")
 

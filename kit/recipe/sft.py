@@ -40,6 +40,7 @@ go to <run>/trainer/. Rank side.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import time
@@ -48,11 +49,12 @@ from pathlib import Path
 import torch
 
 from kit import pitfalls
+from kit.budget import plan as kplan
 from kit.config import Config, ConfigError, load_config
 from kit.folder import runfolder
 from kit.folder.layout import RunFolder
 from kit.inputs import builtin
-from kit.recipe import checkpoint, checks, data, engines, lora, meters, model
+from kit.recipe import checkpoint, checks, data, engines, lora, meters, model, planning
 from kit.recipe import dist as kdist
 from kit.recipe.sft_setup import (  # noqa: F401 - the names tests and callers use here
     SCHEDULERS,
@@ -260,6 +262,10 @@ def run(cfg: Config) -> dict:
     import trl
     from trl import SFTTrainer
 
+    # This path plans nothing: values left at auto take the recipe's plain ones (SFTTrainer
+    # computes its own loss and compiles nothing); data.max_seq_len auto is the data's longest
+    # row, known once the model's tokenizer is at hand (below).
+    given, cfg = cfg, kplan.plain(cfg)
     device = check_launch(cfg, os.environ, torch.cuda.is_available())
     args = sft_config(cfg, use_cpu=device.type == "cpu", environ=os.environ)
     state = args.distributed_state  # joins the process group (gloo on CPU, nccl on GPUs)
@@ -269,10 +275,13 @@ def run(cfg: Config) -> dict:
     if is_main:
         plan.keep_earlier(out)
         out.mkdir(parents=True, exist_ok=True)
-        RunFolder(out).config.write_text(cfg.to_yaml())
+        RunFolder(out).config.write_text(given.to_yaml())
     with state.main_process_first():  # rank 0 builds kit models / fills caches first
         builtin.resolve(cfg.model.name)
         data.warm_cache(cfg.data)
+    if cfg.data.max_seq_len == "auto":
+        cfg = copy.deepcopy(cfg)
+        cfg.data.max_seq_len = args.max_length = planning.seq_len(cfg)
     built = model.build(cfg, device, train=False)  # load (NF4 or none) -> LoRA, seeded
     peft_model, tokenizer = built.model, built.tokenizer
     if cfg.lora.recompute:

@@ -67,7 +67,8 @@ def sft_config(cfg: Config, use_cpu: bool, environ=None):
         "save_total_limit": (c.keep_last or None, "checkpointing.keep_last"),
         "seed": (t.seed, "training.seed"),
         "data_seed": (t.seed, "training.seed"),
-        "max_length": (d.max_seq_len, "data.max_seq_len"),
+        # auto: set by kit.recipe.sft once the tokenizer has read the data.
+        "max_length": (d.max_seq_len if d.max_seq_len != "auto" else None, "data.max_seq_len"),
         "packing": (d.packing, "data.packing"),
         "dataset_text_field": (d.text_field, "data.text_field"),
         # transformers 5.23 renamed these activation_checkpointing*; 5.17 has only the old names.

@@ -11,7 +11,8 @@ would do to its run folder (kit.folder.runfolder: a refused start, a finished ru
 
 On success it prints one line: what the run will see of its data, as the ranks will print it (the
 model's tokenizer, the rows tokenized: training and validation rows, per rank, tokens, what the
-loss covers, steps and epochs), and what the start does to its run folder (new, resumed).
+loss covers, steps and epochs), the plan of the values left at auto (kit.budget.plan: a plan that
+cannot fit is refused here), and what the start does to its run folder (new, resumed).
 That line is the one step here that imports torch (kit.recipe.data.plan), and only in this command's own
 process: `check()`, which the notebook kernel calls, does not make it.
 
@@ -75,9 +76,14 @@ def check(cfg: Config, nproc_per_node: int = 2, nnodes: int = 1,
 def data_line(cfg: Config, world_size: int, plan: runfolder.Plan) -> str:
     """The success line: the data as rank 0 will print it, and what the start does to its run
     folder. Imports torch and transformers: for a command's own process, not a notebook's."""
-    from kit.recipe import data  # torch, transformers: this process only (see above)
+    import torch
 
-    return f"{data.plan(cfg, world_size)}; run: {plan.message}"
+    from kit.recipe import data, planning  # torch, transformers: this process only (see above)
+
+    gpu = torch.cuda.is_available() and cfg.training.device != "cpu"
+    planned = planning.resolve(cfg, torch.device("cuda", 0) if gpu else torch.device("cpu"),
+                               world_size)  # values left at auto: as rank 0 will choose them
+    return f"{data.plan(planned.cfg, world_size)}; {planned.line()}; run: {plan.message}"
 
 
 def main(argv: list[str] | None = None) -> int:
