@@ -153,7 +153,8 @@ def test_weight_terms_are_the_bytes_a_loaded_model_holds(engine, double_quant):
 
     from kit.recipe import model as kmodel
 
-    cfg = load_config(None, [f"sharding.engine={engine}",
+    cfg = load_config(None, [f"sharding.engine={engine}", "training.batch_size=8",
+                             "data.max_seq_len=32",
                              f"quantization.double_quant={str(double_quant).lower()}"])  # fmt: skip
     peft_model = kmodel.build(cfg, torch.device("cpu"), train=False).model
     tensors = [*peft_model.parameters(), *peft_model.buffers()]

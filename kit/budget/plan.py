@@ -212,10 +212,16 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
         say(Choice("data.max_seq_len", seq_len, "plan", "the data's longest row (kit.recipe.data)"))
     else:
         say(Choice("data.max_seq_len", seq_len, "you", "set in the config"))
+    if t.compile == AUTO and t.activation_memory_budget < 1:  # the budget steers the compiler
+        t.compile = True
+        say(Choice("training.compile", True, "plan", "training.activation_memory_budget < 1 "
+                   "steers the compiler's recompute"))
     gpu = hw.device == "cuda" and t.plan == AUTO
     if not gpu:
         why = "training.plan=off" if t.plan != AUTO else "a CPU: the recipe's plain value"
         for name, value in PLAIN.items():
+            if any(c.field == name for c in planned.choices):
+                continue
             if _get(out, name) == AUTO:
                 _set(out, name, value)
                 say(Choice(name, value, "plain", why))
@@ -269,7 +275,7 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
         t.compile = outside is None
         say(Choice("training.compile", t.compile, "plan", f"{outside} runs outside a compiled "
                    "graph" if outside else "fuses each layer's element-wise work"))
-    else:
+    elif not any(c.field == "training.compile" for c in planned.choices):
         say(Choice("training.compile", t.compile, "you", "set in the config"))
     (keeps, batch), _ = best
     by_keeps = "you" if rc.keeps != AUTO else "plan"
