@@ -197,6 +197,8 @@ def _shape(cfg: Config, model_config: dict | None) -> Shape | None:
 def _setup(cfg: Config, hw: Hardware, seq_len: int) -> Setup:
     probe = copy.deepcopy(cfg)
     probe.data.max_seq_len = seq_len
+    if probe.training.batch_size == AUTO:  # each candidate sets its own (Setup.batch_size)
+        probe.training.batch_size = 1
     return Setup.from_config(probe, world_size=hw.world_size)
 
 

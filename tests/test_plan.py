@@ -1,0 +1,165 @@
+"""The planner (kit.budget.plan, `kit plan`): what it chooses for the tiny CPU configs and for the
+8B and 70B shapes on stated GPUs, checked against the memory estimate it plans with; values a
+person sets are kept; a plan that cannot fit is one line naming a change that does fit; a run
+with the config's defaults trains a model with a real model's values."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kit.budget import plan as kplan
+from kit.budget.estimate import Setup, estimate
+from kit.budget.shapes import shape_of
+from kit.config import AUTO, ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def _gpu(world: int, gib: float, name: str = H100) -> kplan.Hardware:
+    return kplan.Hardware("cuda", world, gib, name, fp8=True)
+
+
+def _needed(planned: kplan.Planned, **changes) -> float:
+    """The estimate's needed GiB (with headroom) for the planned config, with `changes`."""
+    cfg = planned.cfg
+    setup = replace(Setup.from_config(cfg, world_size=planned.hardware.world_size), **changes)
+    return estimate(cfg.model.name, setup).needed_gib()
+
+
+def test_defaults_are_a_real_models():
+    """The config's own defaults are what a careful user picks for a real model: the tiny CPU
+    configs set their high learning rates themselves."""
+    cfg = load_config(None)
+    assert cfg.training.lr == 2e-4
+    assert cfg.training.plan == AUTO and cfg.training.batch_size == AUTO
+    assert cfg.data.max_seq_len == AUTO
+    assert load_config("tiny-cpu").training.lr == 1e-2
+
+
+def test_tiny_cpu_plan_keeps_what_the_config_sets_and_plain_values_for_the_rest():
+    cfg = load_config("tiny-cpu")
+    planned = kplan.plan(cfg, kplan.Hardware("cpu", 2), 32)
+    by = {c.field: (c.value, c.by) for c in planned.choices}
+    assert by["training.batch_size"] == (8, "you") and by["data.max_seq_len"] == (32, "you")
+    assert by["training.loss"] == ("hf", "plain") and by["training.compile"] == (False, "plain")
+    assert by["training.recompute.keeps"] == ("inputs", "plain")
+    assert kplan.is_planned(planned.cfg) and not kplan.is_planned(cfg)  # the input is untouched
+
+
+@pytest.mark.parametrize("gib", [24, 40, 80])
+def test_8b_on_one_gpu_is_the_fastest_that_fits_by_the_estimate(gib):
+    """On one H100 capped at `gib`: the GPU levers on, and of every (policy, batch) the estimate
+    says fits, the one the step model predicts fastest; one batch more does not fit."""
+    cfg = load_config(None, ["model.name=kit:llama-8b", "lora.r=16", "lora.alpha=32"])
+    planned = kplan.plan(cfg, _gpu(1, gib), 2048)
+    t = planned.cfg.training
+    assert (t.loss, t.compile, planned.cfg.lora.group_inputs) == ("fused", True, True)
+    assert t.offload_activations is False
+    assert planned.needed_gib == pytest.approx(_needed(planned), abs=0.01) and planned.needed_gib <= gib
+    assert _needed(planned, batch_size=t.batch_size + 1) > gib
+    shape = shape_of("kit:llama-8b")
+    best = kplan.speed(shape, 2048, t.batch_size, t.recompute.keeps, planned.hardware)
+    for keeps in kplan.POLICIES:
+        for batch in range(1, kplan.MAX_BATCH + 1):
+            if _needed(planned, batch_size=batch, recompute_keeps=keeps) > gib:
+                break
+            assert kplan.speed(shape, 2048, batch, keeps, planned.hardware) <= best * 1.001
+    assert planned.tokens_per_s and planned.tokens_per_s == pytest.approx(best)
+
+
+def test_70b_on_two_24gib_gpus_offloads_activations_only_because_nothing_else_fits():
+    cfg = load_config(None, ["model.name=kit:llama-70b", "lora.r=16"])
+    planned = kplan.plan(cfg, _gpu(2, 24, "NVIDIA H200"), 2048)
+    t = planned.cfg.training
+    assert t.offload_activations is True and t.compile is False and t.recompute.keeps == "inputs"
+    assert _needed(planned, offload_activations=False, batch_size=1) > 24
+    assert planned.needed_gib <= 24
+    on_80 = kplan.plan(cfg, _gpu(2, 80, "NVIDIA H200"), 2048).cfg.training
+    assert on_80.offload_activations is False and on_80.compile is True
+
+
+def test_values_you_set_win():
+    cfg = load_config(None, ["model.name=kit:llama-8b", "training.batch_size=3",
+                             "training.recompute.keeps=mlp_matmuls", "training.loss=chunked",
+                             "training.compile=false", "lora.group_inputs=false"])
+    planned = kplan.plan(cfg, _gpu(1, 80), 2048)
+    t = planned.cfg.training
+    assert (t.batch_size, t.recompute.keeps, t.loss, t.compile) == (3, "mlp_matmuls", "chunked", False)
+    assert planned.cfg.lora.group_inputs is False
+    assert {c.field for c in planned.choices if c.by == "you"} >= {
+        "training.batch_size", "training.recompute.keeps", "training.loss", "training.compile"}
+
+
+def test_a_model_that_softcaps_its_logits_gets_the_chunked_loss():
+    cfg = load_config(None, ["model.name=kit:llama-8b"])
+    config = {**shape_of_dict("kit:llama-8b"), "final_logit_softcapping": 30.0}
+    planned = kplan.plan(cfg, _gpu(1, 80), 2048, config)
+    assert planned.cfg.training.loss == "chunked"
+    assert "final_logit_softcapping" in next(c.why for c in planned.choices if c.field == "training.loss")
+
+
+def shape_of_dict(name: str) -> dict:
+    from kit.inputs.builtin import SPECS
+
+    return dict(SPECS[name[4:]])
+
+
+@pytest.mark.parametrize("overrides, change", [
+    (["training.batch_size=64"], "training.batch_size="),
+    (["training.batch_size=1", "training.recompute.keeps=matmuls", "data.max_seq_len=8192"],
+     "training.recompute.keeps=inputs"),
+])
+def test_a_plan_that_cannot_fit_is_one_line_naming_a_change_that_fits(overrides, change):
+    cfg = load_config(None, ["model.name=kit:llama-8b", *overrides])
+    seq = cfg.data.max_seq_len if cfg.data.max_seq_len != AUTO else 2048
+    with pytest.raises(ConfigError) as e:
+        kplan.plan(cfg, _gpu(1, 24), seq)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("training.batch_size: ") and "24 GiB" in line
+    fix = line.rsplit("the smallest change that fits: ", 1)[1]
+    assert fix.startswith(change)
+    fixed = load_config(None, ["model.name=kit:llama-8b", *overrides, fix])
+    assert kplan.plan(fixed, _gpu(1, 24), seq).needed_gib <= 24  # the named change fits
+
+
+def _kit(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "kit", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def test_kit_plan_prints_the_table_for_stated_gpus_and_refuses_in_one_line():
+    ok = _kit("plan", "tiny-cpu", "model.name=kit:llama-8b", "data.max_seq_len=2048",
+              "training.batch_size=auto", "--gpus", "1", "--gpu-mem", "24", "--gpu", "H100")
+    assert ok.returncode == 0, ok.stderr
+    assert "| training.recompute.keeps |" in ok.stdout and "predicted peak" in ok.stdout
+    assert "fp8_matmul" in ok.stdout  # what it did not choose, said
+    bad = _kit("plan", "tiny-cpu", "--gpus", "1")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--gpu-mem" in bad.stderr
+
+
+def test_a_run_with_the_defaults_trains_with_a_real_models_values(tmp_path):
+    """A config that sets only the model: the run's plan and its config, read back. On a CPU the
+    plan keeps the recipe's plain values; the length comes from the data's longest row."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "kit.train",
+         "model.name=kit:tiny-llama", "model.dtype=float32", "training.steps=2",
+         "training.device=cpu", f"run.output_dir={out}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads((out / "result.json").read_text())
+    choices = {f: (v, by) for f, v, by in result["plan"]["choices"]}
+    assert choices["data.max_seq_len"] == (24, "plan")  # the sample's longest row: 20 tokens
+    assert choices["training.batch_size"] == (8, "plain")
+    assert "plan: batch 8 x 24 tokens" in proc.stdout
+    written = load_config(out / "config.yaml")
+    assert written.training.lr == 2e-4 and written.training.batch_size == AUTO  # as asked
