@@ -192,8 +192,10 @@ def worker(this: experiment.Case) -> None:
 
     # setup: the whole build (compile comes later, in the first step); load: loading and
     # sharding the model alone, and each rank's peak host memory by then.
+    planned = getattr(getattr(run, "recipe", None), "planned", None)  # the kit's plan
     emit({"kind": "setup", "seconds": round(time.perf_counter() - started, 1),
-          "load_s": run.load["seconds"], "peak_host_mib": run.load["peak_host_mib"]})
+          "load_s": run.load["seconds"], "peak_host_mib": run.load["peak_host_mib"],
+          **({"plan": planned.as_dict()} if planned is not None else {})})
     fail_at = int(os.environ.get("KIT_BENCH_OOM_AT_BATCH", "0"))  # tests: an injected OOM
 
     eq = matrix.get("equivalence", {})
