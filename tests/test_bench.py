@@ -228,6 +228,7 @@ def test_the_peer_stack_says_in_one_line_why_it_cannot_run_without_torch():
     """What the runner asks before starting a peer case (kernel side: no torch)."""
     code = ("import sys; from kit.bench import peer, runner\n"
             "print(peer.unavailable('cpu')); print(peer.unavailable('mps'))\n"
+            "import shutil; print(shutil.which('nvidia-smi') is not None or peer.unavailable('cuda'))\n"
             "print(runner.skipped({'device': 'cpu'}, {'recipe': 'peer'}))\n"
             "print(runner.skipped({'device': 'cpu'}, {'recipe': 'article'}))\n"
             "print('torch' in sys.modules)")
@@ -235,7 +236,9 @@ def test_the_peer_stack_says_in_one_line_why_it_cannot_run_without_torch():
                          timeout=120, check=True).stdout.splitlines()
     gpu = "liger-kernel's kernels are Triton GPU kernels"
     assert out == [f"{gpu}; this matrix runs on cpu", f"{gpu}; device 'mps' is not cuda",
-                   f"{gpu}; this matrix runs on cpu", "None", "False"]
+                   out[2], f"{gpu}; this matrix runs on cpu", "None", "False"]
+    # Asked with the matrix's "cuda" on a machine without a GPU: says so (with one: True).
+    assert out[2] in ("True", f"{gpu}; no CUDA GPU here (no nvidia-smi)")
 
 
 def test_a_bad_equivalence_data_is_one_line(tmp_path):
@@ -272,3 +275,15 @@ def test_a_case_may_bring_its_own_seed(tmp_path):
     seeded = {**matrix["cases"][0], "name": "article-seed43", "seed": 43}
     assert bench.case_config(matrix, matrix["cases"][0], tmp_path).training.seed == 42
     assert bench.case_config(matrix, seeded, tmp_path).training.seed == 43
+
+
+def test_the_planned_matrix_holds_three_recipes_per_cap(tmp_path):
+    m = bench.load_matrix(ROOT / "benchmarks" / "matrices" / "bench-8b-planned.yaml")
+    by_cap = {}
+    for c in m["cases"]:
+        by_cap.setdefault(c["cap_gib"], []).append((c["recipe"], c["role"]))
+        bench.case_config(m, c, tmp_path)  # every case's config loads
+    assert by_cap == {cap: [("article", "baseline"), ("peer", "peer"), ("kit", "kit")]
+                      for cap in (24, 40, 80)}
+    assert all(c["batches"] == ["auto"] and "overrides" not in c
+               for c in m["cases"] if c["recipe"] == "kit")

@@ -45,10 +45,12 @@ def unavailable(device) -> str | None:
     kind = getattr(device, "type", str(device)).split(":")[0]
     if kind == "cpu":
         return "liger-kernel's kernels are Triton GPU kernels; this matrix runs on cpu"
-    if kind == "auto" and shutil.which("nvidia-smi") is None:
-        return "liger-kernel's kernels are Triton GPU kernels; no CUDA GPU here (no nvidia-smi)"
     if kind not in ("cuda", "auto"):
         return f"liger-kernel's kernels are Triton GPU kernels; device {kind!r} is not cuda"
+    # The kernel side asks with the matrix's device (a string) and imports no torch: a machine
+    # without nvidia-smi has no CUDA GPU for it. A rank asks with its torch.device, on the GPU.
+    if isinstance(device, str) and shutil.which("nvidia-smi") is None:
+        return "liger-kernel's kernels are Triton GPU kernels; no CUDA GPU here (no nvidia-smi)"
     if importlib.util.find_spec("liger_kernel") is None:
         return f"liger-kernel is not installed: pip install --no-deps {LIGER}"
     if importlib.util.find_spec("triton") is None:
