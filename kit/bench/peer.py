@@ -104,9 +104,10 @@ def build(model_path: str, device, *, engine: str = "fsdp1", attention: str = "s
         bnb_4bit_quant_storage=torch.bfloat16,
     )
     attn, _ = kattention.resolve(attention)
+    placement = {"device_map": {"": device.index}} if device.type == "cuda" else {}
     model = AutoModelForCausalLM.from_pretrained(
         model_path, quantization_config=bnb, dtype=torch.bfloat16, attn_implementation=attn,
-        device_map={"": device.index},
+        **placement,
     )
     # liger replaced the causal-LM class's forward: the loss is its fused linear cross-entropy.
     if not type(model).forward.__module__.startswith("liger_kernel"):
