@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fill .whl/gpu (ignored by git) with what the GPU machines lack, for Python 3.12 / x86_64, small
-# enough to travel (64 MiB): bitsandbytes with only its CUDA 13 libraries, the notebook stack, and
-# kit.recipe.sft's trl + datasets (benchmarks/gpu_sft_check.sh).
+# enough to travel (64 MiB): bitsandbytes with only its CUDA 13 libraries, the notebook stack,
+# kit.recipe.sft's trl + datasets (benchmarks/gpu_sft_check.sh), and the peer stack's liger-kernel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dest=$PWD/.whl/gpu; tmp=$(mktemp -d); mkdir -p "$dest"
@@ -22,6 +22,10 @@ pip download -q --no-deps $plat trl==1.16.0 datasets==5.2.0 dill==0.4.1 multipro
 # SmolLM2 (benchmarks/carry_smollm2.sh): transformers reads its GGUF file with gguf (its numpy,
 # pyyaml, tqdm are the image's; requests is imported only by its scripts).
 pip download -q --no-deps $plat gguf==0.19.0 -d "$dest"
+# The peer stack (kit.bench.peer): liger-kernel 0.8.5, pure Python (one py3-none-any wheel, 0.9 MB),
+# its Triton kernels compiled on first use; its torch and triton are the image's CUDA build's, so
+# --no-deps. It needs transformers>=5 (the image: 5.17).
+pip download -q --no-deps $plat liger-kernel==0.8.5 -d "$dest"
 # Already on the GPU image: numpy, pillow, pyyaml, packaging, tqdm, typing_extensions, psutil.
 find "$tmp/nb" -name '*.whl' ! -name 'numpy-*' ! -name 'pillow-*' ! -name 'pyyaml-*' ! -name 'packaging-*' \
   ! -name 'tqdm-*' ! -name 'typing_extensions-*' ! -name 'psutil-*' -exec cp {} "$dest" \;

@@ -20,15 +20,57 @@ from kit.run.launch import Run
 TINY_MATRIX = ROOT / "benchmarks" / "matrices" / "bench-tiny.yaml"
 
 
+# Added to the tiny matrix in the run below: the peer stack, which a CPU matrix skips (liger's
+# kernels are GPU kernels), and the kit's recipe at the batch its setup plans (`batches: [auto]`).
+PEER_CASE = {"name": "peer", "recipe": "peer", "role": "peer", "label": "peer stack",
+             "batches": [1, 2], "options": {"engine": "fsdp1", "attention": "sdpa"}}
+AUTO_CASE = {"name": "kit-auto", "recipe": "kit", "role": "planned", "batches": ["auto"],
+             "label": "kit, defaults (no flags)"}
+
+
 @pytest.fixture(scope="module")
 def tiny_bench(tmp_path_factory):
-    """The tiny matrix with an out-of-memory injected at batch 4 on every rank."""
+    """The tiny matrix, plus a peer case and a kit case with `batches: [auto]`, with an
+    out-of-memory injected at batch 4 on every rank; the runner's output in OUT/stdout.txt."""
     out = tmp_path_factory.mktemp("bench")
+    matrix = yaml.safe_load(TINY_MATRIX.read_text())
+    matrix["cases"] += [PEER_CASE, AUTO_CASE]
+    path = out / "matrix.yaml"
+    path.write_text(yaml.safe_dump(matrix, sort_keys=False))
     env = {**os.environ, "KIT_BENCH_OOM_AT_BATCH": "4", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "kit.bench", str(TINY_MATRIX), "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "kit.bench", str(path), "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (out / "stdout.txt").write_text(proc.stdout)
     return out, jsonl.read(out / "results.jsonl")
+
+
+@pytest.mark.slow
+def test_a_peer_case_that_cannot_run_is_skipped_in_one_line_and_the_rest_runs(tiny_bench):
+    out, rows = tiny_bench
+    why = "liger-kernel's kernels are Triton GPU kernels; this matrix runs on cpu"
+    said = [ln for ln in (out / "stdout.txt").read_text().splitlines() if ln.startswith("peer:")]
+    assert said == [f"peer: skipped: {why}"]
+    assert [r for r in rows if r["case"] == "peer"] == [
+        {"case": "peer", "recipe": "peer", "label": "peer stack", "role": "peer", "cap_gib": None,
+         "table": "", "kind": "skipped", "why": why}]
+    assert not (out / "runs" / "peer").exists()  # no process started, no run folder
+    assert any(r["kind"] == "done" for r in rows if r["case"] == "kit")
+    table = (out / "table.md").read_text()
+    row = next(ln for ln in table.splitlines() if ln.startswith("| - |"))  # the cap of no cap
+    assert row.split(" | ")[2] == "skipped" and row.endswith("x | - |"), row  # no ratio over peer
+    assert f"peer stack: skipped: {why} (peer)" in table
+    assert f"| peer stack | peer | - | - | - | - | skipped: {why} |" in table
+
+
+@pytest.mark.slow
+def test_batches_auto_trains_the_batch_the_kit_recipe_planned(tiny_bench):
+    _, rows = tiny_bench
+    setup = next(r for r in rows if r["case"] == "kit-auto" and r["kind"] == "setup")
+    tried = [r for r in rows if r["case"] == "kit-auto" and r["kind"] == "batch"]
+    assert isinstance(setup["auto_batch"], int) and setup["auto_batch"] > 0, setup
+    assert [r["batch"] for r in tried] == [setup["auto_batch"]]
+    assert any(r["kind"] == "done" for r in rows if r["case"] == "kit-auto")
 
 
 @pytest.mark.slow
@@ -154,8 +196,49 @@ def test_a_case_past_its_timeout_is_stopped_and_recorded(tmp_path):
 def test_bad_recipe_is_one_line(tmp_path):
     path = tmp_path / "m.yaml"
     path.write_text("model: kit:tiny-llama\nseq_len: 8\ncases:\n  - {name: a, recipe: trl}\n")
-    with pytest.raises(ValueError, match=r"cases\.a\.recipe: 'trl' is not allowed"):
+    with pytest.raises(ValueError, match=r"^cases\.a\.recipe: 'trl' is not allowed; expected "
+                                         r"'article', 'kit' or 'peer'$"):
         bench.load_matrix(path)
+    path.write_text("model: kit:tiny-llama\nseq_len: 8\ncases:\n"
+                    "  - {name: a, recipe: peer, role: peer, batches: [1, 2]}\n")
+    assert bench.load_matrix(path)["cases"][0]["recipe"] == "peer"
+
+
+def test_batches_auto_is_the_kit_recipes_alone(tmp_path):
+    """`batches: [auto]`: the batch the kit's recipe plans in setup; the baselines plan none."""
+    path = tmp_path / "m.yaml"
+    head = "model: kit:tiny-llama\nseq_len: 8\ncases:\n"
+    path.write_text(head + "  - {name: a, recipe: kit, batches: [auto]}\n"
+                    "  - {name: b, scales: a, nproc: 1}\n")
+    assert [c["batches"] for c in bench.load_matrix(path)["cases"]] == [["auto"], ["auto"]]
+    for recipe in ("article", "peer"):
+        path.write_text(head + f"  - {{name: a, recipe: {recipe}, batches: [auto]}}\n")
+        with pytest.raises(ValueError, match=rf"^cases\.a\.batches: \['auto'\] is not allowed for "
+                                             rf"recipe '{recipe}'; expected whole numbers in "
+                                             r"ascending order \(only the kit's recipe plans its "
+                                             r"own batch\)$"):
+            bench.load_matrix(path)
+    path.write_text(head + "  - {name: a, recipe: kit, batches: [auto, 8]}\n")
+    with pytest.raises(ValueError, match=r"^cases\.a\.batches: \['auto', 8\] is not allowed; "
+                                         r"expected \['auto'\] alone"):
+        bench.load_matrix(path)
+
+
+def test_the_peer_stack_says_in_one_line_why_it_cannot_run_without_torch():
+    """What the runner asks before starting a peer case (kernel side: no torch)."""
+    code = ("import sys; from kit.bench import peer, runner\n"
+            "print(peer.unavailable('cpu')); print(peer.unavailable('mps'))\n"
+            "import shutil; print(shutil.which('nvidia-smi') is not None or peer.unavailable('cuda'))\n"
+            "print(runner.skipped({'device': 'cpu'}, {'recipe': 'peer'}))\n"
+            "print(runner.skipped({'device': 'cpu'}, {'recipe': 'article'}))\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.splitlines()
+    gpu = "liger-kernel's kernels are Triton GPU kernels"
+    assert out == [f"{gpu}; this matrix runs on cpu", f"{gpu}; device 'mps' is not cuda",
+                   out[2], f"{gpu}; this matrix runs on cpu", "None", "False"]
+    # Asked with the matrix's "cuda" on a machine without a GPU: says so (with one: True).
+    assert out[2] in ("True", f"{gpu}; no CUDA GPU here (no nvidia-smi)")
 
 
 def test_a_bad_equivalence_data_is_one_line(tmp_path):
@@ -192,3 +275,15 @@ def test_a_case_may_bring_its_own_seed(tmp_path):
     seeded = {**matrix["cases"][0], "name": "article-seed43", "seed": 43}
     assert bench.case_config(matrix, matrix["cases"][0], tmp_path).training.seed == 42
     assert bench.case_config(matrix, seeded, tmp_path).training.seed == 43
+
+
+def test_the_planned_matrix_holds_three_recipes_per_cap(tmp_path):
+    m = bench.load_matrix(ROOT / "benchmarks" / "matrices" / "bench-8b-planned.yaml")
+    by_cap = {}
+    for c in m["cases"]:
+        by_cap.setdefault(c["cap_gib"], []).append((c["recipe"], c["role"]))
+        bench.case_config(m, c, tmp_path)  # every case's config loads
+    assert by_cap == {cap: [("article", "baseline"), ("peer", "peer"), ("kit", "kit")]
+                      for cap in (24, 40, 80)}
+    assert all(c["batches"] == ["auto"] and "overrides" not in c
+               for c in m["cases"] if c["recipe"] == "kit")

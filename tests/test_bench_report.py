@@ -48,3 +48,51 @@ def test_plot_writes_a_png_without_pyplot_or_torch(tmp_path):
                          timeout=120, check=True).stdout  # fmt: skip
     assert out.strip() == "[]"
     assert (tmp_path / "r.png").stat().st_size > 10_000
+
+
+def _batch(case: str, role: str, cap, batch: int, tps: float, mfu: float) -> dict:
+    return {"case": case, "recipe": {"baseline": "article"}.get(role, role), "label": case,
+            "role": role, "cap_gib": cap, "kind": "batch", "status": "ok", "batch": batch,
+            "seq_len": 2048, "tokens_per_s_gpu": tps, "mfu": mfu, "peak_alloc_gib": 20.0,
+            "device": "NVIDIA H100 80GB HBM3", "world": 1, "flops_per_token": 5.0e10}
+
+
+def test_a_peer_column_shows_the_kits_speed_over_each_baseline(tmp_path):
+    """Synthetic rows: at 24 GiB all three ran; at 40 GiB the peer stack was skipped."""
+    path = tmp_path / "m.yaml"
+    path.write_text("model: kit:llama-8b\nseq_len: 2048\nnproc: 1\ndevice: cuda\ncases:\n"
+                    "  - {name: article-24, recipe: article, role: baseline, cap_gib: 24, batches: [4]}\n"
+                    "  - {name: peer-24, recipe: peer, role: peer, cap_gib: 24, batches: [8, 10]}\n"
+                    "  - {name: kit-24, recipe: kit, role: kit, cap_gib: 24, batches: [auto],\n"
+                    "     label: 'kit, defaults (no flags)'}\n"
+                    "  - {name: article-40, recipe: article, role: baseline, cap_gib: 40, batches: [8]}\n"
+                    "  - {name: peer-40, recipe: peer, role: peer, cap_gib: 40, batches: [12]}\n"
+                    "  - {name: kit-40, recipe: kit, role: kit, cap_gib: 40, batches: [auto]}\n")
+    matrix = load_matrix(path)
+    why = "liger-kernel is not installed: pip install --no-deps liger-kernel==0.8.5"
+    rows = [_batch("article-24", "baseline", 24, 4, 6000.0, 0.2),
+            _batch("peer-24", "peer", 24, 8, 8000.0, 0.25),
+            {**_batch("peer-24", "peer", 24, 10, 0, 0), "status": "oom"},
+            {**_batch("kit-24", "kit", 24, 6, 12000.0, 0.4), "label": "kit, defaults (no flags)"},
+            _batch("article-40", "baseline", 40, 8, 6500.0, 0.21),
+            {"case": "peer-40", "recipe": "peer", "label": "peer-40", "role": "peer",
+             "cap_gib": 40, "table": "", "kind": "skipped", "why": why},
+            _batch("kit-40", "kit", 40, 12, 13000.0, 0.42)]
+    table = bench_report.render(rows, matrix)
+    assert "| article recipe tokens/s/GPU (batch, MFU) | peer stack tokens/s/GPU (batch, MFU) |" in table
+    assert ("| 24 | 6,000 (4, 20.0%) | 8,000 (8, 25.0%) | 12,000 (6, 40.0%) | "
+            "kit, defaults (no flags) | 2.00x | 1.50x |") in table
+    assert "| 40 | 6,500 (8, 21.0%) | skipped | 13,000 (12, 42.0%) | kit-40 | 2.00x | - |" in table
+    assert f"\npeer stack: skipped: {why} (peer-40)\n" in table
+    assert f"| peer-40 | peer | 40 | - | - | - | skipped: {why} |" in table
+    assert "| peer-24 | peer | 24 | - | 8: 8,000 (20.0), 10: OOM | 8,000 | OOM at batch 10 |" in table
+    assert bench_report.fastest(bench_report.best_by_case(rows), matrix, "peer", 24)["batch"] == 8
+    bench_report.plot(rows, tmp_path / "p.png")  # a skipped case draws nothing, and no crash
+
+
+def test_an_old_results_file_keeps_its_table():
+    """A matrix without peer cases: the two-column comparison, its header and ratio as before."""
+    table = bench_report.render(jsonl.read(RECORDED), load_matrix(MATRIX))
+    assert ("| cap GiB/GPU | baseline tokens/s/GPU (batch, MFU) | kit best tokens/s/GPU "
+            "(batch, MFU) | kit config | speed-up |\n|---|---|---|---|---|\n") in table
+    assert "peer" not in table and "skipped" not in table

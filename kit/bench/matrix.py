@@ -13,6 +13,9 @@ from pathlib import Path
 
 import yaml
 
+# article: kit.bench.article; peer: kit.bench.peer (the peer stack); kit: kit.train.Recipe.
+RECIPES = ("article", "kit", "peer")
+
 
 def load_matrix(path: str | Path) -> dict:
     """The matrix as a dict, every scaling case filled in from the case it scales; a bad value
@@ -38,9 +41,20 @@ def load_matrix(path: str | Path) -> dict:
         raise ValueError(f"equivalence.data: {data!r} is not allowed; expected 'sample' (the "
                          "bundled sample text, for a real model) or nothing (synthetic tokens)")
     for c in m["cases"]:
-        if c.get("recipe") not in ("article", "kit"):
+        if c.get("recipe") not in RECIPES:
             raise ValueError(f"cases.{c['name']}.recipe: {c.get('recipe')!r} is not allowed; "
-                             "expected 'article' or 'kit'")
+                             "expected 'article', 'kit' or 'peer'")
+        batches = c.get("batches")
+        # "auto": the batch the kit's recipe plans for itself during setup (the worker reads
+        # training.batch_size after it); the baselines have no planner.
+        if isinstance(batches, list) and "auto" in batches:
+            if batches != ["auto"]:
+                raise ValueError(f"cases.{c['name']}.batches: {batches!r} is not allowed; "
+                                 "expected ['auto'] alone or whole numbers in ascending order")
+            if c["recipe"] != "kit":
+                raise ValueError(f"cases.{c['name']}.batches: ['auto'] is not allowed for recipe "
+                                 f"{c['recipe']!r}; expected whole numbers in ascending order "
+                                 "(only the kit's recipe plans its own batch)")
         seqs = c.get("seq_lens")
         if seqs is not None and not (isinstance(seqs, list) and seqs and seqs == sorted(set(seqs))
                                      and all(isinstance(q, int) and q > 0 for q in seqs)):

@@ -1,7 +1,7 @@
 """The benchmark's tables and plot, from the rows it recorded: what notebook 09's kernel imports.
 
     rows = kit.folder.jsonl.read("benchmarks/results/bench-8b-2xh200-run4.jsonl")
-    print(render(rows, matrix))           # table.md: the article's table, kit vs baseline per cap
+    print(render(rows, matrix))           # table.md: the article's table, kit vs the baselines per cap
     best_by_case(rows), largest_by_case(rows), plot(rows, "bench.png")
 
 Kernel side: imports no torch (matplotlib only inside `plot`, without pyplot). The rows come from
@@ -39,7 +39,7 @@ def largest_by_case(rows: list[dict]) -> dict[str, dict]:
 
 def fastest(best: dict[str, dict], matrix: dict, role: str, cap) -> dict | None:
     """The fastest of the best rows (`best_by_case`) of the cases with this role ("baseline",
-    "kit") and memory cap; None when none of them fitted."""
+    "peer", "kit") and memory cap; None when none of them fitted."""
     rows = [best[c["name"]] for c in matrix["cases"]
             if c.get("role") == role and c.get("cap_gib") == cap and c["name"] in best]
     return max(rows, key=lambda r: r["tokens_per_s_gpu"], default=None)
@@ -67,6 +67,9 @@ def render(rows: list[dict], matrix: dict) -> str:
             return "not run"
         if any(r.get("kind") == "failed" for r in rs):
             return "failed (see logs/" + name + ".log)"
+        skip = next((r for r in rs if r.get("kind") == "skipped"), None)
+        if skip:
+            return f"skipped: {skip['why']}"
         oom = next((r for r in rs if r.get("status") == "oom"), None)
         return f"OOM at batch {oom['batch']}" if oom else "ok"
 
@@ -85,9 +88,11 @@ def render(rows: list[dict], matrix: dict) -> str:
 
     ran = {r["case"] for r in rows}  # caps of cases not run (--only) get no row
     caps = sorted({c.get("cap_gib") for c in matrix["cases"]
-                   if c.get("role") in ("baseline", "kit") and c["name"] in ran},
+                   if c.get("role") in ("baseline", "kit", "peer") and c["name"] in ran},
                   key=lambda x: (x is None, x))
-    if caps:
+    if caps and any(c.get("role") == "peer" for c in matrix["cases"]):
+        lines += peer_table(rows, best, matrix, caps)
+    elif caps:
         lines += ["### Kit vs the article recipe, per memory cap (best batch of each)", "",
                   "| cap GiB/GPU | baseline tokens/s/GPU (batch, MFU) | kit best tokens/s/GPU "
                   "(batch, MFU) | kit config | speed-up |", "|---|---|---|---|---|"]
@@ -141,6 +146,34 @@ def render(rows: list[dict], matrix: dict) -> str:
                          + (f" {curves[n]['val_loss']:.4f} |" if val else ""))
         lines.append("")
     return "\n".join(lines)
+
+
+def _cell(r: dict | None) -> str:
+    return f"{_fmt(r['tokens_per_s_gpu'])} ({r['batch']}, {_fmt(r['mfu'], '.1%')})" if r else "-"
+
+
+def peer_table(rows: list[dict], best: dict[str, dict], matrix: dict, caps: list) -> list[str]:
+    """Markdown lines: per memory cap, the article recipe (role baseline), the peer stack (role
+    peer) and the fastest kit case (role kit), best batch of each, and the kit's speed over each
+    baseline; then one line per reason the peer stack was skipped."""
+    skipped = [r for r in rows if r.get("kind") == "skipped" and r.get("role") == "peer"]
+    lines = ["### Kit vs the article recipe and the peer stack, per memory cap (best batch of "
+             "each)", "",
+             "| cap GiB/GPU | article recipe tokens/s/GPU (batch, MFU) | peer stack tokens/s/GPU "
+             "(batch, MFU) | kit best tokens/s/GPU (batch, MFU) | kit config | over article | "
+             "over peer |", "|---|---|---|---|---|---|---|"]
+    for cap in caps:
+        b, p, k = (fastest(best, matrix, role, cap) for role in ("baseline", "peer", "kit"))
+        over = [f"{k['tokens_per_s_gpu'] / x['tokens_per_s_gpu']:.2f}x" if x and k else "-"
+                for x in (b, p)]
+        peer = _cell(p) if p or not any(r.get("cap_gib") == cap for r in skipped) else "skipped"
+        lines.append(f"| {_fmt(cap, 'g')} | {_cell(b)} | {peer} | {_cell(k)} | "
+                     f"{k['label'] if k else '-'} | {over[0]} | {over[1]} |")
+    lines.append("")
+    for why in dict.fromkeys(r["why"] for r in skipped):
+        names = ", ".join(r["case"] for r in skipped if r["why"] == why)
+        lines += [f"peer stack: skipped: {why} ({names})", ""]
+    return lines
 
 
 def _tried(r: dict) -> str:
@@ -203,7 +236,7 @@ def plot(rows: list[dict], path: str | Path) -> None:
         rs = [r for r in rows if r["case"] == name and r.get("kind") == "batch"
               and r["status"] == "ok"]
         style = {"marker": "o", "label": name,
-                 "ls": "--" if rs and rs[0]["recipe"] == "article" else "-"}  # fmt: skip
+                 "ls": {"article": "--", "peer": ":"}.get(rs[0]["recipe"], "-") if rs else "-"}
         if rs and rs[0].get("sweep"):
             cx[0].plot([r["seq_len"] for r in rs], [r["tokens_per_s_gpu"] for r in rs], **style)
         elif rs:
@@ -212,7 +245,7 @@ def plot(rows: list[dict], path: str | Path) -> None:
             if r["case"] == name and r.get("kind") == "curve":
                 bx.plot(range(1, len(r["losses"]) + 1), r["losses"], label=name)
     ax.set(xscale="log", xlabel="batch per GPU", ylabel="tokens/s per GPU",
-           title="throughput (dashed: article recipe)")
+           title="throughput (dashed: article recipe, dotted: peer stack)")
     bx.set(xlabel="step", ylabel="loss", title="same data, same start")
     if cx:
         cx[0].set(xscale="log", xlabel="sequence length (batch 1)", ylabel="tokens/s per GPU",

@@ -3,10 +3,12 @@
     python -m kit.bench benchmarks/matrices/bench-8b.yaml --out runs/bench          # the whole matrix
     python -m kit.bench benchmarks/matrices/bench-8b.yaml --out runs/bench --only kit-40-none,article-40
 
-A matrix (YAML) names the model, sequence length and processes, and its cases. A case is either the
-article recipe (`kit.bench.article`, the hand-written baseline) or the kit's recipe (`kit.train.Recipe`)
-with config overrides, under an optional memory cap per GPU (`cap_gib`: emulates a smaller GPU with
-`torch.cuda.set_per_process_memory_fraction`). Each case tries its batch sizes in ascending order
+A matrix (YAML) names the model, sequence length and processes, and its cases. A case is the
+article recipe (`kit.bench.article`, the hand-written baseline), the peer stack (`kit.bench.peer`:
+the same plus liger-kernel's fused kernels, the second baseline; a case of it is skipped, in one
+line and one row, where it cannot run: no CUDA GPU or no liger-kernel) or the kit's recipe
+(`kit.train.Recipe`) with config overrides, under an optional memory cap per GPU (`cap_gib`:
+emulates a smaller GPU with `torch.cuda.set_per_process_memory_fraction`). Each case tries its batch sizes in ascending order
 on synthetic tokens (the same for every case), until one does not fit: an out-of-memory is a
 result row, not a crash. Per batch: warm-up steps excluded, tokens/s per GPU as the median step,
 peak allocated and reserved memory, MFU (model FLOPs per token are printed with the table).
@@ -14,7 +16,7 @@ A case marked `equivalence: true` first trains `equivalence.steps` steps at one 
 from its initial adapter and records the loss of every step, so that two recipes can be compared
 for what they learn, not only for speed. A case with `scales: <case>` and its own `nproc` is that
 case's setup on another number of GPUs (the report's scaling table); `--nproc` runs a whole
-matrix on another number. Both recipes are seeded alike (the matrix's `seed`,
+matrix on another number. Every recipe is seeded alike (the matrix's `seed`,
 default 42): the same LoRA initialisation, and dropout that differs per rank the same way.
 
 Kernel side: imports no torch. Each case starts the way every run of the kit starts,
@@ -34,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from kit.bench import peer
 from kit.bench.matrix import case_nproc, load_matrix
 from kit.bench.report import plot, render
 from kit.config import Config, ConfigError, load_config
@@ -53,8 +56,8 @@ KIT_SETTINGS = [
 
 def case_config(matrix: dict, case: dict, out: Path) -> Config:
     """The training setup of one case, as its run folder's config.yaml holds it: the matrix's
-    model, device, sequence length, learning rate and seed for both recipes (kit.bench.article takes the
-    rest from the case's options); for the kit's recipe also KIT_SETTINGS and the case's
+    model, device, sequence length, learning rate and seed for every recipe (kit.bench.article and
+    kit.bench.peer take the rest from the case's options); for the kit's recipe also KIT_SETTINGS and the case's
     overrides. A bad value raises ConfigError naming the case."""
     overrides = [
         f"run.name={case['name']}", f"run.output_dir={out / 'runs' / case['name']}",
@@ -71,6 +74,14 @@ def case_config(matrix: dict, case: dict, out: Path) -> Config:
         return load_config(matrix.get("kit_config"), overrides)
     except ConfigError as e:
         raise ConfigError(f"cases.{case['name']}: {e}") from None
+
+
+def skipped(matrix: dict, case: dict) -> str | None:
+    """Why a case cannot run on this machine, in one line (the peer stack without a CUDA GPU or
+    without liger-kernel: kit.bench.peer.unavailable, asked without torch); None when it can."""
+    if case["recipe"] == "peer":
+        return peer.unavailable(matrix.get("device", "auto"))
+    return None
 
 
 def run_case(matrix_path: Path, case: dict, cfg: Config, nproc: int, out: Path) -> int:
@@ -109,6 +120,14 @@ def run(matrix_path: str | Path, out: str | Path, only: list[str] | None = None,
     for case in [c for c in matrix["cases"] if c["name"] in configs]:
         name = case["name"]
         (out / "cases" / f"{name}.jsonl").unlink(missing_ok=True)
+        why = skipped(matrix, case)
+        if why:  # before any process starts: the rest of the matrix runs
+            jsonl.append(out / "cases" / f"{name}.jsonl",
+                         {"case": name, "recipe": case["recipe"], "label": case.get("label", name),
+                          "role": case.get("role", ""), "cap_gib": case.get("cap_gib"),
+                          "table": case.get("table", ""), "kind": "skipped", "why": why})
+            print(f"{name}: skipped: {why}", flush=True)
+            continue
         t = time.perf_counter()
         rc = run_case(matrix_path, case, configs[name], case_nproc(matrix, case), out)
         rows = jsonl.read(out / "cases" / f"{name}.jsonl")

@@ -10,8 +10,9 @@ CASE give the measurement: batches, warm-up and measured steps, the memory cap, 
 phase, the profile. Rank 0 appends each row to `OUT/cases/CASE.jsonl` (and prints it) and writes
 result.json into the run folder when the case ended.
 
-The article recipe is built by kit.bench.article; the kit's by kit.train.Recipe, whose own train_step
-runs each step. Both see the same synthetic tokens (`synthetic_batch`), or in the equivalence
+The article recipe is built by kit.bench.article, the peer stack by kit.bench.peer; the kit's by
+kit.train.Recipe, whose own train_step runs each step (`batches: [auto]`: the batch size its setup
+planned). All see the same synthetic tokens (`synthetic_batch`), or in the equivalence
 phase of a real model the bundled sample text (`equivalence.data: sample`), and are seeded alike.
 """
 
@@ -103,20 +104,23 @@ class _Run:
         with kdist.main_process_first(env):
             path = builtin.resolve(cfg.model.name)
         self.seq = cfg.data.max_seq_len
-        if case["recipe"] == "article":
-            from kit.bench import article
+        self.batches = case["batches"]
+        if case["recipe"] in ("article", "peer"):
+            from kit.bench import article, peer
 
+            # The article recipe and the peer stack are built alike, each by its own module.
+            built = article if case["recipe"] == "article" else peer
             # Seeded as the kit's recipe seeds itself: the same adapter initialisation before
             # building, dropout differing per rank after, so that both start from one adapter.
             seed = cfg.training.seed
             torch.manual_seed(seed)
             loading = time.perf_counter()
-            self.model, self.optimizer = article.build(path, env.device, lr=cfg.training.lr,
-                                                       **case.get("options", {}))
+            self.model, self.optimizer = built.build(path, env.device, lr=cfg.training.lr,
+                                                     **case.get("options", {}))
             self.load = _loaded(time.perf_counter() - loading, env)
             torch.manual_seed(seed + env.rank)
             # The mean over ranks, as the kit's recipe reports it.
-            self._step = lambda b: kdist.mean(article.train_step(self.model, self.optimizer, b), env)
+            self._step = lambda b: kdist.mean(built.train_step(self.model, self.optimizer, b), env)
         else:
             from kit.train import Recipe
 
@@ -124,6 +128,13 @@ class _Run:
             self.recipe.setup()
             self.model, self.optimizer = self.recipe.model, self.recipe.optimizer
             self.load = self.recipe.load  # its seconds and peak_host_mib, as _loaded gives
+            if self.batches == ["auto"]:  # the batch the recipe planned for itself in setup
+                planned = self.recipe.cfg.training.batch_size
+                if not (isinstance(planned, int) and planned > 0):
+                    raise ValueError(f"cases.{case['name']}.batches: ['auto'] left "
+                                     f"training.batch_size at {planned!r} after setup; expected "
+                                     "a positive whole number")
+                self.batches = [planned]
             self._step = self._kit_step
         self.shape = shape_of(path)
         self.flops = flops_per_token(self.shape, self.seq)
@@ -195,7 +206,8 @@ def worker(this: experiment.Case) -> None:
     planned = getattr(getattr(run, "recipe", None), "planned", None)  # the kit's plan
     emit({"kind": "setup", "seconds": round(time.perf_counter() - started, 1),
           "load_s": run.load["seconds"], "peak_host_mib": run.load["peak_host_mib"],
-          **({"plan": planned.as_dict()} if planned is not None else {})})
+          **({"plan": planned.as_dict()} if planned is not None else {}),
+          **({"auto_batch": run.batches[0]} if case["batches"] == ["auto"] else {})})
     fail_at = int(os.environ.get("KIT_BENCH_OOM_AT_BATCH", "0"))  # tests: an injected OOM
 
     eq = matrix.get("equivalence", {})
@@ -222,7 +234,7 @@ def worker(this: experiment.Case) -> None:
         case.get("measure_steps", matrix.get("measure_steps", 3))
     step_no = 0
     # A context sweep (`seq_lens`): each sequence length in ascending order, its batches each.
-    for seq, size in [(q, b) for q in case.get("seq_lens", [run.seq]) for b in case["batches"]]:
+    for seq, size in [(q, b) for q in case.get("seq_lens", [run.seq]) for b in run.batches]:
         run.set_seq(seq)
         # A compiled case compiles each batch size afresh, with static shapes, as a run of that
         # size would (otherwise the second size recompiles with dynamic shapes).
@@ -260,7 +272,7 @@ def worker(this: experiment.Case) -> None:
               "mfu": round(tps * run.flops / peak, 4) if peak else None,
               "peak_alloc_gib": alloc, "peak_reserved_gib": reserved,
               "loss_first": losses[0], "loss_last": losses[-1]})
-    if case.get("profile") and env.device.type == "cuda" and not oom and case["batches"]:
+    if case.get("profile") and env.device.type == "cuda" and not oom and run.batches:
         emit({"kind": "profile", "batch": size, **profile_step(run, run.batch(step_no, size))})
     seconds = round(time.perf_counter() - started, 1)
     emit({"kind": "done", "seconds": seconds})
