@@ -349,7 +349,9 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
     offload = " [host]" if setup.offload_activations else ""
     if setup.recompute and setup.recompute_keeps != "inputs":
         kept = selective_bytes_per_token_layer(shape, setup) * tokens
-        parts["activations"] = shape.layers * kept + per_layer
+        # Backward reruns what the policy did not keep, one layer at a time: beyond the kept
+        # tensors, the recomputed layer adds its other activations only.
+        parts["activations"] = shape.layers * kept + max(0, per_layer - kept)
         notes["activations"] = (f"{shape.layers} layers x {kept / tokens / 1024:.0f} KiB/token kept "
                                 f"({setup.recompute_keeps}), one layer recomputed in backward")
         parts["logits and loss"] = max(0, logits - per_layer)

@@ -38,22 +38,24 @@ PLAIN = {"training.batch_size": 8, "training.loss": "hf", "training.compile": Fa
 POLICIES = ("matmuls", "mlp_matmuls", "attention_matmuls", "inputs")
 MAX_BATCH = 64
 
-# The step model (`speed`), calibrated on one H100 at the Llama-3-8B shape, sequence 2,048
-# (benchmarks/results/round3-8b-1xh100.md, round3-24-8b-1xh100.md; grouped bf16 adapters):
-# - OVERHEAD_TOKENS: what a micro-step costs beyond its tokens (the optimizer, FSDP's gathers,
-#   dequantizing each 4-bit weight, kernel launches), in tokens' worth of work: keeping every
-#   matmul, batch 2 ran at 0.60x batch 8's speed per token (9,724 against 16,090 with FP8),
-#   which gives ~4,600; rounded to 4,096.
+# The step model (`speed`), fitted to the kit's bf16 runs on one H100 at the Llama-3-8B shape,
+# sequence 2,048, grouped adapters, compiled layers, fused loss (benchmarks/results/
+# plan-calib-8b-1xh100.md; round3-8b-1xh100.md):
+# - KNEE_TOKENS: a micro-step of n tokens runs at n^2 / (n^2 + KNEE^2) of the ideal rate (the
+#   optimizer, FSDP's gathers, dequantizing each 4-bit weight and launches are spread over fewer
+#   tokens): keeping every matmul, batch 4 ran at 0.93x batch 8's speed per token (12,739 against
+#   13,503), which gives ~2,350.
 # - RERUN_COST: the step's extra time per unit of a layer's forward matmul work run again in
-#   backward: the matmuls are ~2/3 of a step and their forward a third of that (profile-8b).
-# - INPUTS_EXTRA: whole-layer recompute also reruns attention and the 4-bit dequantization.
-# - PEAK_SHARE: the share of the GPU's bf16 peak the step model's ideal step reaches
-#   (keeping every matmul, batch 8 at 13,503 tokens/s = 0.55 of 989 TFLOP/s after the model's
-#   overhead term).
-OVERHEAD_TOKENS = 4096
-RERUN_COST = 0.22
-INPUTS_EXTRA = 0.05
-PEAK_SHARE = 0.55
+#   backward: keeping attention's matmuls (gate and up, 54% of the 8B layer's matmul work, run
+#   twice) cost 1.16x keeping every matmul: 0.30.
+# - INPUTS_EXTRA: whole-layer recompute also reruns attention, the norms and the dequantization:
+#   it cost 1.35x keeping every matmul at batch 8 and 14 alike, 0.045 beyond its matmuls.
+# - PEAK_SHARE: the ideal rate, as a share of the GPU's dense bf16 peak: keeping every matmul at
+#   batch 9, 13,824 tokens/s at 31.6 GFLOP per token over 0.984 of the ideal: 0.45.
+KNEE_TOKENS = 2350
+RERUN_COST = 0.30
+INPUTS_EXTRA = 0.045
+PEAK_SHARE = 0.45
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12,
                    "L40S": 362e12, "RTX 4090": 165e12}  # dense bf16, vendors' data sheets
 
@@ -164,13 +166,13 @@ def rerun_share(shape: Shape, keeps: str) -> float:
 
 def speed(shape: Shape, seq_len: int, batch: int, keeps: str | None, hw: Hardware) -> float:
     """Tokens/s per GPU the step model predicts (relative when the GPU's peak is unknown): a
-    micro-step of n tokens runs at n / (n + OVERHEAD_TOKENS) of the ideal rate, slowed by what
+    micro-step of n tokens runs at n^2 / (n^2 + KNEE_TOKENS^2) of the ideal rate, slowed by what
     the recompute policy runs twice."""
     n = batch * seq_len
     cost = 1.0
     if keeps is not None:  # recompute on
         cost += RERUN_COST * rerun_share(shape, keeps) + (INPUTS_EXTRA if keeps == "inputs" else 0)
-    rate = n / (n + OVERHEAD_TOKENS) / cost
+    rate = n * n / (n * n + KNEE_TOKENS**2) / cost
     peak = hw.peak_flops
     return rate * PEAK_SHARE * peak / flops_per_token(shape, seq_len) if peak else rate
 

@@ -63,6 +63,21 @@ SPECS: dict[str, dict] = {
         rope_theta=1000000.0,
         tie_word_embeddings=False,
     ),
+    # Qwen3-8B's shape (8.2B params: 36 layers, RMSNorm on q and k, head_dim 128 apart from the
+    # hidden size, vocab 152k): the shape issue 30's planner was never tuned on.
+    "qwen3-8b": dict(
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
     # Llama-3.2-1B's shape (1.24B params).
     "llama-1b": dict(
         model_type="llama",
