@@ -59,16 +59,14 @@ class Recipe:
         # mistake is its one line; the others end quietly): the engine, this machine, model.name,
         # and what this start does to the run folder (kit.folder.runfolder: rank 0 hashes the
         # checkpoints' files once, before any rank writes; nothing trained is replaced in place).
-        # Then rank 0 plans every value left at "auto" (kit.budget.plan: this GPU, the data's
-        # rows, the model's shape); every rank trains with that plan.
+        # Then rank 0 plans what is left at "auto" (kit.budget.plan); every rank trains so.
         self.plan, self.planned = kdist.on_main(env, self._check_and_plan)
         if self.plan.start is None:  # finished: nothing to do, nothing touched
             return
         if env.is_main:
             self.plan.keep_earlier(self.out)
             self.out.mkdir(parents=True, exist_ok=True)
-            # As given ("auto" kept): a resume on the same machine plans the same again, and a
-            # checkpoint's manifest compares the config that was asked for.
+            # As given ("auto" kept): a resume here plans the same; manifests compare what was asked.
             self.folder.config.write_text(cfg.to_yaml())
         self.say(self.planned.line())
         cfg = self.cfg = self.planned.cfg

@@ -214,8 +214,11 @@ def test_the_check_step_says_what_the_run_will_see_before_it_starts(tmp_path):
     log = proc.stdout.splitlines()
     checked = one_line("\n".join(line for line in log if line.startswith("data: ")))
     ranks = [line.split(":", 1)[1] for line in log if line.startswith("[default0]:data: ")]
+    planned = [line.split(":", 1)[1] for line in log if line.startswith("[default0]:plan: ")]
     assert checked.startswith("data: 432 training rows (216 per rank), ")
-    assert ranks == [checked.removesuffix(f"; run: {folder}: starting at step 0")], (checked, ranks)
+    # The check's line: rank 0's data line, its plan line (kit.budget.plan), the run folder.
+    assert [f"{ranks[0]}; {planned[0]}; run: {folder}: starting at step 0"] == [checked], (
+        checked, ranks, planned)
     assert log.index(checked) < next(i for i, line in enumerate(log) if line.startswith("["))
 
 

@@ -35,7 +35,9 @@ def test_forty_chat_rows_train_on_the_first_try_and_the_result_chats(tmp_path):
     assert " 1 validation packed rows; loss on the assistant's turns; " in said, said
     # The check said the same before any rank started, and that the run folder is new.
     checked = run.stdout.splitlines()[0]
-    assert checked == f"{said.split(']:', 1)[1]}; run: {tmp_path / 'run'}: starting at step 0"
+    planned = next(line for line in run.stdout.splitlines() if "]:plan: " in line)  # rank 0's
+    assert checked == (f"{said.split(']:', 1)[1]}; {planned.split(']:', 1)[1]}; "
+                       f"run: {tmp_path / 'run'}: starting at step 0")
     adapter = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == "kit:smollm2-135m-instruct"  # not this KIT_HOME
     held = [json.loads(line)["messages"] for line in HELD_OUT.read_text().splitlines()]

@@ -89,6 +89,9 @@ def _row(setting: str, cfg, nproc: int, timeout: float) -> dict:
     if not train:
         return {**row, "error": f"no train steps in {run.files.metrics}"}
     timed = train[1:] or train
+    # keeps "auto": the policy the run's plan chose (result.json, kit.budget.plan)
+    chosen = {f: v for f, v, _ in ((run.result() or {}).get("plan") or {}).get("choices", [])}
+    row["keeps"] = chosen.get("training.recompute.keeps", row["keeps"])
     return {**row, "peak_mem_gib": max(r["peak_mem_gib"] for r in train),
             "step_s": statistics.median(r["step_s"] for r in timed),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),

@@ -15,7 +15,6 @@ Notebook 12 reads back what a fine-tune taught: `packed_mask` (a packed row's ma
 from __future__ import annotations
 
 import copy
-import dataclasses
 import re
 
 import torch
@@ -23,8 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
 from kit.config import ConfigError, DataConfig
 
-# Reading and checking files moved to kit.inputs.datafile (no torch: the kernel side checks them too);
-# BUNDLED ... resolve_path stay importable from here for existing callers.
+# Files are read and checked in kit.inputs.datafile (no torch); these names stay importable here.
 from kit.inputs.datafile import (  # noqa: F401
     BUILDERS,
     BUNDLED,
@@ -37,6 +35,7 @@ from kit.inputs.datafile import (  # noqa: F401
     resolve_path,
     texts_column,
 )
+from kit.recipe import planning
 
 
 def warm_cache(cfg: DataConfig) -> None:
@@ -180,33 +179,12 @@ class Rows(torch.utils.data.Dataset):
         return {k: v[i] for k, v in self.tensors.items()}
 
 
-PACKED_ROW = 2048  # data.max_seq_len "auto" with packing: tokens per packed row
-
-
-def auto_seq_len(cfg: DataConfig, tokenizer, most: int | None = None) -> int:
-    """data.max_seq_len "auto": the longest row of data.path as the run tokenizes it (its
-    end-of-sequence token included), rounded up to a multiple of 8, at most `most` (the model's
-    max_position_embeddings); with packing, PACKED_ROW tokens (at most `most`). No row is cut
-    and no row is padded past the longest."""
-    if most is None and 0 < getattr(tokenizer, "model_max_length", 0) < 10**7:
-        most = tokenizer.model_max_length
-    if cfg.packing:
-        return min(PACKED_ROW, most or PACKED_ROW)
-    texts, _ = _chats(read_checked(cfg.path, cfg), cfg, tokenizer, cfg.path)
-    eos = tokenizer.eos_token or ""
-    longest = max((len(ids) for ids in tokenizer([t + eos for t in texts])["input_ids"]), default=2)
-    longest = -(-max(longest, 2) // 8) * 8
-    return min(longest, most) if most else longest
-
-
 def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[Rows, Rows]:
     """(train, validation) tokenized rows; the split is seeded, identical on every rank. Each
-    file's rows are checked and rendered whole before the split, so a problem names its row.
-    data.max_seq_len "auto" is decided here when the run has not (`auto_seq_len`)."""
+    file's rows are checked and rendered whole before the split, so a problem names its row."""
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if cfg.max_seq_len == "auto":
-        cfg = dataclasses.replace(cfg, max_seq_len=auto_seq_len(cfg, tokenizer))
+    cfg = planning.data_decided(cfg, tokenizer)  # data.max_seq_len "auto": the longest row
     rows = read_checked(cfg.path, cfg)  # every row checked here, where rows keep their numbers
     texts, spans = _chats(rows, cfg, tokenizer, cfg.path)
     if cfg.val_path:

@@ -9,10 +9,12 @@ Rank 0 plans and every rank trains with its plan (kit.recipe.dist.on_main): one 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kit.budget import plan as kplan
-from kit.config import AUTO, Config
+from kit.config import AUTO, Config, DataConfig
 from kit.inputs import builtin, sources
 
 
@@ -28,20 +30,47 @@ def hardware(device: torch.device, world_size: int) -> kplan.Hardware:
 
 
 def seq_len(cfg: Config) -> int:
-    """data.max_seq_len, or for "auto" the data's longest row (kit.recipe.data.auto_seq_len) as
+    """data.max_seq_len, or for "auto" the data's longest row (`auto_seq_len`) as
     the model's tokenizer reads it, at most the model's max_position_embeddings."""
     if cfg.data.max_seq_len != AUTO:
         return cfg.data.max_seq_len
     from transformers import AutoTokenizer
-
-    from kit.recipe import data
 
     tokenizer = AutoTokenizer.from_pretrained(builtin.resolve(cfg.model.name),
                                               trust_remote_code=cfg.model.trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     most = (sources.model_config(cfg.model.name) or {}).get("max_position_embeddings")
-    return data.auto_seq_len(cfg.data, tokenizer, most if isinstance(most, int) else None)
+    return auto_seq_len(cfg.data, tokenizer, most if isinstance(most, int) else None)
+
+
+PACKED_ROW = 2048  # data.max_seq_len "auto" with packing: tokens per packed row
+
+
+def auto_seq_len(cfg: DataConfig, tokenizer, most: int | None = None) -> int:
+    """data.max_seq_len "auto": the longest row of data.path as the run tokenizes it (its
+    end-of-sequence token included), rounded up to a multiple of 8, at most `most` (the model's
+    max_position_embeddings); with packing, PACKED_ROW tokens (at most `most`). No row is cut
+    and no row is padded past the longest."""
+    if most is None and 0 < getattr(tokenizer, "model_max_length", 0) < 10**7:
+        most = tokenizer.model_max_length
+    if cfg.packing:
+        return min(PACKED_ROW, most or PACKED_ROW)
+    from kit.recipe.data import _chats, read_checked  # the rows as build_datasets renders them
+
+    texts, _ = _chats(read_checked(cfg.path, cfg), cfg, tokenizer, cfg.path)
+    eos = tokenizer.eos_token or ""
+    longest = max((len(ids) for ids in tokenizer([t + eos for t in texts])["input_ids"]), default=2)
+    longest = -(-max(longest, 2) // 8) * 8
+    return min(longest, most) if most else longest
+
+
+def data_decided(cfg: DataConfig, tokenizer) -> DataConfig:
+    """`cfg` with data.max_seq_len "auto" decided (`auto_seq_len`): for data built outside a
+    planned run (a notebook); a run plans it first."""
+    if cfg.max_seq_len != AUTO:
+        return cfg
+    return dataclasses.replace(cfg, max_seq_len=auto_seq_len(cfg, tokenizer))
 
 
 def resolve(cfg: Config, device: torch.device, world_size: int,

@@ -111,6 +111,7 @@ def text_datasets(cfg: Config, tokenizer, world: int):
     keeps the training.eval_batches batches of every rank that kit.train evaluates."""
     from datasets import Dataset
 
+    cfg = kplan.plain(cfg)  # batch "auto": the recipe's plain value (this path plans nothing)
     d, t = cfg.data, cfg.training
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -10,6 +10,7 @@ import functools
 import os
 import re
 
+from kit.budget import plan as kplan
 from kit.config import Config, ConfigError
 from kit.folder.layout import RunFolder
 
@@ -42,6 +43,7 @@ def sft_config(cfg: Config, use_cpu: bool, environ=None):
     naming the kit field it came from. environ: the launch's (accelerate's variables)."""
     from trl import SFTConfig
 
+    cfg = kplan.plain(cfg)  # this path plans nothing: auto takes the recipe's plain values
     _refuse_unmapped(cfg)
     t, d, c = cfg.training, cfg.data, cfg.checkpointing
     names = {f.name for f in dataclasses.fields(SFTConfig)}
