@@ -263,7 +263,10 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
     if offload is not True:
         t.offload_activations = False
         best = _search(out, hw, seq_len, shape, policies, batches)
-    if best is None and offload is not False and t.compile is not True and "inputs" in policies:
+    # Offloaded, only whole layers' inputs: what layers keep without recompute would fill host
+    # memory (the estimate counts it, the plan does not choose it).
+    if (best is None and offload is not False and t.compile is not True and rc.enabled
+            and "inputs" in policies):
         t.offload_activations = True
         best = _search(out, hw, seq_len, shape, ["inputs"], batches)
     if best is None:

@@ -23,6 +23,7 @@ from kit.config import ConfigError, DataConfig
 from kit.inputs.builtin import kit_home
 
 BUNDLED = {"kit:sample": "sample.jsonl", "kit:sample-chat": "sample-chat.jsonl"}
+PACKED_ROW = 2048  # data.max_seq_len "auto" with packing: tokens per packed row (kit.recipe.data)
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 SHOWN = 5  # bad rows named in one message beyond the first
 

@@ -26,6 +26,7 @@ from kit.config import ConfigError, DataConfig
 from kit.inputs.datafile import (  # noqa: F401
     BUILDERS,
     BUNDLED,
+    PACKED_ROW,
     as_messages,
     check_file,
     read_checked,
@@ -35,7 +36,6 @@ from kit.inputs.datafile import (  # noqa: F401
     resolve_path,
     texts_column,
 )
-from kit.recipe import planning
 
 
 def warm_cache(cfg: DataConfig) -> None:
@@ -92,12 +92,12 @@ def _trained(offsets, spans: list[tuple[int, int]]) -> list[bool]:
     return [e > s and any(s < b and e > a for a, b in spans) for s, e in offsets]
 
 
-def _encode(texts: list[str], tokenizer, max_len: int, spans=None) -> dict[str, torch.Tensor]:
+def _encode(texts: list[str], tokenizer, max_len, spans=None) -> dict[str, torch.Tensor]:
     texts = [t + tokenizer.eos_token for t in texts] if tokenizer.eos_token else texts
-    enc = tokenizer(
-        texts, max_length=max_len, truncation=True, padding="max_length", return_tensors="pt",
-        return_offsets_mapping=spans is not None,
-    )
+    fixed = max_len != "auto"  # auto outside a planned run (kit.recipe.planning): the longest row
+    enc = tokenizer(texts, max_length=max_len if fixed else None, truncation=fixed,
+                    padding="max_length" if fixed else "longest", return_tensors="pt",
+                    return_offsets_mapping=spans is not None)
     labels = enc["input_ids"].clone()
     labels[enc["attention_mask"] == 0] = -100  # no loss on padding
     if spans is not None:  # nor on what is not the assistant's
@@ -119,6 +119,7 @@ def _encode_packed(texts: list[str], tokenizer, max_len: int, spans=None) -> dic
     one sample to transformers, so `count_tokens` can tell padding from a sample start)."""
     from transformers import DataCollatorWithFlattening
 
+    max_len = PACKED_ROW if max_len == "auto" else max_len
     texts = [t + tokenizer.eos_token for t in texts] if tokenizer.eos_token else texts
     enc = tokenizer(texts, max_length=max_len, truncation=True,
                     return_offsets_mapping=spans is not None)
@@ -184,7 +185,6 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[Rows, Rows]:
     file's rows are checked and rendered whole before the split, so a problem names its row."""
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    cfg = planning.data_decided(cfg, tokenizer)  # data.max_seq_len "auto": the longest row
     rows = read_checked(cfg.path, cfg)  # every row checked here, where rows keep their numbers
     texts, spans = _chats(rows, cfg, tokenizer, cfg.path)
     if cfg.val_path:

@@ -9,8 +9,6 @@ Rank 0 plans and every rank trains with its plan (kit.recipe.dist.on_main): one 
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from kit.budget import plan as kplan
@@ -44,9 +42,6 @@ def seq_len(cfg: Config) -> int:
     return auto_seq_len(cfg.data, tokenizer, most if isinstance(most, int) else None)
 
 
-PACKED_ROW = 2048  # data.max_seq_len "auto" with packing: tokens per packed row
-
-
 def auto_seq_len(cfg: DataConfig, tokenizer, most: int | None = None) -> int:
     """data.max_seq_len "auto": the longest row of data.path as the run tokenizes it (its
     end-of-sequence token included), rounded up to a multiple of 8, at most `most` (the model's
@@ -54,23 +49,16 @@ def auto_seq_len(cfg: DataConfig, tokenizer, most: int | None = None) -> int:
     and no row is padded past the longest."""
     if most is None and 0 < getattr(tokenizer, "model_max_length", 0) < 10**7:
         most = tokenizer.model_max_length
+    from kit.recipe.data import PACKED_ROW, _chats, read_checked  # rows as the run renders them
+
     if cfg.packing:
         return min(PACKED_ROW, most or PACKED_ROW)
-    from kit.recipe.data import _chats, read_checked  # the rows as build_datasets renders them
 
     texts, _ = _chats(read_checked(cfg.path, cfg), cfg, tokenizer, cfg.path)
     eos = tokenizer.eos_token or ""
     longest = max((len(ids) for ids in tokenizer([t + eos for t in texts])["input_ids"]), default=2)
     longest = -(-max(longest, 2) // 8) * 8
     return min(longest, most) if most else longest
-
-
-def data_decided(cfg: DataConfig, tokenizer) -> DataConfig:
-    """`cfg` with data.max_seq_len "auto" decided (`auto_seq_len`): for data built outside a
-    planned run (a notebook); a run plans it first."""
-    if cfg.max_seq_len != AUTO:
-        return cfg
-    return dataclasses.replace(cfg, max_seq_len=auto_seq_len(cfg, tokenizer))
 
 
 def resolve(cfg: Config, device: torch.device, world_size: int,

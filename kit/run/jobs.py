@@ -196,7 +196,7 @@ def accelerate_yaml(cfg: Config, nnodes: int, nproc: int) -> str:
             "# model.loading says (rank0: rank 0 reads, the others receive every tensor, 4-bit",
             "# ones with their quantization state, before accelerate wraps it).",
         ]
-        if cfg.training.recompute.enabled and cfg.training.recompute.keeps != "inputs":
+        if cfg.training.recompute.enabled and cfg.training.recompute.keeps not in ("inputs", "auto"):
             lines.append(f"# training.recompute.keeps={cfg.training.recompute.keeps} has no "
                          "accelerate key: activation checkpointing recomputes whole layers.")
     return "\n".join(lines) + "\n" + yaml.safe_dump(tree, sort_keys=False)
