@@ -3,8 +3,8 @@
     torchrun --nproc_per_node=2 -m kit.train kit/configs/tiny-cpu.yaml sharding.engine=fsdp1
     python -m kit check kit/configs/tiny-cpu.yaml --nproc 2   # the check step alone (kit.run.check)
 
-Order of operations (each step is its own module): process group -> load (quantized) model ->
-LoRA -> activation checkpointing + train mode -> shard -> optimizer -> train -> save adapter.
+Order of operations (each its own module): process group -> plan the "auto" values (rank 0) ->
+load (quantized) model -> LoRA -> recompute + train mode -> shard -> optimizer -> train -> save.
 Rank 0 writes `metrics.jsonl` and `result.json` into the run folder and shows a progress bar;
 an exception on any rank is printed with its rank before torchrun stops the others.
 """
