@@ -163,3 +163,17 @@ def test_a_run_with_the_defaults_trains_with_a_real_models_values(tmp_path):
     assert "plan: batch 8 x 24 tokens" in proc.stdout
     written = load_config(out / "config.yaml")
     assert written.training.lr == 2e-4 and written.training.batch_size == AUTO  # as asked
+
+
+@pytest.mark.parametrize("overrides, family, compiled, grouped", [
+    ([], "llama", True, True),
+    (["sharding.engine=fsdp1"], "llama", False, False),  # the levers were measured under FSDP2
+    ([], "phi3", True, False),  # fused qkv_proj / gate_up_proj: grouping was not measured there
+    (["lora.target_modules=[q_proj,v_proj]"], "llama", True, False),  # no whole group targeted
+])
+def test_the_plan_turns_on_only_the_levers_measured_for_this_setup(overrides, family, compiled,
+                                                                   grouped):
+    cfg = load_config(None, ["model.name=kit:llama-8b", *overrides])
+    config = {**shape_of_dict("kit:llama-8b"), "model_type": family}
+    t = kplan.plan(cfg, _gpu(1, 80), 2048, config).cfg
+    assert (t.training.compile, t.lora.group_inputs) == (compiled, grouped)

@@ -28,7 +28,7 @@ import copy
 from dataclasses import dataclass, field, replace
 
 from kit.budget.estimate import Setup, estimate
-from kit.budget.shapes import Shape, flops_per_token, shape_of
+from kit.budget.shapes import SHARED_INPUT_GROUPS, Shape, flops_per_token, shape_of
 from kit.config import AUTO, Config, ConfigError
 
 # The recipe's plain values: what "auto" means where the kit does not plan (a CPU; plan=off).
@@ -36,6 +36,10 @@ PLAIN = {"training.batch_size": 8, "training.loss": "hf", "training.compile": Fa
          "training.recompute.keeps": "inputs", "lora.group_inputs": False,
          "training.offload_activations": False}
 POLICIES = ("matmuls", "mlp_matmuls", "attention_matmuls", "inputs")
+# Where the GPU levers were measured (benchmarks/results/planned-1xh100.md): compiled layers and
+# grouped adapters under FSDP2, grouping in these families (separate q/k/v and gate/up modules).
+MEASURED_ENGINE = "fsdp2"
+GROUPED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MAX_BATCH = 64
 
 # The step model (`speed`), fitted to the kit's bf16 runs on one H100 at the Llama-3-8B shape,
@@ -207,6 +211,10 @@ def _setup(cfg: Config, hw: Hardware, seq_len: int) -> Setup:
 def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = None) -> Planned:
     """The config with every "auto" chosen (see the module's doc). Raises ConfigError in one
     line when nothing fits the GPUs' memory, naming the smallest change that does."""
+    if model_config is None:  # its config.json where one is at hand (kit models, folders, cache)
+        from kit.inputs.sources import model_config as config_of
+
+        model_config = config_of(cfg.model.name)
     out = copy.deepcopy(cfg)
     t, rc = out.training, out.training.recompute
     planned = Planned(out, hw, seq_len)
@@ -247,8 +255,16 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
     else:
         say(Choice("training.loss", t.loss, "you", "set in the config"))
     if out.lora.group_inputs == AUTO:
-        out.lora.group_inputs = True
-        say(Choice("lora.group_inputs", True, "plan",
+        family = (model_config or {}).get("model_type")
+        targets = out.lora.target_modules
+        whole = targets == "all-linear" or any(all(n in targets for n in g)
+                                               for g in SHARED_INPUT_GROUPS)
+        why = (f"measured under {MEASURED_ENGINE} only" if out.sharding.engine != MEASURED_ENGINE
+               else f"measured for {', '.join(GROUPED_FAMILIES)} only" if family not in
+               GROUPED_FAMILIES else "no q/k/v or gate/up group among the targets" if not whole
+               else None)
+        out.lora.group_inputs = why is None
+        say(Choice("lora.group_inputs", why is None, "plan", why or
                    "q/k/v and gate/up drop their input once, one down-projection each group"))
     else:
         say(Choice("lora.group_inputs", out.lora.group_inputs, "you", "set in the config"))
@@ -279,9 +295,10 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
     if t.compile == AUTO:
         outside = ("training.offload_activations" if t.offload_activations else
                    "training.recompute.mlp_tile_tokens" if rc.mlp_tile_tokens else None)
-        t.compile = outside is None
+        t.compile = outside is None and out.sharding.engine == MEASURED_ENGINE
         say(Choice("training.compile", t.compile, "plan", f"{outside} runs outside a compiled "
-                   "graph" if outside else "fuses each layer's element-wise work"))
+                   "graph" if outside else f"measured under {MEASURED_ENGINE} only"
+                   if not t.compile else "fuses each layer's element-wise work"))
     elif not any(c.field == "training.compile" for c in planned.choices):
         say(Choice("training.compile", t.compile, "you", "set in the config"))
     (keeps, batch), _ = best
