@@ -60,8 +60,10 @@ KNEE_TOKENS = 2350
 RERUN_COST = 0.30
 INPUTS_EXTRA = 0.045
 PEAK_SHARE = 0.45
+# Dense bf16 tensor-core peak from the vendors' data sheets, by device name (first match): the
+# step model's scale here, MFU's denominator in kit.bench.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12,
-                   "L40S": 362e12, "RTX 4090": 165e12}  # dense bf16, vendors' data sheets
+                   "L40S": 362e12, "RTX 4090": 165e12}
 
 
 @dataclass(frozen=True)

@@ -276,6 +276,33 @@ class Context:
             self.facts_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             return None
 
+    def planned(self, gpu: float):
+        """The plan (kit.budget.plan) of a config with values left at auto on these GPUs; None when
+        nothing is left to plan (or the config is refused elsewhere); a Finding when it cannot be
+        planned here or does not fit."""
+        from kit.budget import plan as kplan
+        from kit.config import ConfigError, config_from_dict
+
+        try:
+            cfg = config_from_dict(self.tree)
+        except ConfigError:
+            return None
+        if kplan.is_planned(cfg):
+            return None
+        if cfg.data.max_seq_len == "auto":
+            return Finding("info", "memory_planned_at_start", "data.max_seq_len=auto: the batch and "
+                           "recompute policy are planned when the run starts, from the data's rows "
+                           "(`kit plan CONFIG` shows the plan now)",
+                           "data.max_seq_len=<tokens> to check the memory here", "data.max_seq_len")
+        name = self.env["gpus"][0].get("name", "")
+        hw = kplan.Hardware("cuda", self.ranks, gpu, name, fp8=any(k in name for k in ("H100", "H200")))
+        config = self.facts.config if isinstance(self.facts.config, dict) else self.facts.config.to_dict()
+        try:
+            return kplan.plan(cfg, hw, cfg.data.max_seq_len, config)
+        except ConfigError as e:
+            return Finding("error", "memory_over_gpu", str(e), str(e).rsplit(": ", 1)[-1],
+                           "training.batch_size")
+
 
 def namespace(tree: dict):
     """A dict tree with attribute access, as kit.budget.estimate.Setup.from_config reads a Config."""

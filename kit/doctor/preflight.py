@@ -197,34 +197,6 @@ def _cpu_bf16(c: Context) -> list[Finding]:
     ]
 
 
-def _planned(c: Context, gpu: float):
-    """The plan (kit.budget.plan) of a config with values left at auto on these GPUs; None when
-    nothing is left to plan (or the config is refused elsewhere); a Finding when it cannot be
-    planned here or does not fit."""
-    from kit.budget import plan as kplan
-    from kit.config import ConfigError, config_from_dict
-
-    try:
-        cfg = config_from_dict(c.tree)
-    except ConfigError:
-        return None
-    if kplan.is_planned(cfg):
-        return None
-    if cfg.data.max_seq_len == "auto":
-        return Finding("info", "memory_planned_at_start", "data.max_seq_len=auto: the batch and "
-                       "recompute policy are planned when the run starts, from the data's rows "
-                       "(`kit plan CONFIG` shows the plan now)",
-                       "data.max_seq_len=<tokens> to check the memory here", "data.max_seq_len")
-    name = c.env["gpus"][0].get("name", "")
-    hw = kplan.Hardware("cuda", c.ranks, gpu, name, fp8=any(k in name for k in ("H100", "H200")))
-    config = c.facts.config if isinstance(c.facts.config, dict) else c.facts.config.to_dict()
-    try:
-        return kplan.plan(cfg, hw, cfg.data.max_seq_len, config)
-    except ConfigError as e:
-        return Finding("error", "memory_over_gpu", str(e), str(e).rsplit(": ", 1)[-1],
-                       "training.batch_size")
-
-
 @_check
 def _gpu_memory(c: Context) -> list[Finding]:
     if c.device != "cuda" or not c.env["gpus"] or c.facts is None:
@@ -243,7 +215,7 @@ def _gpu_memory(c: Context) -> list[Finding]:
 
     gpu = min(g["memory_gib"] for g in c.env["gpus"])
     tree = c.tree
-    planned = _planned(c, gpu)  # values left at auto: as the run will choose them
+    planned = c.planned(gpu)  # values left at auto: as the run will choose them
     if isinstance(planned, Finding):
         return [planned]
     if planned is not None:
