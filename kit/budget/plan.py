@@ -5,26 +5,21 @@ engine and the data; every value a person set is kept.
     planned.cfg          # a Config with no "auto" left: what the ranks train with
     print(planned.table())   # each choice, who made it, why; predicted peak and expected speed
 
-Kernel side, no torch: the ranks call it at start (kit.train: rank 0 plans, every rank gets the
-plan), `kit plan CONFIG` prints it without starting anything. The memory side is the estimate's
-(kit.budget.estimate, checked against measured runs); the speed side is a two-term model of a
-step written below (`speed`), calibrated on the kit's measured 8B runs on one H100.
+Kernel side, no torch: rank 0 plans at start (kit.train), `kit plan CONFIG` prints it without
+starting anything. Memory: the estimate's (kit.budget.estimate, checked against measured runs);
+speed: the step model below (`speed`), fitted to the kit's measured 8B runs on one H100.
 
-What it chooses on a GPU (on a CPU, and with training.plan=off, the recipe's plain values):
-  - training.loss: fused where the model allows it (its head frozen, no logit softcapping or
-    scaling after the head), else chunked: no logits of the whole batch in fp32;
-  - training.compile: on (each decoder layer compiled), unless activations are offloaded or the
-    MLP is tiled (those run outside a compiled graph);
-  - lora.group_inputs: on (q/k/v and gate/up drop their shared input once);
-  - training.recompute.keeps and training.batch_size: of every policy and batch the estimate says
-    fit, the one `speed` predicts fastest.
-FP8 base matmuls (quantization.fp8_matmul) stay opt-in: they move the loss; the plan says what
-they would add on a GPU that has them.
+On a GPU (on a CPU, and with training.plan=off, the recipe's plain values): the fused loss where
+the model allows it (a frozen head, no logit softcapping or scaling), else chunked; compiled
+layers and grouped adapters where they were measured; of every recompute policy and batch the
+estimate says fit, the one `speed` predicts fastest; activations offloaded only when nothing else
+fits. FP8 base matmuls stay opt-in (they move the loss); the plan says what they would add.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field, replace
 
 from kit.budget.estimate import Setup, estimate
@@ -141,18 +136,13 @@ class Planned:
 
 
 def _get(cfg: Config, dotted: str):
-    node = cfg
-    for part in dotted.split("."):
-        node = getattr(node, part)
-    return node
+    *parents, last = dotted.split(".")
+    return getattr(functools.reduce(getattr, parents, cfg), last)
 
 
 def _set(cfg: Config, dotted: str, value) -> None:
     *parents, last = dotted.split(".")
-    node = cfg
-    for part in parents:
-        node = getattr(node, part)
-    setattr(node, last, value)
+    setattr(functools.reduce(getattr, parents, cfg), last, value)
 
 
 def is_planned(cfg: Config) -> bool:
