@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Issue 36 on a machine with 2 GPUs (nvidia-h100-x2 or nvidia-h200-x2): the runs that need
+# several GPUs, in one detached invocation (a device call ends at 10 minutes; poll with back-to-back
+# calls, the machine stays warm ~30 s between them):
+#   mkdir -p /tmp/i36; (setsid nohup bash benchmarks/gpu_issue36.sh /tmp/i36 > /tmp/i36/all.log 2>&1 < /dev/null &)
+#   bash benchmarks/gpu_issue36.sh --poll /tmp/i36 540      # again until it prints ALL_DONE
+# SETS (default: scale plan70 nccl resume, in this order; ~25 minutes in all):
+#   scale   run 3: bench-8b-2gpu-planned.yaml, the kit's defaults on 2 GPUs beside the article
+#           recipe and the peer stack at 24 and 80 GiB, and the same kit cases on 1 GPU (~8 min)
+#   plan70  run 4: bench-70b-2gpu-planned.yaml, the planner's 70B configuration on 2x 24 and
+#           2x 80 GiB, predicted against measured peak (~5 min)
+#   nccl    run 1: kit.recipe.sft under accelerate with the generated FSDP2 and FSDP1 YAMLs on 2
+#           GPUs (gpu_sft_check.sh, NPROC=2), then run.sh as two nodes beside one node x 2
+#           (gpu_nodes_check.sh) (~8 min)
+#   resume  run 6: stopped on 2 GPUs, resumed on 1 (gpu_resume_world.sh) (~2 min)
+#   notebooks  run 2: every notebook with its GPU parameters on 2 processes (gpu_notebooks.sh)
+# .whl/gpu carried (bash benchmarks/fetch_gpu_wheels.sh here first). Results: OUT/SET/.
+set -uo pipefail
+if [ "${1:-}" = --poll ]; then  # wait for ALL_DONE (at most $3 s), then copy what exists into $OUT
+  DIR=$2; LIMIT=${3:-540}; start=$(date +%s)
+  while [ ! -e "$DIR/ALL_DONE" ] && [ $(( $(date +%s) - start )) -lt "$LIMIT" ]; do sleep 10; done
+  grep -E "^(==|set |bench:|build:|sft |nodes |fsdp|two|one|losses|result|step-6|the 1-GPU|  )" "$DIR/all.log" | tail -40
+  for t in "$DIR"/*/bench/table.md; do [ -e "$t" ] && { echo "== $t"; cat "$t"; }; done
+  [ -n "${OUT:-}" ] && tar czf "$OUT/i36.tgz" --exclude='*.safetensors' --exclude='*.pt' \
+    --exclude='*.distcp' --exclude=merged --exclude='*-runs' --exclude=two-then-one \
+    --exclude=two-then-two "$DIR" 2>/dev/null
+  [ -e "$DIR/ALL_DONE" ] && echo ALL_DONE; exit 0
+fi
+OUT=${1:-/tmp/i36}; shift; SETS=${*:-scale plan70 nccl resume}; mkdir -p "$OUT"
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True NCCL_NVLS_ENABLE=0
+for SET in $SETS; do
+  start=$(date +%s); echo "== set $SET"
+  case $SET in
+    scale) MATRIX=benchmarks/matrices/bench-8b-2gpu-planned.yaml SKIP_EXTRAS=1 \
+             bash benchmarks/gpu_speed.sh "$OUT/scale" ;;
+    plan70) MATRIX=benchmarks/matrices/bench-70b-2gpu-planned.yaml SKIP_EXTRAS=1 \
+             bash benchmarks/gpu_speed.sh "$OUT/plan70" ;;
+    nccl) NPROC=2 bash benchmarks/gpu_sft_check.sh "$OUT/nccl/sft" /tmp/i36-sft-runs; echo "sft rc=$?"
+          bash benchmarks/gpu_nodes_check.sh "$OUT/nccl/nodes" /tmp/i36-nodes-runs; echo "nodes rc=$?" ;;
+    resume) bash benchmarks/gpu_resume_world.sh "$OUT/resume"; echo "resume rc=$?" ;;
+    notebooks) bash benchmarks/gpu_notebooks.sh "$OUT/notebooks" 2 00 01 02 03 04 05 06 07 08 09 10 11 12 ;;
+    *) echo "SET: $SET is not allowed; expected scale, plan70, nccl, resume or notebooks"; exit 2 ;;
+  esac
+  echo "set $SET: $(( $(date +%s) - start ))s"; touch "$OUT/$SET.DONE"
+done
+touch "$OUT/ALL_DONE"
