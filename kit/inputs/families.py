@@ -124,7 +124,7 @@ def levers(facts: dict, grouped: tuple[str, ...]) -> dict:
             "attention (CPU)": pick_attention(facts, "cpu", "float32")[0],
             "fused loss": "no: " + ", ".join(transforms) if transforms else "yes",
             "grouped adapters": "yes" if facts["model_type"] in grouped else "no (not measured)",
-            "compile": "yes"}
+            "compile (GPU plan)": "yes"}
 
 
 def readme_table(facts: dict[str, dict], grouped: tuple[str, ...]) -> str:

@@ -111,6 +111,15 @@ def fused_loss_refusal(transforms: list[str]) -> str:
             f"{', '.join(transforms)} after the head; allowed: hf, chunked")
 
 
+def fused_blocked(cfg, model_config: dict | None, facts: dict | None) -> str | None:
+    """None when the fused loss can run this model (the planner asks); else why not."""
+    targets = cfg.lora.target_modules
+    if not isinstance(targets, str) and "lm_head" in targets:
+        return "the output head trains (lora.target_modules has lm_head)"
+    found = facts["logit_transforms"] if facts else logit_transforms(model_config or {})
+    return f"the model's logits pass through {', '.join(found)} after the head" if found else None
+
+
 def model_config(name: str) -> dict | None:
     """model.name's config.json as a dict, without weights or transformers: a kit model's spec, a
     local folder's file, or the Hugging Face cache's copy; None when none is at hand."""
