@@ -108,7 +108,7 @@ class Source:
     the checkpoint's safetensors files (a tensor read when it is needed, with a plain read), or,
     for a folder without weights (`init`: {"seed", "std"}), a generator seeded by the tensor's
     name: matrices N(0, std), norms 1, biases 0. 4-bit weights are quantized on `device` as they
-    arrive, as from_pretrained does; buffers (rotary frequencies) are rebuilt by their module.
+    arrive, as from_pretrained does; buffers (rotary frequencies) by the model class's initialisation.
     At most one full-precision tensor exists at a time: a 70B model needs neither its 138 GB of
     bf16 weights on disk (init) nor in memory. Random weights are the same for the same seed on
     the same kind of device (CPU and GPU generators differ)."""
