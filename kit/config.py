@@ -113,10 +113,12 @@ class ShardingConfig:
 class AttentionConfig:
     # flash_attention_2 needs the flash-attn package (GPU only); sdpa includes a flash kernel too.
     # sdpa_<backend> pins PyTorch SDPA to one kernel (kit.recipe.attention): flash, efficient, cudnn, math.
+    # auto: the fastest the model class supports on this device (kit.inputs.families.pick_attention;
+    # the plan says which): sdpa, else eager on a CPU / FlashAttention 2 or flex on a GPU.
     implementation: Literal[
-        "eager", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math",
+        "auto", "eager", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math",
         "flex_attention", "flash_attention_2",
-    ] = "sdpa"
+    ] = "auto"
 
 
 @dataclass

@@ -133,7 +133,7 @@ def test_bad_name_is_a_one_line_config_error():
     with pytest.raises(ConfigError) as e:
         load_config("kit/configs/tiny-cpu.yaml", ["attention.implementation=sdpa_fast"])
     assert str(e.value) == (
-        "attention.implementation: 'sdpa_fast' is not allowed; expected one of 'eager', 'sdpa', "
+        "attention.implementation: 'sdpa_fast' is not allowed; expected one of 'auto', 'eager', 'sdpa', "
         "'sdpa_flash', 'sdpa_efficient', 'sdpa_cudnn', 'sdpa_math', 'flex_attention', "
         "'flash_attention_2'"
     )

@@ -70,6 +70,7 @@ class Hardware:
     memory_gib: float | None = None  # per GPU: what the run may use (a cap, or the GPU's)
     name: str = ""
     fp8: bool = False  # compute capability 8.9 or higher: FP8 tensor cores
+    flash_attn: bool = False  # the flash-attn package is installed
 
     @property
     def peak_flops(self) -> float | None:
@@ -98,6 +99,7 @@ class Planned:
     def line(self) -> str:
         t, rc = self.cfg.training, self.cfg.training.recompute
         parts = [f"batch {t.batch_size} x {self.seq_len} tokens", f"loss {t.loss}",
+                 f"attention {self.cfg.attention.implementation}",
                  f"compile {'on' if t.compile else 'off'}",
                  f"recompute {'keeps ' + rc.keeps if rc.enabled else 'off'}",
                  f"adapters {'grouped' if self.cfg.lora.group_inputs else 'ungrouped'}"]
@@ -173,18 +175,6 @@ def speed(shape: Shape, seq_len: int, batch: int, keeps: str | None, hw: Hardwar
     return rate * PEAK_SHARE * peak / flops_per_token(shape, seq_len) if peak else rate
 
 
-def _fused_allowed(cfg: Config, model_config: dict | None) -> str | None:
-    """None when the fused loss can run this model; else why not."""
-    from kit.inputs.sources import logit_transforms
-
-    targets = cfg.lora.target_modules
-    if not isinstance(targets, str) and "lm_head" in targets:
-        return "the output head trains (lora.target_modules has lm_head)"
-    if model_config and (found := logit_transforms(model_config)):
-        return f"the model's logits pass through {', '.join(found)} after the head"
-    return None
-
-
 def _shape(cfg: Config, model_config: dict | None) -> Shape | None:
     try:
         return shape_of(model_config if model_config is not None else cfg.model.name)
@@ -200,9 +190,13 @@ def _setup(cfg: Config, hw: Hardware, seq_len: int) -> Setup:
     return Setup.from_config(probe, world_size=hw.world_size)
 
 
-def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = None) -> Planned:
-    """The config with every "auto" chosen (see the module's doc). Raises ConfigError in one
-    line when nothing fits the GPUs' memory, naming the smallest change that does."""
+def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = None,
+         facts: dict | None = None) -> Planned:
+    """The config with every "auto" chosen (see the module's doc); `facts`: what the model allows
+    (kit.inputs.sources.model_facts). Raises ConfigError in one line when nothing fits the GPUs'
+    memory, naming the smallest change that does."""
+    from kit.inputs import families
+    from kit.inputs.sources import fused_blocked
     if model_config is None:  # its config.json where one is at hand (kit models, folders, cache)
         from kit.inputs.sources import model_config as config_of
 
@@ -220,6 +214,11 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
         t.compile = True
         say(Choice("training.compile", True, "plan", "training.activation_memory_budget < 1 "
                    "steers the compiler's recompute"))
+    by, why = "you", "set in the config"  # attention on every device: what the class supports
+    if out.attention.implementation == AUTO:
+        by, (out.attention.implementation, why) = "plan", families.pick_attention(
+            facts, hw.device, out.model.dtype, hw.flash_attn)
+    say(Choice("attention.implementation", out.attention.implementation, by, why))
     gpu = hw.device == "cuda" and t.plan == AUTO
     if not gpu:
         why = "training.plan=off" if t.plan != AUTO else "a CPU: the recipe's plain value"
@@ -240,7 +239,7 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
                           "from; allowed: a local folder or a cached hub id, or training.plan=off")
     # The loss, compile and groups first: they move memory little and speed much (measured).
     if t.loss == AUTO:
-        blocked = _fused_allowed(out, model_config)
+        blocked = fused_blocked(out, model_config, facts)
         t.loss = "chunked" if blocked else "fused"
         say(Choice("training.loss", t.loss, "plan", f"fused cannot run: {blocked}" if blocked
                    else "the head and the loss a chunk at a time: no logits of the batch"))

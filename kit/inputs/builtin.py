@@ -20,6 +20,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from kit.inputs import families
+
 DATA_DIR = Path(__file__).parents[1] / "data"
 PREFIX = "kit:"
 
@@ -159,6 +161,9 @@ CONVERTER = 2  # part of a converted model's folder name: a change to _convert_g
 AT_LOAD = {"llama-70b": 0, "tiny-llama-at-load": 0}  # name -> seed
 SPECS["tiny-llama-at-load"] = dict(SPECS["tiny-llama"])
 INIT_FILE = "kit-init-at-load.json"
+
+# One tiny random model per family the kit is tested on (kit.inputs.families): kit:tiny-gemma2, ...
+SPECS.update(families.tiny_specs())
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 # The texts the tiny tokenizers are trained on: named, so that data files added to kit/data/ later

@@ -7,9 +7,11 @@ a hub id that is cached or reachable. Each wrong source is one line naming the v
 Without this, transformers retries an unreachable hub for about a minute and ends in a 270-line
 traceback; a folder without config.json or a misspelt kit model fails deep inside from_pretrained.
 Imports no torch: the launcher, the check step and the pre-flight call it; the ranks call it
-again before loading. `check_with_model` reads the model's config.json (no weights) for what the
-config asks of the model: the fused loss on a model whose logits pass through softcapping or a
-scale after the head is refused here, in the line the ranks would say after loading.
+again before loading. `check_with_model` holds what the config asks against what the model
+allows (`model_facts`: its config through transformers' config class, defaults included, and its
+class's attention support; no weights): the fused loss on a model whose logits pass through
+softcapping or a scale after the head, or an attention implementation its class does not
+support, is refused here in one line.
 """
 
 from __future__ import annotations
@@ -109,6 +111,15 @@ def fused_loss_refusal(transforms: list[str]) -> str:
             f"{', '.join(transforms)} after the head; allowed: hf, chunked")
 
 
+def fused_blocked(cfg, model_config: dict | None, facts: dict | None) -> str | None:
+    """None when the fused loss can run this model (the planner asks); else why not."""
+    targets = cfg.lora.target_modules
+    if not isinstance(targets, str) and "lm_head" in targets:
+        return "the output head trains (lora.target_modules has lm_head)"
+    found = facts["logit_transforms"] if facts else logit_transforms(model_config or {})
+    return f"the model's logits pass through {', '.join(found)} after the head" if found else None
+
+
 def model_config(name: str) -> dict | None:
     """model.name's config.json as a dict, without weights or transformers: a kit model's spec, a
     local folder's file, or the Hugging Face cache's copy; None when none is at hand."""
@@ -129,10 +140,69 @@ def model_config(name: str) -> dict | None:
         return None
 
 
-def check_with_model(cfg) -> None:
-    """Raise ConfigError for what the config asks of a model whose config.json says otherwise."""
+def model_facts(name: str, trust_remote_code: bool = False) -> dict | None:
+    """What transformers says of model.name without its weights (kit.inputs.families reads it):
+    the config through its config class, so that values left at the class's default count (a
+    saved config.json leaves them out), and the model class's declared attention support. None
+    when no config is at hand (a hub id not cached). Imports transformers and torch: a rank calls
+    it, the check step in a child process (kit.run.check.model_facts)."""
+    import inspect
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if builtin.is_builtin(name):
+        spec = dict(builtin.SPECS.get(name[len(builtin.PREFIX):]) or {})
+        if not spec:
+            return None
+        from transformers.utils import logging
+
+        before = logging.get_verbosity()
+        logging.set_verbosity_error()  # the family's default token ids: the build sets the kit's
+        try:
+            config, where = AutoConfig.for_model(spec.pop("model_type"), **spec), None
+        finally:
+            logging.set_verbosity(before)
+    else:
+        where = str(Path(name).expanduser()) if kind(name) == "local" else name
+        try:
+            config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code,
+                                                local_files_only=True)
+        except (OSError, ValueError):
+            return None
+    text = config.get_text_config()
+    facts = {"model_type": config.model_type, "logit_transforms": logit_transforms(
+        config.to_dict()), "attn_logit_softcapping": getattr(text, "attn_logit_softcapping", None)}
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    ref = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
+    if cls is None and ref and trust_remote_code and where:
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        cls = get_class_from_dynamic_module(ref, where)
+    if cls is None:
+        return facts
+    compatible = getattr(cls, "_compatible_flash_implementations", None)
+    flash = bool(cls._supports_flash_attn) and (
+        True if not compatible or "flash_attention_2" in compatible else list(compatible))
+    # Attention sinks, for the refusal's words only (the class already declares no SDPA for them):
+    # the modeling file hands them to the attention function as s_aux.
+    sinks = "s_aux=" in inspect.getsource(inspect.getmodule(cls))
+    return {**facts, "class": cls.__name__, "sinks": sinks, "attention": {
+        "sdpa": bool(cls._supports_sdpa), "flex": bool(cls._supports_flex_attn), "flash": flash,
+        "backend": bool(getattr(cls, "_supports_attention_backend", False))}}
+
+
+def check_with_model(cfg, facts: dict | None = None) -> None:
+    """Raise ConfigError for what the config asks of a model that the model does not allow: the
+    fused loss on logits softcapped or scaled after the head; an attention implementation its
+    class does not support. `facts`: model_facts' answer (None: config.json alone)."""
+    from kit.inputs import families
+
     config = model_config(cfg.model.name)
-    if config is None:
+    if facts is None and config is None:
         return
-    if cfg.training.loss == "fused" and (transforms := logit_transforms(config)):
+    transforms = facts["logit_transforms"] if facts else logit_transforms(config)
+    if cfg.training.loss == "fused" and transforms:
         raise ConfigError(fused_loss_refusal(transforms))
+    if cfg.attention.implementation != "auto" and (
+            line := families.attention_refusal(cfg.attention.implementation, facts)):
+        raise ConfigError(line)

@@ -108,7 +108,7 @@ class Source:
     the checkpoint's safetensors files (a tensor read when it is needed, with a plain read), or,
     for a folder without weights (`init`: {"seed", "std"}), a generator seeded by the tensor's
     name: matrices N(0, std), norms 1, biases 0. 4-bit weights are quantized on `device` as they
-    arrive, as from_pretrained does; buffers (rotary frequencies) are rebuilt by their module.
+    arrive, as from_pretrained does; buffers (rotary frequencies) by the model class's initialisation.
     At most one full-precision tensor exists at a time: a 70B model needs neither its 138 GB of
     bf16 weights on disk (init) nor in memory. Random weights are the same for the same seed on
     the same kind of device (CPU and GPU generators differ)."""
@@ -152,9 +152,8 @@ class Source:
             key = f"{self.names[id(owner)]}.{name}".lstrip(".")
             if kind == "_buffers" and (self.init or key not in self.files):
                 fresh = rebuilt.get(id(owner))
-                if fresh is None:  # e.g. the rotary embedding: its __init__ computes them,
-                    with torch.device("cpu"):  # on the CPU, as from_pretrained's do (a GPU's
-                        fresh = rebuilt[id(owner)] = type(owner)(config=self.config)  # differ)
+                if fresh is None:  # e.g. the rotary embedding's frequencies
+                    fresh = rebuilt[id(owner)] = self._buffers_of(owner)
                 tensor = getattr(fresh, name).to(self.device)
             elif isinstance(owner, bnb.nn.Linear4bit) and name == "weight":
                 value = self._value(key, meta.shape, meta.dtype, "matrix")
@@ -170,6 +169,32 @@ class Source:
         self.most_held = max(self.most_held, held_bytes(self.model))
         release_freed_host_memory()
         return len(made)
+
+    def _buffers_of(self, owner: torch.nn.Module) -> torch.nn.Module:
+        """A copy of `owner` whose buffers are computed as from_pretrained computes the ones a
+        checkpoint does not hold: the model class's own `_init_weights` on that module (rotary
+        frequencies, Gemma 3's embedding scale), on the CPU as from_pretrained does (a GPU's
+        differ in the last bits). Its parameters are meta copies, so the initialisation touches
+        no filled weight. Gap filled: transformers initialises a whole model, not one module."""
+        import copy
+
+        fresh = copy.copy(owner)
+        fresh._parameters = {k: None if p is None else torch.nn.Parameter(
+            torch.empty_like(p, device="meta"), requires_grad=False)
+            for k, p in owner._parameters.items()}  # fmt: skip
+        fresh._buffers = {k: None if b is None else torch.full(b.shape, float("nan"), dtype=b.dtype)
+                          if b.is_floating_point() else torch.zeros(b.shape, dtype=b.dtype)
+                          for k, b in owner._buffers.items()}  # fmt: skip
+        with torch.no_grad():
+            self.model._init_weights(fresh)
+        unset = [k for k, b in fresh._buffers.items()
+                 if b is not None and b.is_floating_point() and b.isnan().all()]
+        if unset:
+            raise RuntimeError(
+                f"model.loading: {type(self.model).__name__}._init_weights does not compute "
+                f"{type(owner).__name__}'s buffer(s) {', '.join(unset)}, which the checkpoint "
+                "does not hold; use model.loading=full")
+        return fresh
 
     def _value(self, key: str, shape, dtype, what: str) -> torch.Tensor:
         if self.init is None:

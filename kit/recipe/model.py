@@ -41,7 +41,7 @@ def build(cfg: Config, device: torch.device, *, train: bool = True) -> Built:
     Values left at "auto" that a run has not planned (kit.budget.plan) take the recipe's plain
     ones: a notebook's model, merge and chat build it so."""
     cfg = kplan.plain(cfg)
-    attn, warning = quantize.attention_implementation(cfg.attention.implementation)
+    attn, warning = quantize.attention_implementation(cfg.attention.implementation, cfg, device)
     model, tokenizer = loading.load(cfg, device, attn)  # model.loading: full | rank0 | stream
     most = getattr(model.config, "max_position_embeddings", None)
     if isinstance(most, int) and isinstance(cfg.data.max_seq_len, int) and cfg.data.max_seq_len > most:  # the doctor's pre-flight says it too

@@ -9,6 +9,8 @@ Rank 0 plans and every rank trains with its plan (kit.recipe.dist.on_main): one 
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from kit.budget import plan as kplan
@@ -24,7 +26,8 @@ def hardware(device: torch.device, world_size: int) -> kplan.Hardware:
     props = torch.cuda.get_device_properties(device)
     fraction = torch.cuda.get_per_process_memory_fraction(device)
     return kplan.Hardware("cuda", world_size, round(props.total_memory * fraction / 2**30, 2),
-                          props.name, (props.major, props.minor) >= (8, 9))
+                          props.name, (props.major, props.minor) >= (8, 9),
+                          importlib.util.find_spec("flash_attn") is not None)
 
 
 def seq_len(cfg: Config) -> int:
@@ -65,4 +68,5 @@ def resolve(cfg: Config, device: torch.device, world_size: int,
             hw: kplan.Hardware | None = None) -> kplan.Planned:
     """The plan for `cfg` on `world_size` processes of `device` (or the hardware `hw` says)."""
     return kplan.plan(cfg, hw or hardware(device, world_size), seq_len(cfg),
-                      sources.model_config(cfg.model.name))
+                      sources.model_config(cfg.model.name),
+                      sources.model_facts(cfg.model.name, cfg.model.trust_remote_code))

@@ -50,12 +50,25 @@ def params4bit_kwargs(cfg: Config) -> dict:
                 quant_storage=storage_dtype(cfg))
 
 
-def attention_implementation(requested: str) -> tuple[str, str | None]:
+def attention_implementation(requested: str, cfg: Config | None = None,
+                             device: torch.device | None = None) -> tuple[str, str | None]:  # fmt: skip
     """(implementation to use, warning or None), through kit.recipe.attention.resolve: flash_attention_2
     falls back to sdpa without the flash-attn package (sdpa carries a FlashAttention-2 kernel of
-    its own); sdpa_<backend> is registered with transformers under its kit_sdpa_* name."""
+    its own); sdpa_<backend> is registered with transformers under its kit_sdpa_* name. "auto"
+    (a model built outside a planned run) is what the planner would choose for cfg's model on
+    `device` (kit.inputs.families.pick_attention)."""
     from kit.recipe import attention
 
+    if requested == "auto":
+        import importlib.util
+
+        from kit.inputs import families, sources
+
+        kind = device.type if device is not None and device.type != "meta" else (
+            "cuda" if torch.cuda.is_available() else "cpu")
+        facts = sources.model_facts(cfg.model.name, cfg.model.trust_remote_code)
+        requested = families.pick_attention(facts, kind, cfg.model.dtype,
+                                            importlib.util.find_spec("flash_attn") is not None)[0]
     return attention.resolve(requested)
 
 
@@ -69,7 +82,8 @@ def load_model(cfg: Config, device: torch.device, attn: str | None = None,
     path = builtin.resolve(cfg.model.name)
     kwargs = dict(
         dtype=DTYPES[cfg.model.dtype],
-        attn_implementation=attn or attention_implementation(cfg.attention.implementation)[0],
+        attn_implementation=attn or attention_implementation(cfg.attention.implementation,
+                                                              cfg, device)[0],
         trust_remote_code=cfg.model.trust_remote_code,
         quantization_config=bnb_config(cfg),
     )

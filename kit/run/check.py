@@ -23,6 +23,7 @@ finished; run.sh then exits 0 without starting torchrun). Importing it loads no 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kit import pitfalls
@@ -44,8 +45,46 @@ class Refused(ConfigError):
 def inputs(cfg: Config) -> None:
     """What the config points at: the model (kit.inputs.sources) and the data, row by row (kit.inputs.datafile)."""
     sources.check_model(cfg.model.name)
-    sources.check_with_model(cfg)  # its config.json against what the config asks of it
+    sources.check_with_model(cfg, model_facts(cfg))  # what the model allows, against the config
     datafile.check_file(cfg.data, stdlib=True)
+
+
+FACTS_VERSION = 1  # part of the cache key: a change to what model_facts reads reads again
+
+
+def model_facts(cfg: Config) -> dict | None:
+    """kit.inputs.sources.model_facts for cfg's model, read in a child process (transformers
+    imports torch; this process must not), kept under $KIT_HOME/facts by the model's config and
+    the transformers version: a few seconds once, nothing after. None when no config is at hand
+    or transformers cannot read it (the ranks then say why, as they load it)."""
+    import hashlib
+    import json
+    from importlib.metadata import version
+
+    from kit.inputs import builtin
+    from kit.run import child
+
+    config = sources.model_config(cfg.model.name)
+    if config is None:
+        return None
+    key = hashlib.sha1(json.dumps([FACTS_VERSION, cfg.model.name, cfg.model.trust_remote_code,
+                                   config, version("transformers")], sort_keys=True,
+                                  default=str).encode()).hexdigest()[:16]  # fmt: skip
+    path = builtin.kit_home() / "facts" / f"{key}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    try:
+        facts = child.call("kit.inputs.sources:model_facts", timeout=300, name=cfg.model.name,
+                           trust_remote_code=cfg.model.trust_remote_code)
+    except (child.ChildFailed, TimeoutError):
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(facts))
+    os.replace(tmp, path)  # atomic: a concurrent check reads the whole file or none
+    return facts
 
 
 def check(cfg: Config, nproc_per_node: int = 2, nnodes: int = 1,

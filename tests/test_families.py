@@ -1,0 +1,138 @@
+"""The family matrix: a tiny random model of each family the kit names (kit.inputs.families), brought
+in as a user brings one (a local folder written by save_pretrained), trains under FSDP2 with NF4
+and LoRA all-linear on 2 CPU processes and its adapter reloads with plain PEFT, or the check step
+refuses the config in one line before any process starts. Plus what each family allows, read from
+transformers without weights: the attention implementation "auto" picks, the ones refused.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, TINY, read_run, torchrun
+
+from kit.config import ConfigError, load_config
+from kit.inputs import builtin, families, sources
+
+BF16_TOLERANCE = 0.02  # relative to the largest logit: a few bf16 ulps (as tests/test_train.py)
+# The second lever set of the issue: the fused loss with the matmuls kept.
+LEVERS = ["training.loss=fused", "training.recompute.keeps=matmuls"]
+# model_type -> the check's refusal of LEVERS (None: allowed, and the run uses them)
+LEVERS_REFUSED = {
+    "gemma2": "training.loss: 'fused' is not allowed for this model; its logits pass through "
+              "final_logit_softcapping after the head; allowed: hf, chunked",
+    "cohere2": "training.loss: 'fused' is not allowed for this model; its logits pass through "
+               "logit_scale after the head; allowed: hf, chunked",
+}
+
+
+def folder(family: str) -> str:
+    """The family's tiny model as a plain local folder (what a user's model.name=<folder> is)."""
+    return str(builtin.build(families.kit_key(family)))
+
+
+def check(family: str, *overrides: str):
+    from kit.run.check import check as run_check
+
+    return run_check(load_config(TINY, [f"model.name={folder(family)}", *overrides]))
+
+
+def reload_and_compare(out) -> dict:
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "reload_adapter.py"), str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(families.FAMILIES))
+def test_family_trains_or_is_refused_before_start(tmp_path, family):
+    refusal = LEVERS_REFUSED.get(family)
+    if refusal:  # the check says it in one line, before any process; the run takes the default path
+        with pytest.raises(ConfigError) as e:
+            check(family, *LEVERS)
+        assert str(e.value) == refusal
+        levers = []
+    else:
+        levers = LEVERS
+    out = tmp_path / "run"
+    run = torchrun(out, f"model.name={folder(family)}", "training.steps=6", "training.eval_every=0",
+                   "training.warmup_steps=1", *levers)
+    result, metrics = read_run(out)
+    train = [m["loss"] for m in metrics if m["split"] == "train"]
+    assert len(train) == 6 and train[-1] < train[0], train  # it learns
+    # Attention "auto": what the model class supports on a CPU, said in the plan line.
+    picked = families.pick_attention(sources.model_facts(folder(family)), "cpu", "bfloat16")[0]
+    assert f"attention {picked}" in run.stdout
+    sums = result["lora_checksums"]
+    assert len(sums) == 2 and sums[0] == sums[1]  # the ranks hold the same adapter
+    assert result["adapter"]["tensors"] >= 2 * 2 * 3  # all-linear: >= 3 linears per layer
+    cmp = reload_and_compare(out)  # plain PEFT on the base, one process: the trained logits
+    assert cmp["max_diff"] < BF16_TOLERANCE * cmp["scale"], cmp
+    assert cmp["max_diff_without_adapter"] > 10 * cmp["max_diff"], cmp  # the adapter matters
+
+
+def test_check_refuses_attention_the_class_does_not_support():
+    with pytest.raises(ConfigError) as e:
+        check("gemma2", "attention.implementation=sdpa")
+    assert str(e.value) == (
+        "attention.implementation: 'sdpa' is not allowed for this model: Gemma2ForCausalLM does "
+        "not support SDPA; allowed: auto, eager, flex_attention, flash_attention_2")
+    check("gemma2", "attention.implementation=eager")  # what it supports passes
+
+
+def test_kit_check_refuses_before_any_process(tmp_path):
+    """`kit check` (run.sh's step before torchrun): exit 2, one line, for a local folder whose
+    config.json leaves the logit scale out (a hand-written or trimmed config): the config class's
+    default (Cohere2Config: 0.0625) counts, as it does in the ranks."""
+    config = json.loads((builtin.Path(folder("cohere2")) / "config.json").read_text())
+    del config["logit_scale"]
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    proc = subprocess.run([sys.executable, "-m", "kit.run.check", str(TINY),
+                           f"model.name={tmp_path / 'model'}", "training.loss=fused",
+                           f"run.output_dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["ConfigError: " + LEVERS_REFUSED["cohere2"]]
+
+
+def _config_only(tmp_path, model_type: str, **extra) -> str:
+    """A folder with a family's tiny config.json alone: enough for what the class allows."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type, **{**families.TINY, **extra}).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_attention_sinks_get_flex_or_eager_never_sdpa(tmp_path):
+    facts = sources.model_facts(_config_only(tmp_path, "gpt_oss", num_local_experts=4))
+    assert facts["sinks"] and facts["class"] == "GptOssForCausalLM"
+    assert families.pick_attention(facts, "cuda", "bfloat16", flash_attn=True)[0] == "flex_attention"
+    assert families.pick_attention(facts, "cpu", "bfloat16")[0] == "eager"
+    allowed = families.allowed_attention(facts)
+    assert [n for n, ok in allowed.items() if ok is True] == ["eager", "flex_attention"]
+    assert "(attention sinks)" in allowed["sdpa"]
+    assert "not flash_attention_2" in families.attention_refusal("flash_attention_2", facts)
+
+
+def test_softcapped_attention_is_not_given_sdpa_even_where_the_class_has_it(tmp_path):
+    """Gemma 3's class declares SDPA; a config that softcaps attention logits cannot use it."""
+    plain = sources.model_facts(_config_only(tmp_path / "a", "gemma3_text"))
+    capped = sources.model_facts(_config_only(tmp_path / "b", "gemma3_text",
+                                              attn_logit_softcapping=30.0))
+    assert families.pick_attention(plain, "cuda", "bfloat16")[0] == "sdpa"
+    assert families.pick_attention(capped, "cuda", "bfloat16")[0] == "flex_attention"
+    assert families.pick_attention(capped, "cpu", "bfloat16")[0] == "eager"
+    assert "softcapped (30.0)" in families.attention_refusal("sdpa_math", capped)
+
+
+def test_readme_lists_every_family_as_the_kit_sees_it():
+    from kit.budget.plan import GROUPED_FAMILIES
+
+    facts = {f: sources.model_facts(families.model_name(f)) for f in families.FAMILIES}
+    table = families.readme_table(facts, GROUPED_FAMILIES)
+    assert table in (ROOT / "README.md").read_text(), "README's family table:\n" + table
