@@ -20,6 +20,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from kit.inputs.moe_shapes import MOE_AT_LOAD, MOE_SPECS
+
 DATA_DIR = Path(__file__).parents[1] / "data"
 PREFIX = "kit:"
 
@@ -158,6 +160,8 @@ CONVERTER = 2  # part of a converted model's folder name: a change to _convert_g
 # folder's INIT_FILE says how. Tiny ones too, so that path runs on a CPU.
 AT_LOAD = {"llama-70b": 0, "tiny-llama-at-load": 0}  # name -> seed
 SPECS["tiny-llama-at-load"] = dict(SPECS["tiny-llama"])
+SPECS.update(MOE_SPECS)  # mixture-of-experts shapes (kit.inputs.moe_shapes)
+AT_LOAD.update(MOE_AT_LOAD)
 INIT_FILE = "kit-init-at-load.json"
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]

@@ -72,16 +72,16 @@ def load(cfg: Config, device: torch.device, attn: str | None = None):
                 print(f"model.loading=auto: {len(renamed)} weight(s) of {cfg.model.name} are "
                       f"stored under other names in its checkpoint (e.g. {renamed[0]}); "
                       f"loading with {mode} instead of stream", flush=True)
-            return _tag(*load_weights(cfg, device, attn, mode, single), mode)
+            return _tag(*load_weights(cfg, device, attn, mode, single), mode, cfg)
         if mode == "stream":
             model._kit_stream = source  # filled by the engine (kit.recipe.engines), unit by unit
-            return _tag(model, tokenizer, mode)
+            return _tag(model, tokenizer, mode, cfg)
         if mode == "full" or single or dist.get_rank() == 0:
             source.fill(model)
         if mode == "rank0" and not single:
             receive_from_rank0(model, device)
-        return _tag(model, tokenizer, mode)
-    return _tag(*load_weights(cfg, device, attn, mode, single), mode)
+        return _tag(model, tokenizer, mode, cfg)
+    return _tag(*load_weights(cfg, device, attn, mode, single), mode, cfg)
 
 
 def load_weights(cfg: Config, device: torch.device, attn: str | None, mode: str, single: bool):
@@ -93,7 +93,11 @@ def load_weights(cfg: Config, device: torch.device, attn: str | None, mode: str,
     return model, tokenizer
 
 
-def _tag(model: torch.nn.Module, tokenizer, mode: str):
+def _tag(model: torch.nn.Module, tokenizer, mode: str, cfg: Config):
+    if cfg.quantization.method != "none":  # MoE expert stacks: NF4 too (stream: as filled)
+        from kit.recipe import experts
+
+        experts.quantize(model, quantize.params4bit_kwargs(cfg))
     model._kit_loaded_as = mode
     return model, tokenizer
 
@@ -117,6 +121,10 @@ class Source:
                  init: dict | None):  # fmt: skip
         self.device, self.init = device, init
         self.quant = quantize.params4bit_kwargs(cfg)
+        from kit.recipe import experts
+
+        self.quant_experts = {id(m): set(experts.weight_names(m)) for _, m in experts.find(model)
+                              } if cfg.quantization.method != "none" else {}  # fmt: skip
         # Checkpoint names, fixed now: PEFT will nest the 4-bit layers under `base_layer`.
         self.names = {id(m): n for n, m in model.named_modules()}
         self.config, self.model = model.config, model
@@ -156,6 +164,13 @@ class Source:
                     with torch.device("cpu"):  # on the CPU, as from_pretrained's do (a GPU's
                         fresh = rebuilt[id(owner)] = type(owner)(config=self.config)  # differ)
                 tensor = getattr(fresh, name).to(self.device)
+            elif self.quant_experts and name in self.quant_experts.get(id(owner), ()):
+                from kit.recipe import experts  # a MoE expert stack: NF4 as it arrives
+
+                value = self._value(key, meta.shape, meta.dtype, "matrix")
+                experts.quantize_weight(owner, name, value, self.quant)
+                made[id(meta)] = owner._parameters[name]
+                continue
             elif isinstance(owner, bnb.nn.Linear4bit) and name == "weight":
                 value = self._value(key, meta.shape, meta.dtype, "matrix")
                 tensor = bnb.nn.Params4bit(value, requires_grad=False, module=owner,
