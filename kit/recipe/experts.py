@@ -105,15 +105,21 @@ def dequantized(module: torch.nn.Module, name: str) -> torch.Tensor:
 
 
 def stored_bytes(model: torch.nn.Module) -> dict[str, int]:
-    """{"packed": bytes of the quantized expert stacks, "dense": of those still in model dtype,
-    "logical_bf16": what all of them would take in bf16}."""
-    sizes = {"packed": 0, "dense": 0, "logical_bf16": 0}
+    """{"packed": bytes of the quantized expert stacks (this rank's shards once sharded),
+    "state": of their quantization constants (scales, whole on every rank), "dense": of the
+    stacks still in model dtype, "logical_bf16": what all of them would take in bf16}."""
+    sizes = {"packed": 0, "state": 0, "dense": 0, "logical_bf16": 0}
     for _, module in find(model):
         stored = getattr(module, "_kit_nf4", {})
         for name in weight_names(module):
             p = module._parameters[name]
             p = p.to_local() if hasattr(p, "to_local") else p
             kind = "packed" if name in stored else "dense"
+            if name in stored:
+                state = stored[name]["state"]
+                extra = [state.absmax, state.code, *((state.state2.absmax, state.state2.code)
+                                                     if state.nested else ())]  # fmt: skip
+                sizes["state"] += sum(t.numel() * t.element_size() for t in extra)
             sizes[kind] += p.numel() * p.element_size()
             shape = stored[name]["shape"] if name in stored else tuple(p.shape)
             sizes["logical_bf16"] += 2 * shape[0] * shape[1] * shape[2]
@@ -235,8 +241,8 @@ def logical_shapes(model: torch.nn.Module):
     try:
         yield
     finally:
-        for module, name, p in kept:
-            module._parameters[name] = p
+        for module, name, p in kept:  # frozen, as PEFT froze the placeholders
+            module._parameters[name] = p.requires_grad_(False)
 
 
 def adapt(peft_model, dropout: float) -> int:

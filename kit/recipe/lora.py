@@ -101,7 +101,12 @@ def trainable_summary(peft_model) -> dict[str, float]:
             n *= 2 * p.element_size()
         total += n
         trainable += n if p.requires_grad else 0
-    return {"trainable": trainable, "total": total, "percent": 100.0 * trainable / max(total, 1)}
+    summary = {"trainable": trainable, "total": total, "percent": 100.0 * trainable / max(total, 1)}
+    from kit.recipe import experts
+
+    if experts.find(peft_model):  # a mixture of experts: what its expert stacks take
+        summary["experts_bytes"] = experts.stored_bytes(peft_model)
+    return summary
 
 
 def recompute_adapters(peft_model) -> int:
