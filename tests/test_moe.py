@@ -139,3 +139,24 @@ def test_moe_trains_under_fsdp2_and_reloads_with_plain_peft(tmp_path, name):
     assert cmp["max_diff"] < 0.02 * cmp["scale"], cmp  # plain PEFT on the NF4 round trip
     assert cmp["max_diff_without_adapter"] > 10 * cmp["max_diff"], cmp  # the adapter matters
     assert cmp["max_diff_dense"] < 0.25 * cmp["scale"], cmp  # on the bf16 base: NF4's error only
+
+
+def test_the_budget_counts_experts_total_and_active():
+    """Qwen3-30B-A3B's shape: 30.5B parameters, 3.3B active; its experts counted in 4 bits."""
+    from kit.budget.estimate import estimate, quantized_bytes_per_param
+    from kit.budget.shapes import flops_per_token, lora_params, shape_of
+
+    shape = shape_of("kit:qwen3-30b-a3b")
+    assert (shape.experts, shape.active_experts, shape.expert_intermediate) == (128, 8, 768)
+    assert 30.4e9 < shape.params < 30.6e9 and 3.3e9 < shape.active_params < 3.4e9
+    dense_flops = 4 * (shape.params - shape.embedding_params / 2)  # were every expert active
+    assert flops_per_token(shape, 2048) < dense_flops / 6
+    # LoRA on attention and on every expert (r per expert, as PEFT's ParamWrapper keeps it)
+    attention = 48 * 16 * sum(a + b for a, b in shape.linears().values())
+    experts = 48 * 16 * 128 * (2048 + 2 * 768 + 768 + 2048)
+    assert lora_params(shape, 16) == attention + experts
+    est = estimate("kit:qwen3-30b-a3b", world_size=2)
+    four_bit = 48 * shape.layer_linear_params * quantized_bytes_per_param("nf4", True)
+    dense = (shape.embedding_params + shape.norm_params + 48 * shape.router_params) * 2
+    assert abs(est.parts["base weights"] - (four_bit + dense) / 2) < 1e6
+    assert est.parts["base weights"] < 0.3 * shape.params * 2 / 2  # not bf16 experts
