@@ -91,6 +91,22 @@ def quantize(model: torch.nn.Module, kwargs: dict) -> int:
     return count
 
 
+def round_trip(model: torch.nn.Module, kwargs: dict) -> int:
+    """Replace every expert stack by its NF4 round trip, dense in the compute dtype: the values
+    a run trained against, for plain PEFT to load an adapter onto (kit.recipe.merge: inference,
+    merging). The experts' own forward is transformers' again. Returns how many stacks."""
+    count = 0
+    for _, module in find(model):
+        for name in weight_names(module):
+            if name not in getattr(module, "_kit_nf4", {}):
+                quantize_weight(module, name, module._parameters[name].data, kwargs)
+            module._parameters[name] = torch.nn.Parameter(dequantized(module, name),
+                                                          requires_grad=False)
+            count += 1
+        del module._kit_nf4, module.forward  # the class's forward (transformers') again
+    return count
+
+
 def dequantized(module: torch.nn.Module, name: str) -> torch.Tensor:
     """module.<name> as its logical 3-D stack in the compute dtype (the packed one restored)."""
     import bitsandbytes.functional as F

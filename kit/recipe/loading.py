@@ -65,7 +65,13 @@ def load(cfg: Config, device: torch.device, attn: str | None = None):
         model, tokenizer = quantize.load_model(cfg, torch.device("meta"), attn,
                                                weights=init is None)
         source = Source(cfg, model, device, init)
-        renamed = source.missing() if mode == "stream" and cfg.model.loading == "auto" else []
+        renamed = source.missing() if mode == "stream" else []
+        if renamed and cfg.model.loading == "stream":  # e.g. a MoE's per-expert checkpoint
+            from kit.config import ConfigError
+
+            raise ConfigError(f"model.loading: stream is not allowed for {cfg.model.name}: "
+                              f"{len(renamed)} weight(s) are stored under other names in its "
+                              f"checkpoint (e.g. {renamed[0]}); allowed: auto, full, rank0")
         if renamed:
             mode = "full" if single else "rank0"
             if not dist.is_initialized() or dist.get_rank() == 0:
