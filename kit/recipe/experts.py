@@ -223,7 +223,12 @@ def split_targets(model, targets) -> tuple[object, list[str]]:
     all-linear: every linear layer but the output head, and every expert stack (not the router:
     PEFT's own all-linear would add it). A list: its names of expert stacks (gate_up_proj,
     down_proj, ...) go to target_parameters, the rest stay module names."""
-    from kit.recipe.lora import linear_module_names
+    import bitsandbytes as bnb
+
+    def linear_module_names(model):  # kit.recipe.lora's, which imports this module
+        kinds = (torch.nn.Linear, bnb.nn.Linear4bit)
+        return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                       if isinstance(m, kinds)})  # fmt: skip
 
     stacks = sorted({f"{n.rsplit('.', 1)[-1]}.{w}" for n, m in find(model) for w in weight_names(m)})
     if targets == "all-linear":
