@@ -51,6 +51,7 @@ KERNEL_SIDE = [
     "kit.pitfalls",  # the package __init__ only: the registry of records
     "kit.inputs", "kit.inputs.sources", "kit.inputs.datafile",  # known before any process starts
     "kit.inputs.families",  # what each family allows; transformers only inside a function
+    "kit.inputs.moe_shapes",  # MoE shapes of the kit models (a dict; the budget reads it)
     "kit.bench", "kit.bench.__main__", "kit.bench.runner", "kit.bench.matrix", "kit.bench.report",
     "kit.bench.peer",  # the runner asks it whether a peer case can run; torch only in its build
     "kit.lab", "kit.lab.order", "kit.lab.loading_report", "kit.lab.sharding_report",

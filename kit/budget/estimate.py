@@ -123,7 +123,7 @@ def quantized_bytes_per_param(quantization: str, double_quant: bool) -> float:
     return 0.5 + scales
 
 
-MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")  # the MLP's linears, as kit.budget.shapes names them
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")  # + a MoE's expert stacks  # the MLP's linears, as kit.budget.shapes names them
 
 
 def activation_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
@@ -289,7 +289,10 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
         per_param = quantized_bytes_per_param(setup.quantization, setup.double_quant)
         layer_bytes = shape.layer_linear_params * per_param
         notes_w = f"{_count(linear)} linear params x {per_param:.3f} B (4 bit + scales)"
-    base = linear * per_param + (shape.embedding_params + shape.norm_params) * a
+    if shape.experts:  # kit.recipe.experts: the expert stacks in 4 bits too; routers dense
+        notes_w += f", {shape.experts} experts/layer (active: {_count(shape.active_params)})"
+    base = linear * per_param + (shape.embedding_params + shape.norm_params
+                                 + shape.layers * shape.router_params) * a
     adapter = lora_params(shape, setup.lora_r, setup.lora_targets)
     lb = setup.adapter_bytes
     shard_note = f" / {world} ranks" if sharded else " (every rank holds all)"

@@ -27,18 +27,50 @@ class Shape:
     kv_heads: int
     head_dim: int
     tied_embeddings: bool = False
+    # A mixture of experts (every layer's MLP routed; 0: dense): `intermediate` is then what one
+    # token's active experts span (active x expert_intermediate), for the activations' estimate.
+    experts: int = 0
+    active_experts: int = 0
+    expert_intermediate: int = 0
 
     def linears(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each linear layer in one decoder layer (Llama family)."""
+        """(in_features, out_features) of each linear layer in one decoder layer (Llama family);
+        a mixture of experts: attention only (its experts: expert_stacks)."""
         h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        return {
-            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
-        }  # fmt: skip
+        attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+        if self.experts:
+            return attention
+        return {**attention, "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def expert_stacks(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of one expert's matrices in each fused stack of a MoE layer (transformers'
+        gate_up_proj and down_proj; kit.recipe.experts stores them in 4 bits)."""
+        h, i = self.hidden, self.expert_intermediate
+        return {"gate_up_proj": (h, 2 * i), "down_proj": (i, h)} if self.experts else {}
+
+    @property
+    def router_params(self) -> int:
+        """The router's (experts x hidden) per layer: kept in the model dtype, frozen."""
+        return self.experts * self.hidden
 
     @property
     def layer_linear_params(self) -> int:
-        return sum(a * b for a, b in self.linears().values())
+        """The matrices of one decoder layer that are stored in 4 bits: linears and experts."""
+        experts = self.experts * sum(a * b for a, b in self.expert_stacks().values())
+        return sum(a * b for a, b in self.linears().values()) + experts
+
+    @property
+    def active_layer_params(self) -> int:
+        """What one token multiplies through in a decoder layer: all of a dense one; attention,
+        the router and its active experts in a mixture of experts."""
+        if not self.experts:
+            return self.layer_linear_params
+        active = self.active_experts * sum(a * b for a, b in self.expert_stacks().values())
+        return sum(a * b for a, b in self.linears().values()) + active + self.router_params
+
+    @property
+    def active_params(self) -> int:
+        return self.layers * self.active_layer_params + self.embedding_params + self.norm_params
 
     @property
     def embedding_params(self) -> int:
@@ -51,7 +83,8 @@ class Shape:
 
     @property
     def params(self) -> int:
-        return self.layers * self.layer_linear_params + self.embedding_params + self.norm_params
+        return (self.layers * (self.layer_linear_params + self.router_params)
+                + self.embedding_params + self.norm_params)
 
 
 def shape_of(model) -> Shape:
@@ -76,10 +109,14 @@ def shape_of(model) -> Shape:
         model = model.to_dict()
     model = model.get("text_config", model)  # multimodal configs nest the language model
     heads = model["num_attention_heads"]
+    experts = model.get("num_experts") or model.get("num_local_experts") or 0
+    expert_i = (model.get("moe_intermediate_size") or model["intermediate_size"]) if experts else 0
+    active = model.get("num_experts_per_tok") or 0 if experts else 0
     return Shape(
         vocab=model["vocab_size"],
         hidden=model["hidden_size"],
-        intermediate=model["intermediate_size"],
+        intermediate=active * expert_i if experts else model["intermediate_size"],
+        experts=experts, active_experts=active, expert_intermediate=expert_i,
         layers=model["num_hidden_layers"],
         heads=heads,
         kv_heads=model.get("num_key_value_heads") or heads,
@@ -91,8 +128,9 @@ def shape_of(model) -> Shape:
 def lora_targets(shape: Shape, targets) -> dict[str, tuple[int, int]]:
     """The linear layers of one decoder layer that get an adapter."""
     linears = shape.linears()
-    if targets == "all-linear":
-        return linears
+    if targets == "all-linear":  # in a mixture of experts, every expert stack too (not the router)
+        return {**linears, **shape.expert_stacks()}
+    linears = {**linears, **shape.expert_stacks()}
     names = [targets] if isinstance(targets, str) else list(targets)
     unknown = [n for n in names if n not in linears]
     if unknown:
@@ -130,16 +168,20 @@ def dropped_inputs(shape: Shape, targets, grouped: bool = False) -> dict[str, in
 
 
 def lora_params(shape: Shape, r: int, targets="all-linear") -> int:
-    """Trainable LoRA parameters: A (r x in) and B (out x r) per targeted linear, every layer."""
-    return shape.layers * sum(r * (a + b) for a, b in lora_targets(shape, targets).values())
+    """Trainable LoRA parameters: A (r x in) and B (out x r) per targeted linear, every layer;
+    per expert for an expert stack (PEFT's ParamWrapper: A (r*E x in), B (out x r*E))."""
+    stacks = shape.expert_stacks()
+    return shape.layers * sum(r * (a + b) * (shape.experts if n in stacks else 1)
+                              for n, (a, b) in lora_targets(shape, targets).items())
 
 
 def flops_per_token(shape: Shape, seq: int) -> float:
     """Model FLOPs per trained token for LoRA: forward (2N) + input gradients (2N) through the
     frozen linear layers and the output head, attention's matmuls forward and backward (causal),
     no recompute counted (checkpointing's extra forward is overhead, not model work). Frozen
-    weights get no gradient; the adapters' own matmuls (r wide) are left out."""
-    linear = shape.layers * shape.layer_linear_params + shape.hidden * shape.vocab
+    weights get no gradient; the adapters' own matmuls (r wide) are left out. A mixture of
+    experts: from its active parameters (attention, router, the active experts)."""
+    linear = shape.layers * shape.active_layer_params + shape.hidden * shape.vocab
     # QK^T and AV, per token, forward: 2 matmuls x 2 FLOPs x seq x width, halved by the mask.
     attention = 2 * seq * (shape.heads * shape.head_dim) * shape.layers
     return 4 * linear + 3 * attention

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from kit.inputs import families
+from kit.inputs.moe_shapes import MOE_AT_LOAD, MOE_SPECS
 
 DATA_DIR = Path(__file__).parents[1] / "data"
 PREFIX = "kit:"
@@ -160,6 +161,8 @@ CONVERTER = 2  # part of a converted model's folder name: a change to _convert_g
 # folder's INIT_FILE says how. Tiny ones too, so that path runs on a CPU.
 AT_LOAD = {"llama-70b": 0, "tiny-llama-at-load": 0}  # name -> seed
 SPECS["tiny-llama-at-load"] = dict(SPECS["tiny-llama"])
+SPECS.update(MOE_SPECS)  # mixture-of-experts shapes (kit.inputs.moe_shapes)
+AT_LOAD.update(MOE_AT_LOAD)
 INIT_FILE = "kit-init-at-load.json"
 
 # One tiny random model per family the kit is tested on (kit.inputs.families): kit:tiny-gemma2, ...

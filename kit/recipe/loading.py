@@ -65,23 +65,29 @@ def load(cfg: Config, device: torch.device, attn: str | None = None):
         model, tokenizer = quantize.load_model(cfg, torch.device("meta"), attn,
                                                weights=init is None)
         source = Source(cfg, model, device, init)
-        renamed = source.missing() if mode == "stream" and cfg.model.loading == "auto" else []
+        renamed = source.missing() if mode == "stream" else []
+        if renamed and cfg.model.loading == "stream":  # e.g. a MoE's per-expert checkpoint
+            from kit.config import ConfigError
+
+            raise ConfigError(f"model.loading: stream is not allowed for {cfg.model.name}: "
+                              f"{len(renamed)} weight(s) are stored under other names in its "
+                              f"checkpoint (e.g. {renamed[0]}); allowed: auto, full, rank0")
         if renamed:
             mode = "full" if single else "rank0"
             if not dist.is_initialized() or dist.get_rank() == 0:
                 print(f"model.loading=auto: {len(renamed)} weight(s) of {cfg.model.name} are "
                       f"stored under other names in its checkpoint (e.g. {renamed[0]}); "
                       f"loading with {mode} instead of stream", flush=True)
-            return _tag(*load_weights(cfg, device, attn, mode, single), mode)
+            return _tag(*load_weights(cfg, device, attn, mode, single), mode, cfg)
         if mode == "stream":
             model._kit_stream = source  # filled by the engine (kit.recipe.engines), unit by unit
-            return _tag(model, tokenizer, mode)
+            return _tag(model, tokenizer, mode, cfg)
         if mode == "full" or single or dist.get_rank() == 0:
             source.fill(model)
         if mode == "rank0" and not single:
             receive_from_rank0(model, device)
-        return _tag(model, tokenizer, mode)
-    return _tag(*load_weights(cfg, device, attn, mode, single), mode)
+        return _tag(model, tokenizer, mode, cfg)
+    return _tag(*load_weights(cfg, device, attn, mode, single), mode, cfg)
 
 
 def load_weights(cfg: Config, device: torch.device, attn: str | None, mode: str, single: bool):
@@ -93,7 +99,11 @@ def load_weights(cfg: Config, device: torch.device, attn: str | None, mode: str,
     return model, tokenizer
 
 
-def _tag(model: torch.nn.Module, tokenizer, mode: str):
+def _tag(model: torch.nn.Module, tokenizer, mode: str, cfg: Config):
+    if cfg.quantization.method != "none":  # MoE expert stacks: NF4 too (stream: as filled)
+        from kit.recipe import experts
+
+        experts.quantize(model, quantize.params4bit_kwargs(cfg))
     model._kit_loaded_as = mode
     return model, tokenizer
 
@@ -117,6 +127,10 @@ class Source:
                  init: dict | None):  # fmt: skip
         self.device, self.init = device, init
         self.quant = quantize.params4bit_kwargs(cfg)
+        from kit.recipe import experts
+
+        self.quant_experts = {id(m): set(experts.weight_names(m)) for _, m in experts.find(model)
+                              } if cfg.quantization.method != "none" else {}  # fmt: skip
         # Checkpoint names, fixed now: PEFT will nest the 4-bit layers under `base_layer`.
         self.names = {id(m): n for n, m in model.named_modules()}
         self.config, self.model = model.config, model
@@ -155,6 +169,13 @@ class Source:
                 if fresh is None:  # e.g. the rotary embedding's frequencies
                     fresh = rebuilt[id(owner)] = self._buffers_of(owner)
                 tensor = getattr(fresh, name).to(self.device)
+            elif self.quant_experts and name in self.quant_experts.get(id(owner), ()):
+                from kit.recipe import experts  # a MoE expert stack: NF4 as it arrives
+
+                value = self._value(key, meta.shape, meta.dtype, "matrix")
+                experts.quantize_weight(owner, name, value, self.quant)
+                made[id(meta)] = owner._parameters[name]
+                continue
             elif isinstance(owner, bnb.nn.Linear4bit) and name == "weight":
                 value = self._value(key, meta.shape, meta.dtype, "matrix")
                 tensor = bnb.nn.Params4bit(value, requires_grad=False, module=owner,

@@ -47,23 +47,46 @@ def apply_lora(model, cfg: Config):
     needs (kit.recipe.engines: float32, or model.dtype under FSDP1, which flattens one dtype per unit)."""
     from peft import LoraConfig, get_peft_model
 
+    from kit.recipe import experts
+
     lc = cfg.lora
-    targets = lc.target_modules
-    check_targets(model, targets, cfg.model.name)
+    targets, stacks = lc.target_modules, []
+    moe = bool(experts.find(model))
+    if moe:  # mixture of experts: expert stacks through PEFT's target_parameters (kit.recipe.experts)
+        targets, stacks = experts.split_targets(model, targets)
+    if targets is not None:
+        check_targets(model, targets, cfg.model.name)
     config = LoraConfig(
         r=lc.r,
         lora_alpha=lc.alpha,
-        lora_dropout=lc.dropout,
+        # PEFT refuses dropout with target_parameters: the kit applies it (below), the file says 0
+        lora_dropout=0.0 if stacks else lc.dropout,
         target_modules=targets,
+        target_parameters=stacks or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
-    peft_model = get_peft_model(model, config)
+    with experts.logical_shapes(model):
+        peft_model = get_peft_model(model, config)
+    if moe:
+        _drop_out(peft_model, lc.dropout)
+        experts.adapt(peft_model, lc.dropout)
     dtype = engines.get(cfg.sharding.engine).adapter_dtype(cfg)
     for p in peft_model.parameters():
         if p.requires_grad:
             p.data = p.data.to(dtype)
     return peft_model
+
+
+def _drop_out(peft_model, p: float) -> None:
+    """lora.dropout on every lora.Linear input (what PEFT does when its config says so)."""
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora.layer import ParamWrapper
+
+    for module in peft_model.modules():
+        if isinstance(module, LoraLayer) and not isinstance(module, ParamWrapper) and p > 0:
+            for name in module.lora_dropout:
+                module.lora_dropout[name] = torch.nn.Dropout(p)
 
 
 def trainable_summary(peft_model) -> dict[str, float]:
@@ -78,7 +101,12 @@ def trainable_summary(peft_model) -> dict[str, float]:
             n *= 2 * p.element_size()
         total += n
         trainable += n if p.requires_grad else 0
-    return {"trainable": trainable, "total": total, "percent": 100.0 * trainable / max(total, 1)}
+    summary = {"trainable": trainable, "total": total, "percent": 100.0 * trainable / max(total, 1)}
+    from kit.recipe import experts
+
+    if experts.find(peft_model):  # a mixture of experts: what its expert stacks take
+        summary["experts_bytes"] = experts.stored_bytes(peft_model)
+    return summary
 
 
 def recompute_adapters(peft_model) -> int:
@@ -98,6 +126,8 @@ def recompute_adapters(peft_model) -> int:
     count = 0
     for module in peft_model.modules():
         if not isinstance(module, LoraLayer) or not hasattr(module, "lora_A"):
+            continue
+        if type(module).__name__ == "ParamWrapper":  # experts: kit.recipe.experts runs them
             continue
         if getattr(module, "lora_variant", None):
             raise ConfigError("lora.recompute: True is not allowed with DoRA or other LoRA variants; "

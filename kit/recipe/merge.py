@@ -112,6 +112,10 @@ def load_for_inference(run_dir, adapter: str | Path | None = None, merged: bool 
     if merged and cfg.quantization.method != "none":
         # bf16 Linear layers holding exactly the 4-bit values the adapter was trained against.
         model = model.dequantize()
+    if cfg.quantization.method != "none":  # a mixture of experts: its stacks as trained, dense
+        from kit.recipe import experts
+
+        experts.round_trip(model, quantize.params4bit_kwargs(cfg))
     try:
         model = PeftModel.from_pretrained(model, adapter)
     except Exception as e:  # safetensors' or PEFT's error on a damaged adapter: name the folder

@@ -1,0 +1,189 @@
+"""Mixture-of-experts models (kit.recipe.experts): expert stacks in NF4, LoRA on them, trained
+under FSDP2 on 2 CPU processes, the adapter reloaded with plain PEFT. Tiny random MoE models
+built from their transformers config classes (kit.inputs.moe_shapes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, read_run, torchrun
+
+FAMILIES = ["kit:tiny-mixtral", "kit:tiny-qwen3-moe", "kit:tiny-olmoe"]
+
+
+def built(name: str, *overrides: str):
+    """The PEFT model as the recipe builds it (load, quantize, LoRA), in one process."""
+    from kit.config import load_config
+    from kit.recipe import model
+
+    cfg = load_config(ROOT / "kit/configs/tiny-cpu.yaml",
+                      [f"model.name={name}", "model.loading=full", *overrides])
+    return model.build(cfg, torch.device("cpu"), train=False).model
+
+
+def outermost_wrapper(peft_model):
+    from peft.tuners.lora.layer import ParamWrapper
+
+    from kit.recipe import experts
+
+    return next(m for m in peft_model.modules() if isinstance(m, ParamWrapper)
+                and experts.is_experts(m.base_layer.base_layer))
+
+
+def reference(wrapper, x, index, weights):
+    """transformers' eager loop on the dense stacks: the NF4 round trip plus PEFT's own
+    ParamWrapper.get_delta_weight (what PEFT adds in its forward)."""
+    from kit.recipe import experts
+
+    ex = wrapper.base_layer.base_layer
+    dense = {}
+    for w in (wrapper, wrapper.base_layer):
+        dense[w.parameter_name] = (experts.dequantized(ex, w.parameter_name).float()
+                                   + w.get_delta_weight("default").float())
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(index.shape[1]):
+            e = index[t, k]
+            h = ex._apply_gate(torch.nn.functional.linear(x[t], dense["gate_up_proj"][e]))
+            out[t] += torch.nn.functional.linear(h, dense["down_proj"][e]) * weights[t, k]
+    return out
+
+
+@pytest.mark.parametrize("name", ["kit:tiny-qwen3-moe", "kit:tiny-mixtral"])
+def test_expert_stacks_are_nf4_and_compute_as_peft_on_their_round_trip(name):
+    from kit.recipe import experts
+
+    dense = experts.stored_bytes(built(name, "quantization.method=none"))
+    model = built(name)
+    sizes = experts.stored_bytes(model)
+    # bf16 stacks 4x smaller (4 bits in bf16 storage), plus the double-quantized scales (~1/64 B
+    # per weight) and two 1 KiB code tables per stack
+    assert dense["dense"] == dense["logical_bf16"] > 0 and dense["packed"] == 0
+    assert sizes["dense"] == 0 and sizes["packed"] * 4 == dense["dense"]
+    assert 0 < sizes["state"] < sizes["packed"] / 8
+    # Router frozen and left dense; only LoRA trains.
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert not any(".gate." in n or "router" in n for n in trainable)
+    wrapper = outermost_wrapper(model).eval()
+    torch.manual_seed(0)
+    for w in (wrapper, wrapper.base_layer):  # a trained-looking adapter: B no longer zero
+        torch.nn.init.normal_(w.lora_B["default"].weight, std=0.5)
+    ex = wrapper.base_layer.base_layer
+    x = torch.randn(12, model.config.hidden_size)
+    x = x.to(torch.bfloat16).requires_grad_()
+    index = torch.randint(0, ex.num_experts, (12, 2))
+    weights = torch.rand(12, 2, dtype=torch.bfloat16)
+    got = wrapper(x, index, weights)
+    want = reference(wrapper, x.float(), index, weights.float())
+    assert (got.float() - want).abs().max() < 0.02 * want.abs().max()
+    # Backward: the input's and the adapter's gradients match autograd through the dense sum.
+    a = wrapper.lora_A["default"].weight
+    g_x, g_a = torch.autograd.grad(got.float().sum(), (x, a))
+    r_x, r_a = torch.autograd.grad(want.sum(), (x, a))
+    assert (g_x.float() - r_x).abs().max() < 0.03 * r_x.abs().max()
+    assert (g_a - r_a).abs().max() < 0.03 * r_a.abs().max()
+
+
+def test_dropout_acts_on_the_expert_lora_path_in_training_only():
+    """PEFT refuses lora_dropout != 0 with target_parameters; the kit drops out each expert's
+    LoRA input (as lora.Linear does) and the attention layers' as PEFT does."""
+    model = built("kit:tiny-qwen3-moe", "lora.dropout=0.5")
+    assert model.peft_config["default"].lora_dropout == 0.0  # what PEFT can reload
+    wrapper = outermost_wrapper(model)
+    for w in (wrapper, wrapper.base_layer):
+        torch.nn.init.normal_(w.lora_B["default"].weight, std=0.5)
+    ex = wrapper.base_layer.base_layer
+    torch.manual_seed(0)
+    x = torch.randn(16, model.config.hidden_size, dtype=torch.bfloat16)
+    index = torch.randint(0, ex.num_experts, (16, 2))
+    weights = torch.rand(16, 2, dtype=torch.bfloat16)
+    wrapper.train()
+    first, second = wrapper(x, index, weights), wrapper(x, index, weights)
+    assert not torch.equal(first, second)
+    wrapper.eval()
+    assert torch.equal(wrapper(x, index, weights), wrapper(x, index, weights))
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert q.lora_dropout["default"].p == 0.5
+
+
+def reload(out) -> dict:
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "reload_moe_adapter.py"), str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_moe_trains_under_fsdp2_and_reloads_with_plain_peft(tmp_path, name):
+    out = tmp_path / "run"
+    torchrun(out, f"model.name={name}", "training.steps=12", "training.eval_every=0")
+    result, metrics = read_run(out)
+    train = [m["loss"] for m in metrics if m["split"] == "train"]
+    assert len(train) == 12 and all(map(lambda v: v == v and abs(v) < 1e9, train))
+    assert sum(train[-3:]) / 3 < train[0] - 0.25, train
+    assert result["lora_checksums"][0] == result["lora_checksums"][1]
+    sizes = result["params"]["experts_bytes"]  # before sharding, on each rank
+    assert sizes["dense"] == 0 and sizes["packed"] * 4 == sizes["logical_bf16"]
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == ["experts.down_proj", "experts.gate_up_proj"]
+    assert config["lora_dropout"] == 0.0
+    # attention q/k/v/o and the two expert stacks, 2 layers, A and B each
+    assert result["adapter"]["tensors"] == 2 * 2 * 6
+    cmp = reload(out)
+    assert cmp["max_diff"] < 0.02 * cmp["scale"], cmp  # plain PEFT on the NF4 round trip
+    assert cmp["max_diff_without_adapter"] > 10 * cmp["max_diff"], cmp  # the adapter matters
+    assert cmp["max_diff_dense"] < 0.25 * cmp["scale"], cmp  # on the bf16 base: NF4's error only
+    if name != "kit:tiny-qwen3-moe":
+        return
+    # Merging: plain transformers loads the export (experts as trained, adapter folded in).
+    from transformers import AutoModelForCausalLM
+
+    from kit.recipe import merge
+
+    merge.merge_adapter(out, tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.bfloat16)
+    probe = torch.load(out / "probe.pt")
+    mask = probe["attention_mask"].bool()
+    with torch.no_grad():
+        got = merged(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
+    diff = (got.float() - probe["logits"])[mask].abs().max().item()
+    # bf16 weights + fp32 adapter folded in bf16: within 10% of the largest logit, where the
+    # base alone is off by ~130%
+    assert diff < 0.1 * cmp["scale"] and diff < cmp["max_diff_without_adapter"] / 10, diff
+
+
+def test_stream_loading_of_a_per_expert_checkpoint_is_refused_in_one_line(tmp_path):
+    out = tmp_path / "run"
+    run = torchrun(out, "model.name=kit:tiny-olmoe", "model.loading=stream", "training.steps=2",
+                   check=False)
+    assert run.returncode != 0
+    assert ("model.loading: stream is not allowed for kit:tiny-olmoe: 4 weight(s) are stored "
+            "under other names") in run.stdout
+    assert "kit/recipe/" not in run.stdout  # the ranks' one line, no traceback of theirs
+
+
+def test_the_budget_counts_experts_total_and_active():
+    """Qwen3-30B-A3B's shape: 30.5B parameters, 3.3B active; its experts counted in 4 bits."""
+    from kit.budget.estimate import estimate, quantized_bytes_per_param
+    from kit.budget.shapes import flops_per_token, lora_params, shape_of
+
+    shape = shape_of("kit:qwen3-30b-a3b")
+    assert (shape.experts, shape.active_experts, shape.expert_intermediate) == (128, 8, 768)
+    assert 30.4e9 < shape.params < 30.6e9 and 3.3e9 < shape.active_params < 3.4e9
+    dense_flops = 4 * (shape.params - shape.embedding_params / 2)  # were every expert active
+    assert flops_per_token(shape, 2048) < dense_flops / 6
+    # LoRA on attention and on every expert (r per expert, as PEFT's ParamWrapper keeps it)
+    attention = 48 * 16 * sum(a + b for a, b in shape.linears().values())
+    experts = 48 * 16 * 128 * (2048 + 2 * 768 + 768 + 2048)
+    assert lora_params(shape, 16) == attention + experts
+    est = estimate("kit:qwen3-30b-a3b", world_size=2)
+    four_bit = 48 * shape.layer_linear_params * quantized_bytes_per_param("nf4", True)
+    dense = (shape.embedding_params + shape.norm_params + 48 * shape.router_params) * 2
+    assert abs(est.parts["base weights"] - (four_bit + dense) / 2) < 1e6
+    assert est.parts["base weights"] < 0.3 * shape.params * 2 / 2  # not bf16 experts
