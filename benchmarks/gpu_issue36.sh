@@ -13,13 +13,15 @@
 #           GPUs (gpu_sft_check.sh, NPROC=2), then run.sh as two nodes beside one node x 2
 #           (gpu_nodes_check.sh) (~8 min)
 #   resume  run 6: stopped on 2 GPUs, resumed on 1 (gpu_resume_world.sh) (~2 min)
+#   moe     run 5 and issue 33: bench-moe-planned.yaml, Qwen3-30B-A3B's shape with NF4 experts,
+#           20 steps, on 1 GPU at 24 and 80 GiB (side by side, one GPU each), then 2 GPUs at 24
 #   notebooks  run 2: every notebook with its GPU parameters on 2 processes (gpu_notebooks.sh)
 # .whl/gpu carried (bash benchmarks/fetch_gpu_wheels.sh here first). Results: OUT/SET/.
 set -uo pipefail
 if [ "${1:-}" = --poll ]; then  # wait for ALL_DONE (at most $3 s), then copy what exists into $OUT
   DIR=$2; LIMIT=${3:-540}; start=$(date +%s)
   while [ ! -e "$DIR/ALL_DONE" ] && [ $(( $(date +%s) - start )) -lt "$LIMIT" ]; do sleep 10; done
-  grep -E "^(==|set |bench:|build:|sft |nodes |fsdp|two|one|losses|result|step-6|the 1-GPU|  )" "$DIR/all.log" | tail -40
+  grep -E "^(==|set |bench:|build:|sft |nodes |fsdp|two|one|losses|result|step-6|the 1-GPU|moe|  )" "$DIR/all.log" | tail -40
   for t in "$DIR"/*/bench/table.md; do [ -e "$t" ] && { echo "== $t"; cat "$t"; }; done
   [ -n "${OUT:-}" ] && tar czf "$OUT/i36.tgz" --exclude='*.safetensors' --exclude='*.pt' \
     --exclude='*.distcp' --exclude=merged --exclude='*-runs' --exclude=two-then-one \
@@ -38,8 +40,21 @@ for SET in $SETS; do
     nccl) NPROC=2 bash benchmarks/gpu_sft_check.sh "$OUT/nccl/sft" /tmp/i36-sft-runs; echo "sft rc=$?"
           bash benchmarks/gpu_nodes_check.sh "$OUT/nccl/nodes" /tmp/i36-nodes-runs; echo "nodes rc=$?" ;;
     resume) bash benchmarks/gpu_resume_world.sh "$OUT/resume"; echo "resume rc=$?" ;;
+    moe) bash benchmarks/gpu_setup.sh; M=benchmarks/matrices/bench-moe-planned.yaml
+         export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+         mkdir -p "$OUT/moe"; torchrun --standalone --nproc_per_node=2 -m kit.train kit/configs/tiny-cpu.yaml \
+           model.name=kit:tiny-qwen3-moe training.device=cuda training.steps=4 run.name=moe-smoke \
+           > "$OUT/moe/smoke.log" 2>&1; echo "moe smoke rc=$?"
+         for a in "1 24 lora.r=4" "1 80 lora.r=16" "2 24 lora.r=16"; do set -- $a
+           python3 -m kit plan kit/configs/llama-1b-gpu.yaml model.name=kit:qwen3-30b-a3b data.max_seq_len=2048 \
+             training.batch_size=auto $3 --gpus $1 --gpu-mem $2 --gpu H100 > "$OUT/moe/plan-$1x$2.txt" 2>&1; done
+         # the two one-GPU cases side by side, one GPU each; then the two-GPU case
+         CUDA_VISIBLE_DEVICES=0 python3 -m kit.bench $M --out "$OUT/moe/b24" --only moe-24-1gpu > "$OUT/moe/b24.log" 2>&1 &
+         CUDA_VISIBLE_DEVICES=1 python3 -m kit.bench $M --out "$OUT/moe/b80" --only moe-80-1gpu > "$OUT/moe/b80.log" 2>&1
+         wait; python3 -m kit.bench $M --out "$OUT/moe/b2" --only moe-24-2gpu > "$OUT/moe/b2.log" 2>&1
+         echo "moe rc=$?"; tail -n 4 "$OUT"/moe/b*.log ;;
     notebooks) bash benchmarks/gpu_notebooks.sh "$OUT/notebooks" 2 00 01 02 03 04 05 06 07 08 09 10 11 12 ;;
-    *) echo "SET: $SET is not allowed; expected scale, plan70, nccl, resume or notebooks"; exit 2 ;;
+    *) echo "SET: $SET is not allowed; expected scale, plan70, nccl, resume, moe or notebooks"; exit 2 ;;
   esac
   echo "set $SET: $(( $(date +%s) - start ))s"; touch "$OUT/$SET.DONE"
 done

@@ -174,8 +174,11 @@ def selective_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
     attention, mlp = q + 2 * kv, 2 * i
     kept = {"matmuls": attention + mlp, "mlp_matmuls": mlp,
             "attention_matmuls": attention}[setup.recompute_keeps]
-    adapters = len(lora_targets(shape, setup.lora_targets)) * setup.adapter_bytes * r
-    return DTYPE_BYTES[setup.dtype] * (3 * h + q + kept) + adapters
+    stacks = shape.expert_stacks()  # a MoE: per active expert, its adapters' and down's outputs
+    adapters = sum(shape.active_experts if n in stacks else 1
+                   for n in lora_targets(shape, setup.lora_targets)) * setup.adapter_bytes * r
+    experts_out = max(shape.active_experts - 1, 0) * h
+    return DTYPE_BYTES[setup.dtype] * (3 * h + q + kept + experts_out) + adapters
 
 
 # Bytes per logit at the loss's peak: the logits in the compute dtype (a), their fp32 copy (4),

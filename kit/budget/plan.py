@@ -155,10 +155,11 @@ def is_planned(cfg: Config) -> bool:
 def rerun_share(shape: Shape, keeps: str) -> float:
     """The share of a decoder layer's forward matmul work that `keeps` runs again in backward."""
     lin = {n: a * b for n, (a, b) in shape.linears().items()}
+    lin.update({n: shape.active_experts * a * b for n, (a, b) in shape.expert_stacks().items()})
     total = sum(lin.values())
-    again = {"matmuls": 0, "inputs": total,
-             "mlp_matmuls": total - lin["gate_proj"] - lin["up_proj"],
-             "attention_matmuls": lin["gate_proj"] + lin["up_proj"]}[keeps]
+    widest = sum(lin.get(n, 0) for n in ("gate_proj", "up_proj", "gate_up_proj"))  # MLP's inputs
+    again = {"matmuls": 0, "inputs": total, "mlp_matmuls": total - widest,
+             "attention_matmuls": widest}[keeps]
     return again / total
 
 
@@ -285,7 +286,9 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
                "what the layers keep fits in GPU memory"))
     if t.compile == AUTO:
         outside = ("training.offload_activations" if t.offload_activations else
-                   "training.recompute.mlp_tile_tokens" if rc.mlp_tile_tokens else None)
+                   "training.recompute.mlp_tile_tokens" if rc.mlp_tile_tokens else
+                   "a mixture of experts' routed loop (kit.recipe.experts)" if shape.experts
+                   else None)
         t.compile = outside is None and out.sharding.engine == MEASURED_ENGINE
         say(Choice("training.compile", t.compile, "plan", f"{outside} runs outside a compiled "
                    "graph" if outside else f"measured under {MEASURED_ENGINE} only"
@@ -356,6 +359,7 @@ def _refusal(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, policies, ba
         trials.append(("training.loss=fused", dict(loss="fused")))
     if t.offload_activations is not True and t.compile is not True:
         trials.append(("training.offload_activations=true", dict(offload_activations=True)))
+    trials += [(f"lora.r={r}", dict(lora_r=r)) for r in (8, 4) if r < cfg.lora.r]  # MoE: per expert
     base = dict(batch_size=batches[0], recompute_keeps=policies[-1])
     for text, change in trials:
         if _fits(cfg, hw, seq_len, shape, **{**base, **change}) is not None:

@@ -122,7 +122,9 @@ def selective_checkpointing(model, keeps: str, rank: int, every: int = 1) -> lis
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     config = model.config
-    policy = save_policy(keeps, rank, config.intermediate_size)
+    # A mixture of experts' MLP is its experts (Qwen3-MoE, OLMoE: moe_intermediate_size wide)
+    width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    policy = save_policy(keeps, rank, width)
     context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
 
     def forward(self, *args, **kwargs):
