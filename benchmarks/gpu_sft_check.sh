@@ -37,7 +37,10 @@ PY
 python3 -m pip check 2>&1 | grep -i -E "^(trl|datasets|multiprocess|dill|jsonschema|referencing) " | tee -a "$OUT/versions.txt"
 ACC=(accelerate); command -v accelerate >/dev/null || ACC=(python3 -m accelerate.commands.accelerate_cli)
 CONFIG=kit/configs/llama-1b-gpu.yaml
-OVR=(data.max_seq_len=512 data.packing=true data.val_fraction=0.25 training.batch_size=4
+# Batch 4 per process on one GPU, 2 on two: the sample packs into 4 validation rows of 512 tokens,
+# which must fill every rank's batch (on 2x H200 with batch 4 both engines were refused so, in
+# one line from each rank: benchmarks/results/issue36-2xh200.md).
+OVR=(data.max_seq_len=512 data.packing=true data.val_fraction=0.25 training.batch_size=$(( 4 / NPROC ))
      training.steps=40 training.eval_every=10)
 start=$(date +%s)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import ROOT, read_run, torchrun
 
-FAMILIES = ["kit:tiny-mixtral", "kit:tiny-qwen3-moe", "kit:tiny-olmoe"]
+FAMILIES = ["kit:tiny-mixtral", "kit:tiny-qwen3-moe", "kit:tiny-olmoe", "kit:tiny-gpt-oss"]
 
 
 def built(name: str, *overrides: str):
@@ -44,16 +44,22 @@ def reference(wrapper, x, index, weights):
     for w in (wrapper, wrapper.base_layer):
         dense[w.parameter_name] = (experts.dequantized(ex, w.parameter_name).float()
                                    + w.get_delta_weight("default").float())
+    def project(name, e, v):  # gpt-oss: (E, in, out) stacks and a bias per expert
+        w = dense[name][e]
+        y = v @ w if ex.is_transposed else torch.nn.functional.linear(v, w)
+        bias = getattr(ex, f"{name}_bias", None) if getattr(ex, "has_bias", False) else None
+        return y if bias is None else y + bias[e].float()
+
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for k in range(index.shape[1]):
             e = index[t, k]
-            h = ex._apply_gate(torch.nn.functional.linear(x[t], dense["gate_up_proj"][e]))
-            out[t] += torch.nn.functional.linear(h, dense["down_proj"][e]) * weights[t, k]
+            h = ex._apply_gate(project("gate_up_proj", e, x[t]))
+            out[t] += project("down_proj", e, h) * weights[t, k]
     return out
 
 
-@pytest.mark.parametrize("name", ["kit:tiny-qwen3-moe", "kit:tiny-mixtral"])
+@pytest.mark.parametrize("name", ["kit:tiny-qwen3-moe", "kit:tiny-mixtral", "kit:tiny-gpt-oss"])
 def test_expert_stacks_are_nf4_and_compute_as_peft_on_their_round_trip(name):
     from kit.recipe import experts
 
@@ -120,9 +126,12 @@ def reload(out) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
-def test_moe_trains_under_fsdp2_and_reloads_with_plain_peft(tmp_path, name):
+def test_moe_trains_under_fsdp_and_reloads_with_plain_peft(tmp_path, name):
+    # One torchrun per family: Mixtral's under FSDP1 (the articles' engine), the others FSDP2.
+    engine = "fsdp1" if name == "kit:tiny-mixtral" else "fsdp2"
     out = tmp_path / "run"
-    torchrun(out, f"model.name={name}", "training.steps=12", "training.eval_every=0")
+    torchrun(out, f"model.name={name}", "training.steps=12", "training.eval_every=0",
+             f"sharding.engine={engine}")
     result, metrics = read_run(out)
     train = [m["loss"] for m in metrics if m["split"] == "train"]
     assert len(train) == 12 and all(map(lambda v: v == v and abs(v) < 1e9, train))

@@ -15,7 +15,7 @@ that declares SDPA may still route a config's attention softcapping to it, which
 as no SDPA. So: softcapping or a class without SDPA leaves eager, flex (softcapping and sinks are
 score modifications there) and the FlashAttention kernels the class lists.
 
-Every tiny model: 2 decoder layers, hidden 128, 4 query / 2 key-value heads of 32, the kit's
+Every tiny dense model: 2 decoder layers, hidden 128, 4 query / 2 key-value heads of 32, the kit's
 tokenizer (vocabulary 1,024); the family's own defaults otherwise (tied embeddings, sliding
 windows, softcapping, logit scale). Adding a family is one FAMILIES entry (its shape's extra keys,
 e.g. experts); tests/test_families.py trains each one or expects the check's refusal.
@@ -33,8 +33,13 @@ FAMILIES: dict[str, dict] = {
     "llama": {}, "qwen2": {}, "qwen3": {}, "mistral": {}, "gemma2": {}, "gemma3_text": {},
     "phi3": {}, "olmo2": {}, "granite": {}, "smollm3": {}, "glm4": {}, "cohere2": {},
 }  # fmt: skip
+# Mixture-of-experts families: their tiny models are in kit.inputs.moe_shapes (experts in NF4,
+# kit.recipe.experts; trained by tests/test_moe.py, one torchrun each).
+EXPERTS = {"mixtral": "tiny-mixtral", "qwen3_moe": "tiny-qwen3-moe", "olmoe": "tiny-olmoe",
+           "gpt_oss": "tiny-gpt-oss"}  # fmt: skip
 # Families whose tiny model was there before this table (kit.inputs.builtin.SPECS): same names.
-EXISTING = {"llama": "tiny-llama", "qwen2": "tiny-qwen2"}
+EXISTING = {"llama": "tiny-llama", "qwen2": "tiny-qwen2", **EXPERTS}
+ALL = [*FAMILIES, *EXPERTS]  # every family the kit is tested on (the README's table)
 # What "auto" tries, fastest first: SDPA (PyTorch's fused kernels), FlashAttention 2 (GPU, the
 # flash-attn package, not float32), flex (GPU: compiled; on a CPU the pre-flight refuses it), eager.
 PREFERENCE = ("sdpa", "flash_attention_2", "flex_attention", "eager")
@@ -120,11 +125,13 @@ def levers(facts: dict, grouped: tuple[str, ...]) -> dict:
     """What the planner turns on for this family on a GPU under FSDP2, and what "auto" attention
     is on a CPU (the README's table; `grouped`: kit.budget.plan.GROUPED_FAMILIES)."""
     transforms = facts.get("logit_transforms") or []
+    moe = facts["model_type"] in EXPERTS
     return {"attention (GPU)": pick_attention(facts, "cuda", "bfloat16")[0],
             "attention (CPU)": pick_attention(facts, "cpu", "float32")[0],
             "fused loss": "no: " + ", ".join(transforms) if transforms else "yes",
             "grouped adapters": "yes" if facts["model_type"] in grouped else "no (not measured)",
-            "compile (GPU plan)": "yes"}
+            "compile (GPU plan)": "no: routed experts" if moe else "yes",
+            "experts": "NF4, LoRA per expert" if moe else "-"}
 
 
 def readme_table(facts: dict[str, dict], grouped: tuple[str, ...]) -> str:

@@ -121,7 +121,8 @@ def dequantized(module: torch.nn.Module, name: str) -> torch.Tensor:
 
 
 def stored_bytes(model: torch.nn.Module) -> dict[str, int]:
-    """{"packed": bytes of the quantized expert stacks (this rank's shards once sharded),
+    """{"packed": bytes of the quantized expert stacks (this rank's shards once sharded; a stack
+    still on the meta device, to be quantized as it is streamed in, as it will be),
     "state": of their quantization constants (scales, whole on every rank), "dense": of the
     stacks still in model dtype, "logical_bf16": what all of them would take in bf16}."""
     sizes = {"packed": 0, "state": 0, "dense": 0, "logical_bf16": 0}
@@ -130,7 +131,12 @@ def stored_bytes(model: torch.nn.Module) -> dict[str, int]:
         for name in weight_names(module):
             p = module._parameters[name]
             p = p.to_local() if hasattr(p, "to_local") else p
-            kind = "packed" if name in stored else "dense"
+            pending = p.is_meta and name in getattr(module, "_kit_nf4_pending", ())
+            kind = "packed" if name in stored or pending else "dense"
+            if pending:  # model.loading=stream: quantized as the engine fills it (4 bits of bf16)
+                sizes["packed"] += p.numel() * p.element_size() // 4
+                sizes["logical_bf16"] += 2 * p.numel()
+                continue
             if name in stored:
                 state = stored[name]["state"]
                 extra = [state.absmax, state.code, *((state.state2.absmax, state.state2.code)

@@ -131,6 +131,8 @@ class Source:
 
         self.quant_experts = {id(m): set(experts.weight_names(m)) for _, m in experts.find(model)
                               } if cfg.quantization.method != "none" else {}  # fmt: skip
+        for _, m in experts.find(model) if self.quant_experts else ():
+            m._kit_nf4_pending = self.quant_experts[id(m)]  # NF4 once filled (stored_bytes)
         # Checkpoint names, fixed now: PEFT will nest the 4-bit layers under `base_layer`.
         self.names = {id(m): n for n, m in model.named_modules()}
         self.config, self.model = model.config, model
