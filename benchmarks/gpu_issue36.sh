@@ -15,6 +15,8 @@
 #   resume  run 6: stopped on 2 GPUs, resumed on 1 (gpu_resume_world.sh) (~2 min)
 #   moe     run 5 and issue 33: bench-moe-planned.yaml, Qwen3-30B-A3B's shape with NF4 experts,
 #           20 steps, on 1 GPU at 24 and 80 GiB (side by side, one GPU each), then 2 GPUs at 24
+#   gptoss  issue 33: bench-gpt-oss-planned.yaml, gpt-oss-20b's shape on 1 GPU at 24 and 80 GiB
+#           (side by side on a 2-GPU machine, one after the other on one GPU); not run yet
 #   notebooks  run 2: every notebook with its GPU parameters on 2 processes (gpu_notebooks.sh)
 # .whl/gpu carried (bash benchmarks/fetch_gpu_wheels.sh here first). Results: OUT/SET/.
 set -uo pipefail
@@ -53,8 +55,18 @@ for SET in $SETS; do
          CUDA_VISIBLE_DEVICES=1 python3 -m kit.bench $M --out "$OUT/moe/b80" --only moe-80-1gpu > "$OUT/moe/b80.log" 2>&1
          wait; python3 -m kit.bench $M --out "$OUT/moe/b2" --only moe-24-2gpu > "$OUT/moe/b2.log" 2>&1
          echo "moe rc=$?"; tail -n 4 "$OUT"/moe/b*.log ;;
+    gptoss) bash benchmarks/gpu_setup.sh; M=benchmarks/matrices/bench-gpt-oss-planned.yaml  # issue 33
+         export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+         mkdir -p "$OUT/gptoss"; torchrun --standalone --nproc_per_node=1 -m kit.train kit/configs/tiny-cpu.yaml \
+           model.name=kit:tiny-gpt-oss training.device=cuda training.steps=4 run.name=gptoss-smoke \
+           > "$OUT/gptoss/smoke.log" 2>&1; echo "gptoss smoke rc=$?"
+         two=$(( $(nvidia-smi -L | wc -l) >= 2 ))  # side by side on two GPUs, else one after the other
+         CUDA_VISIBLE_DEVICES=0 python3 -m kit.bench $M --out "$OUT/gptoss/b24" --only gptoss-24 > "$OUT/gptoss/b24.log" 2>&1 &
+         [ $two = 1 ] || wait
+         CUDA_VISIBLE_DEVICES=$two python3 -m kit.bench $M --out "$OUT/gptoss/b80" --only gptoss-80 > "$OUT/gptoss/b80.log" 2>&1
+         wait; echo "gptoss done"; tail -n 4 "$OUT"/gptoss/b*.log ;;
     notebooks) bash benchmarks/gpu_notebooks.sh "$OUT/notebooks" 2 00 01 02 03 04 05 06 07 08 09 10 11 12 ;;
-    *) echo "SET: $SET is not allowed; expected scale, plan70, nccl, resume, moe or notebooks"; exit 2 ;;
+    *) echo "SET: $SET is not allowed; expected scale, plan70, nccl, resume, moe, gptoss or notebooks"; exit 2 ;;
   esac
   echo "set $SET: $(( $(date +%s) - start ))s"; touch "$OUT/$SET.DONE"
 done

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,21 @@ def notebook_11(tmp_path_factory) -> Path:
         cwd=str(ROOT / "notebooks"), kernel_name="python3", progress_bar=False,
     )  # fmt: skip
     return folder
+
+
+def reload_in_process(script: str, out: Path) -> dict:
+    """Run tests/<script> (a plain-PEFT reload that prints JSON) in this process: the trained run
+    came from other processes anyway, and a child's start (torch, transformers, peft imported
+    again: ~8 s on 2 cores) is what the family matrices would pay per family (CI time)."""
+    import contextlib
+    import io
+    import runpy
+
+    argv, sys.argv = sys.argv, [script, str(out)]
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(str(ROOT / "tests" / script), run_name="__main__")
+    finally:
+        sys.argv = argv
+    return json.loads(printed.getvalue().strip().splitlines()[-1])

@@ -5,12 +5,10 @@ built from their transformers config classes (kit.inputs.moe_shapes)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import ROOT, read_run, torchrun
+from conftest import ROOT, read_run, reload_in_process, torchrun
 
 FAMILIES = ["kit:tiny-mixtral", "kit:tiny-qwen3-moe", "kit:tiny-olmoe", "kit:tiny-gpt-oss"]
 
@@ -118,10 +116,7 @@ def test_dropout_acts_on_the_expert_lora_path_in_training_only():
 
 
 def reload(out) -> dict:
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "reload_moe_adapter.py"), str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return reload_in_process("reload_moe_adapter.py", out)
 
 
 @pytest.mark.slow

@@ -1,28 +1,22 @@
 """How each rank gets the base model: `model.loading` = full | rank0 | stream (rank side).
 
-- full: every rank runs from_pretrained (kit.recipe.quantize.load_model): each reads the whole
-  checkpoint and quantizes it, and holds the whole 4-bit model until it is sharded. What both
-  articles do.
-- rank0: rank 0 runs from_pretrained; every other rank builds the same model on the meta device
-  (from_pretrained with device_map "meta": the same modules, 4-bit layers and quantizer, no weight
-  read) and receives each tensor from rank 0 by broadcast, the 4-bit ones already packed with
-  their quantization constants. What accelerate's `fsdp_cpu_ram_efficient_loading` +
-  `fsdp_sync_module_states` intend; done here before LoRA and wrapping, so it is the same for
-  FSDP2, FSDP1 and DDP and works with 4-bit weights, which FSDP1's own sync_module_states would
-  broadcast as bare bytes without their quantization state.
+- full: every rank runs from_pretrained (kit.recipe.quantize.load_model), quantizes, and holds the
+  whole 4-bit model until it is sharded. What both articles do.
+- rank0: rank 0 runs from_pretrained; the others build the same model on the meta device and
+  receive each tensor from rank 0 by broadcast, 4-bit ones packed with their quantization
+  constants. What accelerate's `fsdp_cpu_ram_efficient_loading` + `fsdp_sync_module_states`
+  intend, done before LoRA and wrapping: the same for FSDP2, FSDP1 and DDP, and right for 4-bit
+  weights, which FSDP1's sync_module_states would broadcast without their quantization state.
 - stream (FSDP2, FSDP1): the model stays on the meta device through LoRA; the engine fills each
-  unit (a decoder layer, the embeddings under FSDP2, the root) from the checkpoint one tensor at a
-  time, quantizing on the device, and shards it at once (FSDP1: through its param_init_fn): a rank holds its shards plus one unit, never
-  the whole model, in host or device memory.
+  unit (a decoder layer, the embeddings under FSDP2, the root) one tensor at a time, quantizing on
+  the device, and shards it at once (FSDP1: its param_init_fn): a rank never holds the whole model.
 
-Every mode gives every rank the same bytes and the same logits (tests/test_loading.py: the
-digest of each rank's shards after FSDP2 and of a forward's logits). `python -m kit.lab.loading_rank
-CONFIG DIR [MODE ...]` loads, shards and measures (kit.lab.loading_report starts it from a notebook).
-
-Gaps filled by hand: transformers loads a 4-bit model on meta or whole, but has no "receive a
-quantized model from rank 0" path (accelerate's is for FSDP1 wrapping and skips 4-bit layers'
-quantization state) nor a "this unit now" one; torch.distributed has no broadcast of a module
-tree, and its meta-device initialisation cannot quantize.
+Every mode gives every rank the same bytes and logits (tests/test_loading.py). `python -m
+kit.lab.loading_rank CONFIG DIR [MODE ...]` loads, shards and measures (kit.lab.loading_report).
+Gaps filled by hand: transformers loads a 4-bit model on meta or whole, with no "receive a
+quantized model from rank 0" path (accelerate's skips 4-bit quantization state) nor a "this unit
+now" one; torch.distributed has no broadcast of a module tree, and its meta-device initialisation
+cannot quantize.
 """
 
 from __future__ import annotations
@@ -273,17 +267,15 @@ def release_freed_host_memory() -> None:
     import ctypes
     import ctypes.util
 
-    name = ctypes.util.find_library("c")
     try:
-        ctypes.CDLL(name).malloc_trim(0)
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
     except (OSError, AttributeError, TypeError):  # not glibc: its allocator is left as it is
         pass
 
 
-_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-                       "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
-                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                       "BOOL": torch.bool}  # fmt: skip
+_SAFETENSORS_DTYPES = {k: getattr(torch, v) for k, v in dict(
+    BF16="bfloat16", F16="float16", F32="float32", F64="float64", I64="int64", I32="int32",
+    I16="int16", I8="int8", U8="uint8", BOOL="bool").items()}
 
 
 def held_bytes(model: torch.nn.Module) -> int:
@@ -299,11 +291,8 @@ def held_bytes(model: torch.nn.Module) -> int:
 
 def streamer_of(model: torch.nn.Module) -> Source | None:
     """The Source a model loaded with model.loading=stream still has to fill, or None."""
-    for module in model.modules():
-        source = getattr(module, "_kit_stream", None)
-        if source is not None:
-            return source
-    return None
+    return next((m._kit_stream for m in model.modules()
+                 if getattr(m, "_kit_stream", None) is not None), None)
 
 
 @contextlib.contextmanager

@@ -349,7 +349,8 @@ def _text(msg) -> str:
 
 def _killed_rank(lines: list[str]) -> tuple[int, signal.Signals] | None:
     """(rank, signal) of the first rank in torchrun's failure summary that died of a signal
-    torchrun does not send, at or before the root cause's time; None if there is none."""
+    torchrun does not send, at or before the root cause's time if one is, else after it; None if
+    there is none."""
     text = "\n".join(lines)
     found = []
     for m in re.finditer(r"time\s*:\s*(\S+)\s*host\s*:.*?rank\s*:\s*(\d+) \(local_rank.*?"
@@ -360,8 +361,10 @@ def _killed_rank(lines: list[str]) -> tuple[int, signal.Signals] | None:
             if sig not in _TORCHRUN_SENDS:
                 found.append((when, rank, sig))
     root = re.search(r"Root Cause.*?time\s*:\s*(\S+)", text, re.S)
-    found = [f for f in found if root is None or f[0] <= root.group(1)]
-    return min(found)[1:] if found else None
+    first = [f for f in found if root is None or f[0] <= root.group(1)]
+    # Called only when every rank's error is a lost peer's: on a loaded machine torchrun may see
+    # the peer's error before the kill (it polls), so a later kill still explains it.
+    return min(first or found)[1:] if found else None
 
 
 def _lines(path: Path) -> list[str]:
