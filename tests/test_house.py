@@ -55,7 +55,8 @@ KERNEL_SIDE = [
     "kit.bench", "kit.bench.__main__", "kit.bench.runner", "kit.bench.matrix", "kit.bench.report",
     "kit.bench.peer",  # the runner asks it whether a peer case can run; torch only in its build
     "kit.lab", "kit.lab.order", "kit.lab.loading_report", "kit.lab.sharding_report",
-    "kit.lab.recompute_sweep", "kit.lab.second_article",  # notebooks' experiments, started and read
+    "kit.lab.recompute_sweep", "kit.lab.second_article", "kit.lab.collectives",  # notebooks'
+    # experiments, started and read
 ]
 RANK_SIDE = [
     "kit.train", "kit.recipe.*",  # the recipe
@@ -63,6 +64,7 @@ RANK_SIDE = [
     "kit.bench.worker", "kit.bench.article",  # the benchmark's ranks and the article baseline
     "kit.pitfalls.reproduce",  # the wrong code, run
     "kit.lab.order_rank", "kit.lab.loading_rank", "kit.lab.sharding", "kit.lab.memory",
+    "kit.lab.collectives_rank",
     "kit.lab.attention_bench", "kit.lab.quantize_nf4", "kit.lab.lora_adapters",  # torch in the
     # process that runs them: a rank, a child process, notebooks 02 and 03 (one process, no group)
 ]

@@ -19,9 +19,9 @@ ALL = tour.notebooks()
 # The stage notebooks whose checked cells (# NBVAL_CHECK_OUTPUT, tagged keep_output) are compared
 # with a fresh run of their defaults. 07, 08, 10 and 11 run in their modules' tests
 # (test_launch, test_checkpoint, test_jobs, test_doctor).
-STAGES = ["00-setup-and-hardware", "01-memory-budget", "02-quantize-nf4", "03-lora-adapters",
-          "04-fsdp-sharding", "05-order-of-operations", "06-attention-and-checkpointing",
-          "09-benchmarks"]  # fmt: skip
+STAGES = ["00-primer-ranks-and-collectives", "00-setup-and-hardware", "01-memory-budget",
+          "02-quantize-nf4", "03-lora-adapters", "04-fsdp-sharding", "05-order-of-operations",
+          "06-attention-and-checkpointing", "09-benchmarks"]  # fmt: skip
 
 
 def stage(name: str) -> Path:

@@ -156,10 +156,11 @@ def losses(results: dict) -> str:
     return "\n".join(lines)
 
 
-def source(*names: str) -> str:
+def source(*names: str, path: Path = RANK_SIDE) -> str:
     """The code of functions of kit/lab/order_rank.py ("recipe_order", or a method: "Trial.shard"),
-    read from the file: what the notebook shows is what the ranks ran."""
-    text = RANK_SIDE.read_text()
+    or of another rank-side file `path`, read from the file: what the notebook shows is what the
+    ranks ran."""
+    text = path.read_text()
     found = {}
     for node in ast.parse(text).body:
         if isinstance(node, ast.FunctionDef):
@@ -171,7 +172,7 @@ def source(*names: str) -> str:
     out = []
     for name in names:
         if name not in found:
-            raise KeyError(f"kit/lab/order_rank.py has no function {name!r}")
+            raise KeyError(f"{path.name} has no function {name!r}")
         node, indent = found[name]
         lines = ast.get_source_segment(text, node, padded=True).splitlines()
         out.append("\n".join(line[indent:] for line in lines))

@@ -90,7 +90,8 @@ def _show(value) -> str:
 
 # (what, the article's launch script, a pattern finding the line of the kit's run.sh that does it)
 LAUNCH = [
-    ("node rank", "RANK, default 0, as --machine_rank (torchrun's RANK is a process's rank)",
+    ("node rank", "RANK (a PyTorchJob's pod index), default 0, as --machine_rank; torchrun's "
+     "RANK is a process's",
      r"^NODE_RANK=.*"),
     ("node 0's address", "MASTER_ADDR, default localhost", r"^MASTER_ADDR=.*"),
     ("port", "MASTER_PORT, default 29500", r"^MASTER_PORT=.*"),

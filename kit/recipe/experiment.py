@@ -17,8 +17,9 @@ row says ok=false and the error on every rank, and the next case runs; with `fai
 whose rows are its own (kit.bench.worker streams a JSON line per measurement) declares no row_path:
 the harness then writes none.
 
-The five experiments on it: kit.lab.order_rank (05), kit.lab.sharding (04), kit.lab.loading_rank
-(10), kit.pitfalls.reproduce (08, 11), kit.bench.worker (09); tests/test_experiment.py tests it.
+The six experiments on it: kit.lab.collectives_rank (the primer), kit.lab.order_rank (05),
+kit.lab.sharding (04), kit.lab.loading_rank (10), kit.pitfalls.reproduce (08, 11),
+kit.bench.worker (09); tests/test_experiment.py tests it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,121 @@
+"""The course's start page (notebooks/README.md) against the notebooks it maps: every stage
+notebook on the map and nothing else, and every GPU-route parameter one its notebook declares
+(and the one the maintainers' GPU script injects)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from kit.run import tour
+
+START = ROOT / "notebooks" / "README.md"
+
+
+def section(text: str, heading: str) -> str:
+    """The body of the `## heading` section."""
+    start = text.index(f"## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def mapped(text: str) -> list[str]:
+    """The notebooks the map links, in its order."""
+    return re.findall(r"\]\((\d\d-[\w-]+)\.ipynb\)", section(text, "The map"))
+
+
+def gpu_parameters(text: str) -> dict[str, list[str]]:
+    """Notebook -> the parameter names its GPU-route row sets (`name=value`)."""
+    rows = re.findall(r"^\| `(\d\d-[\w-]+)` \| (.*) \|$", section(text, "Two routes"), re.M)
+    return {stem: re.findall(r"`(\w+)=", cell) for stem, cell in rows}
+
+
+def problems(text: str, notebooks: list[Path]) -> list[str]:
+    """What the start page says that the notebooks contradict, one line each."""
+    have = {p.stem: p for p in notebooks}
+    found = mapped(text)
+    out = [f"the map misses {s}" for s in have if s not in found]
+    out += [f"the map names {s}, which does not exist" for s in found if s not in have]
+    if not out and found != [p.stem for p in notebooks]:
+        out.append(f"the map's order {found} is not the notebooks' {[p.stem for p in notebooks]}")
+    gpu = gpu_parameters(text)
+    out += [f"the GPU route misses {s}" for s in have if s not in gpu]
+    for stem, names in gpu.items():
+        if stem not in have:
+            out.append(f"the GPU route names {stem}, which does not exist")
+            continue
+        declared = tour.parameters_of(have[stem])
+        out += [f"{stem}: {n} is not one of its parameters" for n in names if n not in declared]
+    return out
+
+
+def test_start_page_maps_every_notebook_and_their_gpu_parameters():
+    assert problems(START.read_text(), tour.notebooks()) == []
+
+
+def test_the_check_finds_a_missing_notebook_a_ghost_and_a_wrong_parameter():
+    text, books = START.read_text(), tour.notebooks()
+    without = "\n".join(line for line in text.splitlines()
+                        if "(03-lora-adapters.ipynb)" not in line)
+    assert problems(without, books) == ["the map misses 03-lora-adapters"]
+    ghost = text.replace("(12-capstone-real-model.ipynb) |",
+                         "(12-capstone-real-model.ipynb) | 1 | x |\n| [`13-x`](13-x.ipynb) |")
+    assert problems(ghost, books) == ["the map names 13-x, which does not exist"]
+    wrong = text.replace("| `05-order-of-operations` | `nproc=N`,",
+                         "| `05-order-of-operations` | `nprocs=N`,")
+    assert problems(wrong, books) == ["05-order-of-operations: nprocs is not one of its parameters"]
+
+
+def gpu_script() -> dict[str, list[str]]:
+    """Notebook -> the parameter names benchmarks/gpu_notebooks.sh injects (-p NAME, -y 'NAME:')."""
+    found = {}
+    text = (ROOT / "benchmarks" / "gpu_notebooks.sh").read_text().replace("\\\n", " ")
+    for line in text.splitlines():
+        m = re.search(r"\bnb (\d\d-[\w-]+) (.*?);;", line)
+        if not m:
+            continue
+        words = shlex.split(m.group(2).replace("$(", "").replace(")", ""), comments=True)
+        names = [words[i + 1] for i, w in enumerate(words) if w == "-p"]
+        names += [words[i + 1].split(":")[0] for i, w in enumerate(words) if w == "-y"]
+        found[m.group(1)] = names
+    return found
+
+
+def test_the_gpu_script_sets_what_the_start_page_documents():
+    """The maintainers' GPU runs and the page's GPU route name the same parameters."""
+    script = START.read_text()
+    documented, ran = gpu_parameters(script), gpu_script()
+    assert ran, "no notebook found in benchmarks/gpu_notebooks.sh"
+    for stem, names in ran.items():
+        assert sorted(set(names)) == sorted(set(documented[stem])), stem
+
+
+@pytest.mark.parametrize("path", tour.notebooks(), ids=lambda p: p.stem)
+def test_parameters_cell_comments_the_gpu_route(path):
+    """Each GPU-route parameter carries a comment naming its "GPU route" value in the parameters
+    cell: on its assignment's lines, or on a comment line right below them."""
+    import ast
+
+    import nbformat
+
+    cell = next(c for c in nbformat.read(str(path), as_version=4).cells
+                if "parameters" in c.metadata.get("tags", []))  # fmt: skip
+    lines = cell.source.splitlines()
+    commented = set()
+    for node in ast.parse(cell.source).body:
+        last = node.end_lineno
+        while last < len(lines) and lines[last].lstrip().startswith("#"):
+            last += 1  # a comment line continuing this assignment's
+        if any("GPU route" in line for line in lines[node.lineno - 1:last]):
+            commented.add(node.targets[0].id)
+    names = gpu_parameters(START.read_text())[path.stem]
+    assert set(names) <= commented, set(names) - commented
+
+
+def test_the_repo_readme_starts_with_the_start_page():
+    head = (ROOT / "README.md").read_text().splitlines()[:6]
+    assert any("Start here: notebooks/README.md" in line for line in head), head
