@@ -54,4 +54,16 @@ saved = load_file(step6)
 print(f"step-6 adapter saved by 2 GPUs: {len(saved)} tensors, "
       f"{sum(t.numel() for t in saved.values()):,} values, every one whole: "
       f"{all(t.dim() == 2 for t in saved.values())}")
+# The resumed run's source: the step's DCP shards (2 ranks' files) gathered in this one process,
+# as torch.distributed.checkpoint reads them at another world size, against the adapter file.
+import tempfile
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+whole = Path(tempfile.mkdtemp()) / "step6.pt"
+dcp_to_torch_save(step6.parents[1] / "dcp", whole)
+model = torch.load(whole, weights_only=False)["model"]
+dcp = {k.replace(".default.", "."): v for k, v in model.items() if "lora_" in k}
+same = sorted(dcp) == sorted(saved) and all(
+    torch.equal(dcp[k].to(saved[k].dtype), saved[k]) for k in saved)
+print(f"step-6 DCP shards gathered on 1 process: {len(dcp)} adapter tensors, bit-identical to "
+      f"the saved adapter: {same}")
 PY
