@@ -119,3 +119,46 @@ def test_parameters_cell_comments_the_gpu_route(path):
 def test_the_repo_readme_starts_with_the_start_page():
     head = (ROOT / "README.md").read_text().splitlines()[:6]
     assert any("Start here: notebooks/README.md" in line for line in head), head
+
+
+SECTION_REF = re.compile(r"(?:[Nn]otebook (\d\d)[,']?s?\s+)?\b[Ss]ection (\d+)\b")
+
+
+def dangling_sections(notebooks: list[Path]) -> list[str]:
+    """Every "section N" / "notebook NN, section N" in a notebook's markdown whose target notebook
+    has no heading "## N · ...": one line each."""
+    import nbformat
+
+    cells = {p.stem[:2]: [c for c in nbformat.read(str(p), as_version=4).cells
+                          if c.cell_type == "markdown"] for p in notebooks}  # fmt: skip
+    headings = {nn: {m.group(1) for c in cs for m in re.finditer(r"^## (\d+) ·", c.source, re.M)}
+                for nn, cs in cells.items()}  # fmt: skip
+    out = []
+    for nn, cs in cells.items():
+        for i, c in enumerate(cs):
+            for m in SECTION_REF.finditer(c.source):
+                target = m.group(1) or nn
+                if m.group(2) not in headings.get(target, set()):
+                    out.append(f"notebook {nn}, markdown cell {i}: {m.group(0)!r} names no "
+                               f"section of notebook {target}")
+    return out
+
+
+def test_every_section_a_notebook_points_to_exists():
+    assert dangling_sections(tour.notebooks()) == []
+
+
+def test_a_section_reference_to_nowhere_is_found(tmp_path):
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("## 1 · One\n\nSee section 1, then section 2."),
+        nbformat.v4.new_markdown_cell("As notebook 98, section 1 shows; notebook 98 section 3."),
+    ])
+    nbformat.write(nb, tmp_path / "99-a.ipynb")
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(
+        "## 1 · Only")]), tmp_path / "98-b.ipynb")
+    found = dangling_sections(sorted(tmp_path.glob("*.ipynb")))
+    assert found == ["notebook 99, markdown cell 0: 'section 2' names no section of notebook 99",
+                     "notebook 99, markdown cell 1: 'notebook 98 section 3' names no section "
+                     "of notebook 98"]
