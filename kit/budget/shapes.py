@@ -157,8 +157,9 @@ def shared_input_groups(adapted: list[str]) -> list[tuple[str, ...]]:
 
 def dropped_inputs(shape: Shape, targets, grouped: bool = False) -> dict[str, int]:
     """Per adapted linear layer, the width of the input its adapter drops and keeps a copy of:
-    its fan-in (times the active experts for an expert stack), or, with grouped adapters (lora.group_inputs), 0 for every member of a fully
-    adapted group but the first (the group drops its shared input once)."""
+    its fan-in (times the active experts for an expert stack), or, with grouped adapters
+    (lora.group_inputs), 0 for every member of a fully adapted group but the first (the group
+    drops its shared input once)."""
     stacks = shape.expert_stacks()  # a token passes its active experts: a copy for each
     widths = {n: fan_in * (shape.active_experts if n in stacks else 1)
               for n, (fan_in, _) in lora_targets(shape, targets).items()}

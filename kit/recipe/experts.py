@@ -131,12 +131,11 @@ def stored_bytes(model: torch.nn.Module) -> dict[str, int]:
         for name in weight_names(module):
             p = module._parameters[name]
             p = p.to_local() if hasattr(p, "to_local") else p
-            pending = p.is_meta and name in getattr(module, "_kit_nf4_pending", ())
-            kind = "packed" if name in stored or pending else "dense"
-            if pending:  # model.loading=stream: quantized as the engine fills it (4 bits of bf16)
-                sizes["packed"] += p.numel() * p.element_size() // 4
+            if p.is_meta and name in getattr(module, "_kit_nf4_pending", ()):
+                sizes["packed"] += p.numel() // 2  # model.loading=stream: NF4 once filled
                 sizes["logical_bf16"] += 2 * p.numel()
                 continue
+            kind = "packed" if name in stored else "dense"
             if name in stored:
                 state = stored[name]["state"]
                 extra = [state.absmax, state.code, *((state.state2.absmax, state.state2.code)
