@@ -17,14 +17,21 @@
 #           20 steps, on 1 GPU at 24 and 80 GiB (side by side, one GPU each), then 2 GPUs at 24
 #   gptoss  issue 33: bench-gpt-oss-planned.yaml, gpt-oss-20b's shape on 1 GPU at 24 and 80 GiB
 #           (side by side on a 2-GPU machine, one after the other on one GPU); not run yet
-#   notebooks  run 2: every notebook with its GPU parameters on 2 processes (gpu_notebooks.sh)
+#   notebooks  run 2: every notebook with its GPU parameters on 2 processes (gpu_notebooks.sh);
+#           waits (at most 10 minutes) for SmolLM2's two carried parts (benchmarks/carry_smollm2.sh)
+#   moe4    run 5, the largest MoE: bench-moe-235b-4gpu.yaml, Qwen3-235B-A22B's shape on 4 GPUs
+#   scale4  run 3 on 4 GPUs: bench-8b-4gpu-planned.yaml, the kit's defaults on 4 GPUs and on 1
+#   x4      a machine with 4 GPUs, in three lanes: GPUs 0,1 run `gptoss nccl` while GPUs 2,3 run
+#           `resume notebooks` (each lane with its own KIT_HOME, into OUT/a and OUT/b), then all
+#           four run `moe4 scale4`
 # .whl/gpu carried (bash benchmarks/fetch_gpu_wheels.sh here first). Results: OUT/SET/.
 set -uo pipefail
 if [ "${1:-}" = --poll ]; then  # wait for ALL_DONE (at most $3 s), then copy what exists into $OUT
   DIR=$2; LIMIT=${3:-540}; start=$(date +%s)
   while [ ! -e "$DIR/ALL_DONE" ] && [ $(( $(date +%s) - start )) -lt "$LIMIT" ]; do sleep 10; done
-  grep -E "^(==|set |bench:|build:|sft |nodes |fsdp|two|one|losses|result|step-6|the 1-GPU|moe|  )" "$DIR/all.log" | tail -40
-  for t in "$DIR"/*/bench/table.md; do [ -e "$t" ] && { echo "== $t"; cat "$t"; }; done
+  for log in "$DIR"/all.log "$DIR"/[ab]/all.log; do [ -e "$log" ] || continue; echo "== $log"
+    grep -E "^(==|set |bench:|build:|sft |nodes |fsdp|two|one|losses|result|step-6|the 1-GPU|moe|gptoss|0|1|  )" "$log" | tail -25; done
+  for t in $(find "$DIR" -name table.md -path '*bench*'); do [ -e "$t" ] && { echo "== $t"; cat "$t"; }; done
   [ -n "${OUT:-}" ] && tar czf "$OUT/i36.tgz" --exclude='*.safetensors' --exclude='*.pt' \
     --exclude='*.distcp' --exclude=merged --exclude='*-runs' --exclude=two-then-one \
     --exclude=two-then-two "$DIR" 2>/dev/null
@@ -32,6 +39,12 @@ if [ "${1:-}" = --poll ]; then  # wait for ALL_DONE (at most $3 s), then copy wh
 fi
 OUT=${1:-/tmp/i36}; shift; SETS=${*:-scale plan70 nccl resume}; mkdir -p "$OUT"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True NCCL_NVLS_ENABLE=0
+if [ "$SETS" = x4 ]; then  # three lanes on a 4-GPU machine; the wheels installed once, first
+  bash benchmarks/gpu_setup.sh; mkdir -p "$OUT/a" "$OUT/b"
+  CUDA_VISIBLE_DEVICES=0,1 KIT_HOME=/tmp/kit_home_a bash "$0" "$OUT/a" gptoss nccl > "$OUT/a/all.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=2,3 KIT_HOME=/tmp/kit_home_b bash "$0" "$OUT/b" resume notebooks > "$OUT/b/all.log" 2>&1 &
+  wait; SETS="moe4 scale4"
+fi
 for SET in $SETS; do
   start=$(date +%s); echo "== set $SET"
   case $SET in
@@ -65,8 +78,16 @@ for SET in $SETS; do
          [ $two = 1 ] || wait
          CUDA_VISIBLE_DEVICES=$two python3 -m kit.bench $M --out "$OUT/gptoss/b80" --only gptoss-80 > "$OUT/gptoss/b80.log" 2>&1
          wait; echo "gptoss done"; tail -n 4 "$OUT"/gptoss/b*.log ;;
-    notebooks) bash benchmarks/gpu_notebooks.sh "$OUT/notebooks" 2 00 01 02 03 04 05 06 07 08 09 10 11 12 ;;
-    *) echo "SET: $SET is not allowed; expected scale, plan70, nccl, resume, moe, gptoss or notebooks"; exit 2 ;;
+    moe4) export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+         M=benchmarks/matrices/bench-moe-235b-4gpu.yaml; mkdir -p "$OUT/moe4"
+         python3 -m kit plan kit/configs/llama-1b-gpu.yaml model.name=kit:qwen3-235b-a22b data.max_seq_len=1024 \
+           training.batch_size=2 --gpus 4 --gpu-mem 80 --gpu H100 > "$OUT/moe4/plan.txt" 2>&1
+         python3 -m kit.bench $M --out "$OUT/moe4/b" > "$OUT/moe4/b.log" 2>&1; echo "moe4 rc=$?"; tail -n 4 "$OUT/moe4/b.log" ;;
+    scale4) MATRIX=benchmarks/matrices/bench-8b-4gpu-planned.yaml SKIP_EXTRAS=1 \
+             bash benchmarks/gpu_speed.sh "$OUT/scale4" ;;
+    notebooks) for _ in $(seq 60); do [ -e .carry/smollm2-2/part ] && break; sleep 10; done
+               bash benchmarks/gpu_notebooks.sh "$OUT/notebooks" 2 00 01 02 03 04 05 06 07 08 09 10 11 12 ;;
+    *) echo "SET: $SET is not allowed; expected scale, plan70, nccl, resume, moe, gptoss, notebooks, moe4, scale4 or x4"; exit 2 ;;
   esac
   echo "set $SET: $(( $(date +%s) - start ))s"; touch "$OUT/$SET.DONE"
 done

@@ -29,6 +29,14 @@ MOE_SPECS: dict[str, dict] = {
                           num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1,
                           mlp_only_layers=[], norm_topk_prob=True, max_position_embeddings=40960,
                           rope_theta=1000000.0, tie_word_embeddings=False),
+    # Qwen3-235B-A22B's shape (235B parameters, 22B active: 94 layers, 128 experts, 8 active).
+    "qwen3-235b-a22b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=4096,
+                            intermediate_size=12288, moe_intermediate_size=1536,
+                            num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+                            head_dim=128, num_experts=128, num_experts_per_tok=8,
+                            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                            max_position_embeddings=40960, rope_theta=1000000.0,
+                            tie_word_embeddings=False),
     # gpt-oss-20b's shape (20.9B parameters, 3.6B active besides the embeddings: 24 layers, 32 experts, 4 active; attention
     # sinks, biases on the experts, sliding windows on every other layer).
     "gpt-oss-20b": dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
@@ -37,4 +45,4 @@ MOE_SPECS: dict[str, dict] = {
                         num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072,
                         tie_word_embeddings=False),
 }
-MOE_AT_LOAD = {"qwen3-30b-a3b": 0, "gpt-oss-20b": 0}  # name -> seed: weights initialised at load, never written
+MOE_AT_LOAD = {"qwen3-30b-a3b": 0, "qwen3-235b-a22b": 0, "gpt-oss-20b": 0}  # name -> seed: weights initialised at load, never written
