@@ -74,7 +74,7 @@ cfg = load_config(f"{run}/config.yaml")
 dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 base, tok = quantize.load_model(cfg, dev)
 tok.pad_token = tok.pad_token or tok.eos_token
-texts = data._texts(data.read_checked(cfg.data.path, cfg.data)[:32], cfg.data, tok, cfg.data.path)
+texts, _ = data._chats(data.read_checked(cfg.data.path, cfg.data)[:32], cfg.data, tok, cfg.data.path)
 enc = tok(texts, return_tensors="pt", padding=True).to(dev)
 labels = enc.input_ids.masked_fill(enc.attention_mask == 0, -100)
 def forward(m):

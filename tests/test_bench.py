@@ -277,6 +277,18 @@ def test_a_case_may_bring_its_own_seed(tmp_path):
     assert bench.case_config(matrix, seeded, tmp_path).training.seed == 43
 
 
+def test_a_kit_case_with_set_batches_is_planned_for_the_largest(tmp_path):
+    """The recipe plans recompute and offload for the batch the case runs, not its own choice."""
+    m = bench.load_matrix(ROOT / "benchmarks" / "matrices" / "bench-moe-235b-4gpu.yaml")
+    assert bench.case_config(m, m["cases"][0], tmp_path).training.batch_size == 2
+    swept = {**m["cases"][0], "batches": [2, 8, 4]}
+    assert bench.case_config(m, swept, tmp_path).training.batch_size == 8
+    own = {**swept, "overrides": ["training.batch_size=4"]}
+    assert bench.case_config(m, own, tmp_path).training.batch_size == 4
+    auto = {**swept, "batches": ["auto"]}
+    assert bench.case_config(m, auto, tmp_path).training.batch_size == "auto"
+
+
 def test_the_planned_matrix_holds_three_recipes_per_cap(tmp_path):
     m = bench.load_matrix(ROOT / "benchmarks" / "matrices" / "bench-8b-planned.yaml")
     by_cap = {}

@@ -69,7 +69,13 @@ def case_config(matrix: dict, case: dict, out: Path) -> Config:
         f"training.seed={case.get('seed', matrix.get('seed', 42))}",
     ]
     if case["recipe"] == "kit":
-        overrides += [*KIT_SETTINGS, *case.get("overrides", [])]
+        overrides += KIT_SETTINGS
+        # Batches given as numbers: the recipe plans the rest (recompute, offload, loss) for the
+        # largest of them, the one that must fit, not for a batch of its own choosing that the
+        # case then never runs. A case's own overrides still win.
+        if case.get("batches") and all(isinstance(b, int) for b in case["batches"]):
+            overrides.append(f"training.batch_size={max(case['batches'])}")
+        overrides += case.get("overrides", [])
     try:
         return load_config(matrix.get("kit_config"), overrides)
     except ConfigError as e:
