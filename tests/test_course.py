@@ -162,3 +162,21 @@ def test_a_section_reference_to_nowhere_is_found(tmp_path):
     assert found == ["notebook 99, markdown cell 0: 'section 2' names no section of notebook 99",
                      "notebook 99, markdown cell 1: 'notebook 98 section 3' names no section "
                      "of notebook 98"]
+
+
+def test_papermill_reads_every_parameter_the_notebooks_declare():
+    """papermill's own reading of each parameters cell (what `papermill --help-notebook` lists
+    and what `-p` is checked against) finds every name the cell assigns. papermill skips any line
+    holding two `=`, so a comment such as `# scale = alpha / r` hides its parameter ("Passed
+    unknown parameter" at every run). Only a value that itself holds `=` (06's list of config
+    overrides, `key=value` strings) may stay hidden: -p and -y still set it."""
+    from papermill.translators import PythonTranslator
+
+    hidden = {}
+    for path in tour.notebooks():
+        cell = next(c for c in tour._read(path).cells if "parameters" in c.metadata.get("tags", []))
+        read = {p.name for p in PythonTranslator.inspect({"source": cell.source})}
+        values = tour.parameters_of(path)
+        if missing := sorted(n for n in set(values) - read if "=" not in repr(values[n])):
+            hidden[path.stem] = missing
+    assert hidden == {}
