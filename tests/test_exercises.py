@@ -44,5 +44,9 @@ def test_the_solution_is_right_and_the_likely_mistakes_get_a_hint(key, capsys):
     for bad in ex.wrong:
         hint = ex.check(bad)
         assert isinstance(hint, str) and hint, (key, bad)
-    assert exercises.check(key, ...) is False
+    exercises.check(key, ...)
     assert "not answered yet" in capsys.readouterr().out
+    exercises.check(key, ex.solution())
+    assert capsys.readouterr().out == f"exercise {key}: right.\n"
+    exercises.check(key, ex.wrong[0])
+    assert capsys.readouterr().out.startswith(f"exercise {key}: not yet. Hint: ")

@@ -77,22 +77,22 @@ def registry() -> dict[str, Exercise]:
     return found
 
 
-def check(key: str, answer: Any) -> bool:
-    """The check cell: prints right, or wrong with a hint, or (answer `...`) the question; returns
-    whether the answer is right. Never raises on a wrong answer: the notebook runs on."""
+def check(key: str, answer: Any) -> None:
+    """The check cell: prints right, or wrong with a hint, or (answer `...`) the question. Returns
+    nothing (a returned value would show under the cell as `False`) and never raises on a wrong
+    answer: the notebook runs on."""
     ex = registry()[key]
     if answer is ...:
         print(f"exercise {key}: not answered yet. {ex.question}")
-        return False
+        return
     try:
         hint = ex.check(answer)
     except Exception as e:  # a malformed answer is a hint too, not a traceback
         hint = f"could not check {answer!r}: {e}"
     if hint is None:
         print(f"exercise {key}: right.")
-        return True
+        return
     print(f"exercise {key}: not yet. Hint: {hint}")
-    return False
 
 
 def solution(key: str) -> Any:
