@@ -8,6 +8,7 @@ and a rank's runtime before any model. The estimate these are checked against is
 Rank/child side: each function runs torch in the process that calls it (a rank, a script, a test,
 a kit.run.child process started from notebook 01's kernel); `runtime_baseline_gib` starts a fresh
 interpreter of its own. torch is imported inside the functions, so importing this module is cheap.
+`plot_against_measured` is kernel side: it draws rows of kit.budget.measured.compare_with_reference.
 """
 
 from __future__ import annotations
@@ -90,3 +91,25 @@ def runtime_baseline_gib() -> float:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=ROOT)  # fmt: skip
     return int(out.stdout.split()[-1]) / 2**20  # KiB -> GiB
+
+
+def plot_against_measured(groups: dict[str, list[dict]], band: float = 0.10, ax=None):
+    """Estimated against measured peak GiB, one point per row of
+    kit.budget.measured.compare_with_reference, one marker per group (label -> rows); the
+    diagonal is an exact estimate, the grey band +-`band` around it."""
+    import matplotlib.pyplot as plt
+
+    ax = ax or plt.subplots(figsize=(5.5, 5))[1]
+    rows = [r for group in groups.values() for r in group]
+    top = 1.1 * max(max(r["measured_gib"], r["estimated_gib"]) for r in rows)
+    line = [0, top]
+    ax.fill_between(line, [0, top * (1 - band)], [0, top * (1 + band)], color="0.9",
+                    label=f"within {band:.0%}")  # fmt: skip
+    ax.plot(line, line, color="k", lw=1, label="estimate = measured")
+    for (label, group), marker in zip(groups.items(), "osD^vP*X", strict=False):
+        ax.scatter([r["measured_gib"] for r in group], [r["estimated_gib"] for r in group],
+                   marker=marker, label=label, zorder=3)  # fmt: skip
+    ax.set(xlim=(0, top), ylim=(0, top), xlabel="measured peak, GiB (max_memory_allocated)",
+           ylabel="estimated, GiB (kit.budget.estimate)", aspect="equal")  # fmt: skip
+    ax.legend(fontsize=8, loc="lower right")
+    return ax
