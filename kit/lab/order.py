@@ -177,3 +177,51 @@ def source(*names: str, path: Path = RANK_SIDE) -> str:
         lines = ast.get_source_segment(text, node, padded=True).splitlines()
         out.append("\n".join(line[indent:] for line in lines))
     return "\n\n".join(out)
+
+
+def plot_losses(results: dict, axes=None):
+    """Rank 0's loss at every step of every run that trained, one panel per engine: the recipe's
+    order thick and pale, each case on top of it (dashed where its losses are the recipe's, so
+    hidden under it), and a run whose loss never moves in red, named on the plot. A run that
+    raised has no line. One color per case in both panels."""
+    import matplotlib.pyplot as plt
+
+    engines = sorted({e for _, e, _ in results}, reverse=True)  # fsdp2, fsdp1
+    if axes is None:
+        _, axes = plt.subplots(1, len(engines), figsize=(5.5 * len(engines), 3.4), sharey=True)
+    axes = [axes] if not hasattr(axes, "__len__") else list(axes)
+    cases = sorted({f for f, _, _ in results} - {"recipe_order"})
+    colors = dict(zip(cases, ["tab:blue", "tab:green", "tab:purple", "tab:brown", "tab:olive"]))
+    for ax, engine in zip(axes, engines, strict=True):
+        for (f, e, b), r in results.items():
+            if e != engine or not r.get("losses"):
+                continue
+            steps, ys = range(1, len(r["losses"]) + 1), r["losses"]
+            label = f"{f} ({b})"
+            if f == "recipe_order":
+                ax.plot(steps, ys, label=label, color="black" if b == "nf4" else "gray",
+                        linewidth=5, alpha=0.2)  # fmt: skip
+            elif len(set(ys)) == 1:  # the loss never moved: the lesson of section 1
+                ax.plot(steps, ys, label=label, color="tab:red", linewidth=2.5, marker="o")
+                ax.annotate(f"{f}: the loss never moves", (steps[-1], ys[-1]),
+                            xytext=(0, -14), textcoords="offset points", ha="right",
+                            color="tab:red")  # fmt: skip
+            else:
+                same = _as_recipe(r, results) == "identical"
+                ax.plot(steps, ys, label=label, color=colors.get(f), marker=".",
+                        linestyle="--" if same else "-", linewidth=1.2)  # fmt: skip
+        ax.set(title=engine, xlabel="step", ylabel="loss (rank 0)")
+        ax.legend(fontsize=7, loc="lower left")
+    return axes
+
+
+def excerpt(text: str, first: str, last: str) -> str:
+    """The lines of `text` from the first one containing `first` to the next one containing
+    `last`, both included, dedented: a part of a function's source, as inspect.getsource
+    returns it."""
+    import textwrap
+
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if first in line)
+    end = next(i for i, line in enumerate(lines) if i >= start and last in line)
+    return textwrap.dedent("\n".join(lines[start:end + 1]))
