@@ -15,6 +15,7 @@ from kit.recipe import data
 HELD_OUT = ROOT / "kit" / "data" / "answer-format-heldout.jsonl"
 
 
+@pytest.mark.full  # CI time: the real model's fine-tune runs in notebook 12's test (test_capstone), the front door in test_front_door
 @pytest.mark.slow
 def test_forty_chat_rows_train_on_the_first_try_and_the_result_chats(tmp_path):
     """40 rows (a validation split of 4, which packs into one row: once refused for 2 ranks)

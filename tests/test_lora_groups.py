@@ -127,6 +127,7 @@ def test_the_doctor_refuses_groups_on_fused_projections(tmp_path):
         ("group_inputs_no_group", shapes.NO_SHARED_INPUT)]
 
 
+@pytest.mark.full  # CI time: grouped adapters match ungrouped ones in one process in this module's other tests
 def test_grouped_compiled_layers_under_fsdp2_match_the_ungrouped_ones(tmp_path, monkeypatch):
     """The kit's recipe as the benchmarks run it (training.compile=true, a selective recompute
     policy), FSDP2 and NF4 (a world of one), dropout off: the grouped layers compile without a

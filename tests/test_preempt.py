@@ -93,6 +93,7 @@ def test_a_stop_request_saves_the_step_and_a_restart_resumes_by_itself(tmp_path,
     assert {k: v for k, v in tree(out / "checkpoints").items() if k in saved} == saved
 
 
+@pytest.mark.full  # CI time: a variant of the stop request; notebook 08 section 7 and the test above run the stop and the restart
 def test_a_stop_request_during_a_save_lets_it_finish_and_stops_there(tmp_path, straight):
     """SIGUSR1 (what Slurm's --signal=USR1@120 sends ahead of a time limit) while checkpoint 20
     is being written (KIT_SLOW_SAVE_S makes it take 5 s): run.sh passes it on as SIGTERM, the save
@@ -106,6 +107,7 @@ def test_a_stop_request_during_a_save_lets_it_finish_and_stops_there(tmp_path, s
     assert manifest.problem(out / "checkpoints" / "step-000020") is None
 
 
+@pytest.mark.full  # CI time: a variant of the stop request; a half-written checkpoint is skipped in notebook 08 section 4
 def test_a_second_request_exits_at_once_leaving_no_half_written_checkpoint(tmp_path, straight):
     """A save that takes long (KIT_SLOW_SAVE_S) and a second request to run.sh 3 s after the
     first: torchrun and the ranks end at once, the checkpoint being written stays step-N.tmp
@@ -144,6 +146,7 @@ def test_a_rank_killed_mid_step_is_restarted_and_resumes(tmp_path, straight):
     assert json.loads((out / "result.json").read_text())["status"] == "completed"
 
 
+@pytest.mark.full  # CI time: notebook 08 section 7 resumes a 2-rank run on 1 rank, its test asserts the reshard line
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
 def test_a_run_resumes_on_another_number_of_ranks(tmp_path, before, after):
     """Stopped at step 6 on `before` ranks, resumed on `after`: the sharded adapter and optimizer
@@ -172,6 +175,7 @@ def test_a_run_resumes_on_another_number_of_ranks(tmp_path, before, after):
     assert max(train[6:]) < train[0] and abs(train[6] - train[5]) < 0.5  # it went on, no restart
 
 
+@pytest.mark.full  # CI time: a save that fails midway is resumed past in notebook 08 section 4
 def test_a_full_disk_while_saving_ends_the_run_resumable(tmp_path, straight):
     """Checkpoint 40 meets a full disk (KIT_FAIL_DISK_STEP: each rank's files may not grow past
     64 KiB, so writes fail as on a full disk): the run ends with one line per rank naming the

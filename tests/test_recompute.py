@@ -33,6 +33,7 @@ def test_selective_checkpointing_recomputes_only_chosen_layers(every, recomputed
     assert calls == [2 if i in recomputed else 1 for i in range(len(calls))]
 
 
+@pytest.mark.full  # CI time: a lever the planner never picks; its one-process equivalence stays in the default run
 @pytest.mark.slow  # compiles
 def test_activation_memory_budget_keeps_less_and_learns_the_same():
     """training.activation_memory_budget: the compiled layers recompute more in backward, keep
@@ -198,6 +199,7 @@ def test_recompute_keeps_gives_the_same_gradients():
             assert torch.allclose(g, grads0[name], atol=1e-6), (keeps, name)
 
 
+@pytest.mark.full  # CI time: the policies' gradients are checked in one process by test_recompute_keeps_gives_the_same_gradients
 @pytest.mark.slow  # compiles a layer per policy
 def test_recompute_keeps_policies_on_nf4():
     """Compiled, NF4: what each policy keeps for backward, in the order the docs promise
@@ -290,6 +292,7 @@ def test_tiled_mlp_keeps_only_its_input():
     assert kept[32] < 0.7 * kept[0], kept
 
 
+@pytest.mark.full  # CI time: tiling's loss and gradients are checked in one process by test_tiled_mlp_gives_the_same_loss_and_gradients
 @pytest.mark.slow  # two torchruns
 def test_tiled_mlp_under_fsdp2_learns_the_same(tmp_path):
     """2 processes, FSDP2, NF4, dropout off: tiles of 64 tokens (4 per rank's batch) train to the

@@ -72,6 +72,7 @@ def test_engine_trains_and_saves_reloadable_adapter(tmp_path, engine, quant, ext
                                           default)
 
 
+@pytest.mark.full  # CI time: stream loading under FSDP1 also runs in test_engine_trains_and_saves_reloadable_adapter's fsdp1 case (rank0) and notebook 10; qwen2's biases in the family matrix
 @pytest.mark.parametrize("engine", ["fsdp1"])  # FSDP1's one-dtype-per-unit rules are the strict case
 def test_second_architecture_qwen2(tmp_path, engine):
     """Qwen2 (biases on q/k/v), loaded with stream: FSDP1's param_init_fn fills each unit."""
