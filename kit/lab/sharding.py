@@ -42,6 +42,21 @@ def _bytes(t) -> int:
     return t.numel() * t.element_size()
 
 
+def plain_save(model: nn.Module) -> dict:
+    """`torch.save(model.state_dict(), f)` on this rank, as a hand-written script does it (the first
+    article says it fails under FSDP): the bytes written, and how many LoRA elements the file holds
+    (FSDP1's state_dict gathers every unit whole on every rank; FSDP2's holds this rank's shards)."""
+    import io
+
+    state = model.state_dict()
+    written = io.BytesIO()
+    torch.save(state, written)
+    lora = [v for k, v in state.items() if "lora_" in k and isinstance(v, torch.Tensor)]
+    return {"keys": len(state), "bytes": written.getbuffer().nbytes, "lora_tensors": len(lora),
+            "lora_elements": sum(_local(v).numel() for v in lora),
+            "dtensors": sum(hasattr(v, "to_local") for v in state.values())}
+
+
 def wrapped_units(model: nn.Module) -> list[str]:
     """Names of the modules an FSDP engine made into sharding units ('' is the root)."""
     from torch.distributed.fsdp import FSDPModule
@@ -248,6 +263,7 @@ def report_rank(cfg: Config, env, out) -> dict:
     for h in handles:
         h.remove()
     grads = held(wrapped)
+    saved = plain_save(wrapped)  # after the step, on every rank (FSDP1's gathers are collectives)
     return {
         "engine": cfg.sharding.engine, "rank": env.rank, "world_size": env.world_size,
         "units": wrapped_units(wrapped),
@@ -260,6 +276,7 @@ def report_rank(cfg: Config, env, out) -> dict:
         "seen_in_forward": seen,
         "collectives": collectives,
         "timeline": timeline.segments() if timeline.units else None,
+        "plain_save": saved,
     }  # fmt: skip
 
 

@@ -1,0 +1,93 @@
+"""Where each of the articles' claims is settled: kit.lab.claims (the claims) joined with the notebooks'
+code-cell metadata (`"claims": {"A07": "demonstrated"}`), as a markdown table.
+
+    python -m kit claims                     # print the table
+    python -m kit claims --write README.md   # replace the table between the two markers
+
+Kernel side: no torch (nbformat reads the notebooks as JSON).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+
+from kit.lab.claims import CLAIMS, VERDICTS
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS = ROOT / "notebooks"
+RESULTS = ROOT / "benchmarks" / "results"
+START, END = "<!-- claims:start -->", "<!-- claims:end -->"
+UNSETTLED = "not settled"
+
+
+def settlements(folder: Path = NOTEBOOKS) -> list[dict]:
+    """One row per (claim, code cell) the notebooks' metadata names: the notebook, the section
+    heading above the cell, the cell's index and id, the verdict."""
+    rows = []
+    for path in sorted(folder.glob("*.ipynb")):
+        heading = ""
+        for index, cell in enumerate(nbformat.read(str(path), as_version=4).cells):
+            if cell.cell_type == "markdown":
+                found = [line.lstrip("#").strip() for line in cell.source.splitlines()
+                         if line.startswith("#")]
+                heading = found[-1] if found else heading
+            for claim, verdict in cell.metadata.get("claims", {}).items():
+                rows.append({"claim": claim, "verdict": verdict, "notebook": path.stem,
+                             "section": heading, "index": index, "id": cell.get("id")})
+    return rows
+
+
+def verdict_of(rows: list[dict]) -> str:
+    """The claim's verdict: the one its cells agree on, 'not settled' without cells."""
+    found = sorted({r["verdict"] for r in rows})
+    return " / ".join(found) if found else UNSETTLED
+
+
+def table(folder: Path = NOTEBOOKS) -> str:
+    """The markdown table: claim id | claim | notebook and cell | verdict."""
+    by_claim: dict[str, list[dict]] = {}
+    for row in settlements(folder):
+        by_claim.setdefault(row["claim"], []).append(row)
+    lines = ["| claim | what the article says | notebook and cell | verdict |",
+             "|---|---|---|---|"]
+    for c in CLAIMS:
+        rows = by_claim.get(c.id, [])
+        cells = [f"`{r['notebook']}` § {r['section']}, cell {r['index']} (`{r['id']}`)" for r in rows]
+        if c.results:
+            cells.append(f"recorded: `benchmarks/results/{c.results}`")
+        what = f"{c.claim} ({c.where})".replace("|", "\\|")
+        lines.append(f"| {c.id} | {what} | {'<br>'.join(cells) or '-'} | {verdict_of(rows)} |")
+    return "\n".join(lines) + "\n"
+
+
+def counts(folder: Path = NOTEBOOKS) -> dict[str, int]:
+    """How many claims have each verdict ('not settled' included)."""
+    by_claim: dict[str, list[dict]] = {}
+    for row in settlements(folder):
+        by_claim.setdefault(row["claim"], []).append(row)
+    found: dict[str, int] = {}
+    for c in CLAIMS:
+        v = verdict_of(by_claim.get(c.id, []))
+        found[v] = found.get(v, 0) + 1
+    return found
+
+
+def replace_block(text: str, block: str) -> str:
+    """`text` with what lies between the START and END markers replaced by `block`."""
+    if START not in text or END not in text or text.index(START) > text.index(END):
+        raise ValueError(f"the file has no {START} ... {END} block")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{block}{END}{tail}"
+
+
+def block_of(text: str) -> str:
+    """What lies between the markers (without the newline after START)."""
+    if START not in text or END not in text:
+        raise ValueError(f"the file has no {START} ... {END} block")
+    return text.split(START, 1)[1].split(END, 1)[0].removeprefix("\n")
+
+
+__all__ = ["VERDICTS", "settlements", "table", "counts", "replace_block", "block_of"]

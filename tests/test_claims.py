@@ -1,0 +1,104 @@
+"""The articles' claims (kit.lab.claims) and where the notebooks settle them (code-cell metadata),
+and the table `python -m kit claims` builds from both."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import nbformat
+import pytest
+from conftest import ROOT
+
+from kit.__main__ import main
+from kit.lab import claims_table
+from kit.lab.claims import BY_ID, CLAIMS, VERDICTS
+
+# Claims no notebook cell settles yet. Settling one (a cell whose metadata names it) fails
+# test_every_claim_is_settled_but_the_known_few until it leaves this set.
+KNOWN_UNSETTLED = {
+    "A06",  # one whole-model FSDP unit against one per decoder layer: nothing measures the former
+    "A18",  # Flash Attention's speed-up at long sequences: recorded in nb06-gpu-1xh200.md, no cell prints it
+    "A26",  # the article's loading pattern (adapter_model.bin, load_state_dict(None) on ranks > 0)
+    "B15",  # expandable_segments against fragmentation: GPU only, no recorded run
+}
+
+
+def test_54_claims_30_from_the_first_article_24_from_the_second():
+    ids = [c.id for c in CLAIMS]
+    assert len(ids) == len(set(ids)) == 54
+    assert ids == [f"A{i:02d}" for i in range(1, 31)] + [f"B{i:02d}" for i in range(1, 25)]
+    assert all(c.claim and c.where for c in CLAIMS)
+
+
+def test_every_metadata_claim_exists_with_a_verdict_on_a_code_cell():
+    marked = 0
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for cell in nbformat.read(str(path), as_version=4).cells:
+            found = cell.metadata.get("claims")
+            if found is None:
+                continue
+            marked += 1
+            assert cell.cell_type == "code", (path.name, cell.get("id"))
+            assert found and set(found) <= set(BY_ID), (path.name, cell.get("id"), found)
+            assert set(found.values()) <= set(VERDICTS), (path.name, cell.get("id"), found)
+    assert marked >= 40
+
+
+def test_every_claim_is_settled_but_the_known_few():
+    rows = claims_table.settlements()
+    by_cell = {r["claim"] for r in rows}
+    recorded = {c.id for c in CLAIMS if c.results and (ROOT / "benchmarks" / "results" / c.results).is_file()}
+    assert {c.id for c in CLAIMS if c.results} == recorded  # every named results file exists
+    assert {c.id for c in CLAIMS} - (by_cell | recorded) == KNOWN_UNSETTLED
+    assert not KNOWN_UNSETTLED & by_cell
+
+
+def test_a_recorded_result_is_read_where_its_claim_is_settled():
+    """A claim settled on GPUs names its results file; the notebook of a cell that settles it reads
+    that run (the .md, or the .jsonl rows beside it)."""
+    rows = claims_table.settlements()
+    for c in (c for c in CLAIMS if c.results):
+        notebooks = {r["notebook"] for r in rows if r["claim"] == c.id}
+        assert notebooks, c.id
+        sources = ["".join(cell.source for cell in nbformat.read(
+            str(ROOT / "notebooks" / f"{n}.ipynb"), as_version=4).cells) for n in notebooks]
+        assert any(c.results.removesuffix(".md") in s for s in sources), c.id
+
+
+def test_each_claim_has_one_verdict():
+    rows = claims_table.settlements()
+    for c in CLAIMS:
+        verdicts = {r["verdict"] for r in rows if r["claim"] == c.id}
+        assert len(verdicts) <= 1, (c.id, verdicts)
+
+
+def test_the_generator_prints_every_claim_once():
+    done = subprocess.run([sys.executable, "-m", "kit", "claims"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    ids = re.findall(r"^\| ([AB]\d\d) \|", done.stdout, flags=re.M)
+    assert ids == [c.id for c in CLAIMS]
+    for line in done.stdout.splitlines()[2:]:
+        verdict = line.rsplit("|", 2)[1].strip()
+        assert verdict in (*VERDICTS, claims_table.UNSETTLED), line
+    assert done.stdout == claims_table.table()
+
+
+def test_write_replaces_only_the_block_between_the_markers(tmp_path, capsys):
+    page = tmp_path / "page.md"
+    page.write_text(f"# Title\n\nbefore\n{claims_table.START}\nold table\n{claims_table.END}\nafter\n")
+    assert main(["claims", "--write", str(page)]) == 0  # what `python -m kit claims --write` runs
+    text = page.read_text()
+    assert text.startswith("# Title\n\nbefore\n") and text.endswith(f"{claims_table.END}\nafter\n")
+    assert "old table" not in text and claims_table.block_of(text) == claims_table.table()
+    page.write_text("no markers here\n")
+    assert main(["claims", "--write", str(page)]) == 2
+    assert "no <!-- claims:start -->" in capsys.readouterr().err
+    assert page.read_text() == "no markers here\n"
+
+
+@pytest.mark.xfail(strict=False, reason="README table not yet inserted")
+def test_readme_holds_the_generated_table():
+    assert claims_table.block_of((ROOT / "README.md").read_text()) == claims_table.table()
