@@ -15,8 +15,6 @@
     kit tour -p model kit:llama-1b -p device cuda --only 01 04
     kit strip notebooks/*.ipynb                     # clear outputs, except cells tagged keep_output
     kit keep notebooks/03-lora-adapters.ipynb launch/tour/03-lora-adapters.ipynb
-    kit claims                                      # the articles' claims: where each is settled
-    kit claims --write README.md                    # that table, between its markers in a file
 
 `kit <command> -h` explains each. Mistakes that can be known before a process starts are one line
 on stderr and exit code 2. Add a command: write `_command_<name>(args)` and register its
@@ -88,27 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     models_of = models.add_subparsers(dest="action")
     models_of.add_parser("path", help="build NAME if needed; print its folder").add_argument(
         "name", help="a built-in model, e.g. kit:smollm2-135m-instruct")
-    claims = commands.add_parser("claims", help="the two articles' claims, each with the notebook "
-                                 "cell that demonstrates or corrects it, as a markdown table")
-    claims.add_argument("--write", type=Path, metavar="FILE", help="replace the table between "
-                        "<!-- claims:start --> and <!-- claims:end --> in FILE instead of printing")
     return parser
-
-
-def _command_claims(args) -> int:
-    from kit.lab import claims_table
-
-    text = claims_table.table()
-    if args.write is None:
-        print(text, end="")
-        return 0
-    try:
-        args.write.write_text(claims_table.replace_block(args.write.read_text(), text))
-    except (OSError, ValueError) as e:
-        print(f"claims: {args.write}: {e}", file=sys.stderr)
-        return 2
-    print(f"{args.write}: claims table written ({len(text.splitlines()) - 2} claims)")
-    return 0
 
 
 def _command_tour(args) -> int:

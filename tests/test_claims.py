@@ -1,5 +1,5 @@
 """The articles' claims (kit.lab.claims) and where the notebooks settle them (code-cell metadata),
-and the table `python -m kit claims` builds from both."""
+and the table `python -m kit.lab.claims_table` builds from both."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import nbformat
 import pytest
 from conftest import ROOT
 
-from kit.__main__ import main
 from kit.lab import claims_table
 from kit.lab.claims import BY_ID, CLAIMS, VERDICTS
 
@@ -75,7 +74,7 @@ def test_each_claim_has_one_verdict():
 
 
 def test_the_generator_prints_every_claim_once():
-    done = subprocess.run([sys.executable, "-m", "kit", "claims"], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "kit.lab.claims_table"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     ids = re.findall(r"^\| ([AB]\d\d) \|", done.stdout, flags=re.M)
@@ -89,12 +88,12 @@ def test_the_generator_prints_every_claim_once():
 def test_write_replaces_only_the_block_between_the_markers(tmp_path, capsys):
     page = tmp_path / "page.md"
     page.write_text(f"# Title\n\nbefore\n{claims_table.START}\nold table\n{claims_table.END}\nafter\n")
-    assert main(["claims", "--write", str(page)]) == 0  # what `python -m kit claims --write` runs
+    assert claims_table.main(["--write", str(page)]) == 0  # python -m kit.lab.claims_table --write
     text = page.read_text()
     assert text.startswith("# Title\n\nbefore\n") and text.endswith(f"{claims_table.END}\nafter\n")
     assert "old table" not in text and claims_table.block_of(text) == claims_table.table()
     page.write_text("no markers here\n")
-    assert main(["claims", "--write", str(page)]) == 2
+    assert claims_table.main(["--write", str(page)]) == 2
     assert "no <!-- claims:start -->" in capsys.readouterr().err
     assert page.read_text() == "no markers here\n"
 

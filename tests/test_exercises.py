@@ -9,7 +9,7 @@ import re
 import nbformat
 import pytest
 
-from kit import exercises
+from kit.lab import exercises
 from kit.run import tour
 
 ALL = exercises.registry()

@@ -57,6 +57,8 @@ KERNEL_SIDE = [
     "kit.lab", "kit.lab.order", "kit.lab.loading_report", "kit.lab.sharding_report",
     "kit.lab.recompute_sweep", "kit.lab.second_article", "kit.lab.collectives",  # notebooks'
     # experiments, started and read
+    "kit.lab.claims", "kit.lab.claims_table",  # the articles' claims, read from the notebooks
+    "kit.lab.exercises.*",  # the exercises' checks; a solution imports torch when it is called
 ]
 RANK_SIDE = [
     "kit.train", "kit.recipe.*",  # the recipe
@@ -64,7 +66,7 @@ RANK_SIDE = [
     "kit.bench.worker", "kit.bench.article",  # the benchmark's ranks and the article baseline
     "kit.pitfalls.reproduce",  # the wrong code, run
     "kit.lab.order_rank", "kit.lab.loading_rank", "kit.lab.sharding", "kit.lab.memory",
-    "kit.lab.collectives_rank",
+    "kit.lab.collectives_rank", "kit.lab.article_checks",  # a child process runs the article's code
     "kit.lab.attention_bench", "kit.lab.quantize_nf4", "kit.lab.lora_adapters",  # torch in the
     # process that runs them: a rank, a child process, notebooks 02 and 03 (one process, no group)
 ]

@@ -1,7 +1,7 @@
 """The two source articles' concrete claims, as data: one row per claim, paraphrased, with where it
 stands in its article. The verdicts are not here: a notebook code cell that settles a claim
 carries it in its metadata (`"claims": {"A07": "demonstrated"}` or `"corrected"`), and
-`python -m kit claims` builds the table from both (kit.lab.claims_table).
+`python -m kit.lab.claims_table` builds the table from both (kit.lab.claims_table).
 
     A = article-qlora-fsdp-flash-attention.txt (QLoRA + FSDP + Flash Attention 2, 2x RTX 4090, 70B)
     B = article-fsdp-lora-kubernetes.txt (FSDP + LoRA with accelerate and TRL on 2 H200 nodes)

@@ -1,8 +1,8 @@
 """Where each of the articles' claims is settled: kit.lab.claims (the claims) joined with the notebooks'
 code-cell metadata (`"claims": {"A07": "demonstrated"}`), as a markdown table.
 
-    python -m kit claims                     # print the table
-    python -m kit claims --write README.md   # replace the table between the two markers
+    python -m kit.lab.claims_table                     # print the table
+    python -m kit.lab.claims_table --write README.md   # replace the table between the two markers
 
 Kernel side: no torch (nbformat reads the notebooks as JSON).
 """
@@ -90,4 +90,29 @@ def block_of(text: str) -> str:
     return text.split(START, 1)[1].split(END, 1)[0].removeprefix("\n")
 
 
-__all__ = ["VERDICTS", "settlements", "table", "counts", "replace_block", "block_of"]
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kit.lab.claims_table` prints the table; `--write FILE` replaces the block between
+    the markers in FILE (the README's, regenerated whenever a notebook's claims change)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m kit.lab.claims_table", description=main.__doc__)
+    parser.add_argument("--write", type=Path, metavar="FILE")
+    args = parser.parse_args(argv)
+    text = table()
+    if args.write is None:
+        print(text, end="")
+        return 0
+    try:
+        args.write.write_text(replace_block(args.write.read_text(), text))
+    except (OSError, ValueError) as e:
+        print(f"claims: {args.write}: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.write}: claims table written ({len(text.splitlines()) - 2} claims)")
+    return 0
+
+
+__all__ = ["VERDICTS", "settlements", "table", "counts", "replace_block", "block_of", "main"]
+
+if __name__ == "__main__":
+    raise SystemExit(main())

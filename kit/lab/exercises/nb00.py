@@ -6,8 +6,8 @@ from __future__ import annotations
 from itertools import combinations
 
 from kit.budget import hardware, shapes
-from kit.exercises import Exercise
-from kit.exercises.checks import number
+from kit.lab.exercises import Exercise
+from kit.lab.exercises.checks import number
 from kit.lab import collectives
 
 GiB, MiB = 2**30, 2**20
@@ -98,7 +98,7 @@ EXERCISES = [
     Exercise(
         key="00.3",
         question=("On the 4-GPU machine whose `nvidia-smi topo -m` is printed above (the "
-                  "matrix is kit.exercises.nb00.FOUR_GPUS), GPU0 is busy with another job. "
+                  "matrix is kit.lab.exercises.nb00.FOUR_GPUS), GPU0 is busy with another job. "
                   "Which two GPUs should a 2-process FSDP run use, so that its all-gathers take "
                   "the fastest link? (answer: a pair, such as (0, 3))"),
         check=_check_pair,

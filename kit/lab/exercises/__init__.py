@@ -4,7 +4,7 @@ cell marked `# EXERCISE`, and checks in the next cell:
     answer = ...                                  # EXERCISE 01.1: edit this line
     exercises.check("01.1", answer)               # right, or wrong with a hint
 
-An exercise is a question, a check and a solution, kept together in kit/exercises/nbNN.py (one
+An exercise is a question, a check and a solution, kept together in kit/lab/exercises/nbNN.py (one
 module a notebook, each a list `EXERCISES`). The solution is code, not a number: it computes the
 answer with the kit's own functions, so that tests/test_exercises.py can run every solution
 through its check in CI (and a wrong answer through it for its hint), and no exercise rots when
@@ -65,7 +65,7 @@ def one_of(expected: Any, hints: dict | None = None, default: str = "") -> Calla
 
 
 def registry() -> dict[str, Exercise]:
-    """Every exercise of every notebook module (kit/exercises/nbNN.py), by key."""
+    """Every exercise of every notebook module (kit/lab/exercises/nbNN.py), by key."""
     found: dict[str, Exercise] = {}
     for info in pkgutil.iter_modules(__path__):
         if not info.name.startswith("nb"):

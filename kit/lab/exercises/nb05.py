@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ast
 
-from kit.exercises import Exercise, one_of
+from kit.lab.exercises import Exercise, one_of
 from kit.lab import order
 
 # A statement of a case -> the step it is (the names a learner answers with).

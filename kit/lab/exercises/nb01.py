@@ -5,8 +5,8 @@ with kit.budget.estimate as the notebook uses it."""
 from __future__ import annotations
 
 from kit.budget.estimate import Setup, estimate
-from kit.exercises import Exercise
-from kit.exercises.checks import number
+from kit.lab.exercises import Exercise
+from kit.lab.exercises.checks import number
 
 CARD_GIB = 23.6  # what a 24 GB card reports (notebook 01's `gpus`)
 # Llama-3-70B's config.json fields, as notebook 01 writes them.

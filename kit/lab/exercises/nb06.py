@@ -4,7 +4,7 @@ the meta device and the kit's own recompute functions: no torchrun)."""
 
 from __future__ import annotations
 
-from kit.exercises import Exercise, one_of
+from kit.lab.exercises import Exercise, one_of
 
 CANDIDATES = ("q_proj", "lora_A", "lora_B", "gate_proj", "silu")
 

@@ -4,7 +4,7 @@ shapes and estimator: no torchrun)."""
 
 from __future__ import annotations
 
-from kit.exercises import Exercise, close_to, one_of
+from kit.lab.exercises import Exercise, close_to, one_of
 
 
 def _lazy(make):

@@ -8,8 +8,8 @@ from __future__ import annotations
 from functools import cache
 
 from kit.budget import shapes
-from kit.exercises import Exercise
-from kit.exercises.checks import number
+from kit.lab.exercises import Exercise
+from kit.lab.exercises.checks import number
 
 TINY, RANK, QV = "kit:tiny-llama", 4, ("q_proj", "v_proj")
 MOE, BUDGET_GIB = "kit:qwen3-30b-a3b", 5

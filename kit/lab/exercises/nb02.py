@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from functools import cache
 
-from kit.exercises import Exercise
-from kit.exercises.checks import number
+from kit.lab.exercises import Exercise
+from kit.lab.exercises.checks import number
 
 SHAPE = (1024, 4096)  # Llama-3-8B's k_proj: (out, in), 8 kv heads x 128 dims from 4,096 features
 N = SHAPE[0] * SHAPE[1]

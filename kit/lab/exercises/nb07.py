@@ -4,17 +4,15 @@ the kit's run-folder layout and config: no torchrun)."""
 
 from __future__ import annotations
 
-from kit.exercises import Exercise, one_of
+from kit.lab.exercises import Exercise, one_of
 
 
 def rank_and_gpu() -> tuple[int, int]:
     """run.sh on NNODES=2 nodes of NPROC=4: torchrun numbers the processes node by node (RANK =
     NODE_RANK x nproc_per_node + LOCAL_RANK), and the kit puts each on GPU LOCAL_RANK
     (kit.recipe.dist.init: torch.device("cuda", local_rank)): GPU indices restart on every node."""
-    import torch
-
     nproc_per_node, node_rank, local_rank = 4, 1, 2
-    return node_rank * nproc_per_node + local_rank, torch.device("cuda", local_rank).index
+    return node_rank * nproc_per_node + local_rank, local_rank  # the device: cuda:<local_rank>
 
 
 def exit_file() -> str:

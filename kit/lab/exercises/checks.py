@@ -1,5 +1,5 @@
 """A number check with a hint for each known mistake, shared by the notebooks' exercise modules
-(kit/exercises/nbNN.py): `close_to` gives one hint for every wrong number; a learner who made a
+(kit/lab/exercises/nbNN.py): `close_to` gives one hint for every wrong number; a learner who made a
 known mistake (forgot the headroom, the scales, grouped-query attention) is better told which."""
 
 from __future__ import annotations
