@@ -53,3 +53,32 @@ def table(rows: list[dict]) -> list[dict]:
              "model MiB sharded": r.get("model_sharded_mib"),
              "digest": r["digest"][:12],
              "logits": r.get("logits_digest", "")[:12]} for r in rows]  # fmt: skip
+
+
+BARS = (("file MiB peak", "peak_file_mib", "the checkpoint file mapped (peak)"),
+        ("model MiB at most", "model_most_mib", "the model's bytes while loading (most)"),
+        ("model MiB sharded", "model_sharded_mib", "the model's bytes once sharded"))
+
+
+def plot(rows: list[dict], ax=None):
+    """The per-rank memory of each mode as grouped bars: for every (mode, rank) the file mapped,
+    the model's bytes at most while loading and once sharded (MiB, the rows' own numbers).
+    Draws into `ax` (a new figure when None) and returns the axes."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 3.8))
+    groups = [f"{r['mode']}\nrank {r['rank']}" for r in rows]
+    width, top = 0.8 / len(BARS), 0.0
+    for i, (_, key, label) in enumerate(BARS):
+        values = [r.get(key) or 0 for r in rows]
+        top = max(top, *values)
+        xs = [g + (i - (len(BARS) - 1) / 2) * width for g in range(len(rows))]
+        bars = ax.bar(xs, values, width, label=label)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+    ax.set_xticks(range(len(rows)), groups)
+    ax.set_ylim(0, top * 1.3)  # room for the legend above the bars
+    ax.set_ylabel("MiB per rank")
+    ax.set_title("what each rank held while loading, per model.loading mode")
+    ax.legend(fontsize=8, loc="upper center", ncol=len(BARS))
+    return ax
