@@ -98,6 +98,5 @@ def test_write_replaces_only_the_block_between_the_markers(tmp_path, capsys):
     assert page.read_text() == "no markers here\n"
 
 
-@pytest.mark.xfail(strict=False, reason="README table not yet inserted")
 def test_readme_holds_the_generated_table():
     assert claims_table.block_of((ROOT / "README.md").read_text()) == claims_table.table()

@@ -27,6 +27,11 @@ def test_every_exercise_is_asked_in_its_notebook_and_every_check_exists():
     assert {k.split(":")[1] for k in asked} == set(ALL)
 
 
+def test_every_notebook_asks_two_or_three():
+    counts = {p.stem: len(asked_in(p)) for p in tour.notebooks()}
+    assert all(2 <= n <= 3 for n in counts.values()), counts
+
+
 def test_each_exercise_cell_is_marked_for_the_learner():
     for p in tour.notebooks():
         nb = nbformat.read(str(p), as_version=4)
