@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 
 import pytest
-from conftest import TINY
+from conftest import ROOT, TINY
 
 from kit.config import load_config
 from kit.lab import order
@@ -92,3 +92,50 @@ def test_optimizer_built_before_fully_shard_trains_nothing(group_of_one):
     assert len(set(first["losses"])) == 1
     assert (right["optimizer_holds"], right["lora_sharded"]) == (8, 8)
     assert right["losses"][0] == first["losses"][0] > right["losses"][-1]
+
+
+PLACEMENT = """
+import sys
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from kit.lab.order_rank import Trial
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+env = SimpleNamespace(device=torch.device("cpu"), rank=rank, world_size=dist.get_world_size())
+trial = Trial(cfg=None, env=env, engine="fsdp1", base="nf4")
+for name, rank_1_on in (("own", "cpu"), ("off", "meta")):
+    model = torch.nn.Linear(2, 2, device=rank_1_on if rank == 1 else "cpu")
+    try:
+        trial.weights_on_own_devices(model)
+        print(f"{name} rank {rank}: passed", flush=True)
+    except ValueError as e:
+        print(f"{name} rank {rank}: {e}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_fsdp1_placement_check_raises_on_every_rank_together(tmp_path):
+    """FSDP1 raises only on a rank whose weights are off its device_id, and the others then wait
+    in its first collective for good (seen on 2 GPUs with device_map="auto"): Trial.shard first
+    checks every rank's placement, so every rank raises the same error, here with rank 1's
+    weights on the meta device (2 gloo processes, for real)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "placement.py"
+    script.write_text(PLACEMENT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", str(script)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    error = ("weights off their rank's device: rank 1's on meta (its device_id cpu): FSDP1 "
+             "raises there and the other ranks wait in its first collective")
+    for said in (f"off rank 0: {error}", f"off rank 1: {error}", "own rank 0: passed",
+                 "own rank 1: passed"):  # the ranks share one pipe: lines may run together
+        assert proc.stdout.count(said) == 1, proc.stdout
+    assert proc.stdout.count("passed") == 2, proc.stdout

@@ -186,8 +186,24 @@ class Trial:
             return fully_shard(model)
         each_layer = functools.partial(transformer_auto_wrap_policy,
                                        transformer_layer_cls=decoder_layer_classes(model))
+        self.weights_on_own_devices(model)  # else one rank raises below, the others wait forever
         return FSDP(model, auto_wrap_policy=each_layer, device_id=self.env.device,
                     use_orig_params=True)
+
+    def weights_on_own_devices(self, model):
+        """FSDP1 raises on a rank whose weights are not on its `device_id` (`Inconsistent compute
+        device`), and only there: on 2 GPUs with `device_map="auto"` rank 0 raised while rank 1
+        went on into FSDP's first collective and waited for it until stopped
+        (benchmarks/results/issue36-4xh100.md). Every rank checks every rank's placement first,
+        so that all of them raise the same error together."""
+        mine = (str(self.env.device), sorted({str(p.device) for p in model.parameters()}))
+        every = [None] * self.env.world_size
+        dist.all_gather_object(every, mine)
+        off = [f"rank {r}'s on {', '.join(placed)} (its device_id {own})"
+               for r, (own, placed) in enumerate(every) if placed != [own]]
+        if off:
+            raise ValueError(f"weights off their rank's device: {'; '.join(off)}: FSDP1 raises "
+                             f"there and the other ranks wait in its first collective")
 
     def train(self, model, opt) -> dict:
         """cfg.training.steps AdamW steps on this rank's own fixed batch; measures step 1 (each
