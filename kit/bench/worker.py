@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -32,6 +31,7 @@ from kit.budget.shapes import flops_per_token, shape_of
 from kit.config import Config
 from kit.folder import jsonl
 from kit.folder.layout import RunFolder
+from kit.recipe import dist as kdist
 from kit.recipe import experiment
 
 
@@ -346,4 +346,4 @@ EXPERIMENT = experiment.Experiment(
 )
 
 if __name__ == "__main__":
-    sys.exit(experiment.main(EXPERIMENT))
+    kdist.leave(experiment.main(EXPERIMENT))

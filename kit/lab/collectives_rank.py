@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from kit.recipe import dist as kdist
 from kit.recipe import experiment
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -191,4 +191,4 @@ EXPERIMENT = experiment.Experiment(
 )
 
 if __name__ == "__main__":
-    sys.exit(experiment.main(EXPERIMENT))
+    kdist.leave(experiment.main(EXPERIMENT))

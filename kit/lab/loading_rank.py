@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from kit.config import Config
+from kit.recipe import dist as kdist
 from kit.recipe import engines, experiment, loading, meters, model
 
 
@@ -108,6 +109,4 @@ EXPERIMENT = experiment.Experiment(
 )
 
 if __name__ == "__main__":
-    import sys
-
-    sys.exit(experiment.main(EXPERIMENT))
+    kdist.leave(experiment.main(EXPERIMENT))

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kit.config import Config
+from kit.recipe import dist as kdist
 from kit.recipe import engines, experiment
 from kit.recipe.layers import decoder_layer_classes
 
@@ -292,6 +293,4 @@ EXPERIMENT = experiment.Experiment(
 )
 
 if __name__ == "__main__":
-    import sys
-
-    sys.exit(experiment.main(EXPERIMENT))
+    kdist.leave(experiment.main(EXPERIMENT))

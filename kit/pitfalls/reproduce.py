@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 import time
 from datetime import timedelta
 
@@ -41,6 +40,7 @@ from kit.config import apply_overrides, config_from_dict
 from kit.inputs import builtin
 from kit.pitfalls import get, reproduced
 from kit.recipe import checkpoint, engines, experiment
+from kit.recipe import dist as kdist
 from kit.recipe.checks import check_adapter, check_checkpointing_active
 from kit.recipe.layers import decoder_layer_classes, decoder_layers
 from kit.recipe.model import build
@@ -393,4 +393,4 @@ EXPERIMENT = experiment.Experiment(
 )
 
 if __name__ == "__main__":
-    sys.exit(experiment.main(EXPERIMENT))
+    kdist.leave(experiment.main(EXPERIMENT))
