@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import nbformat
-import pytest
 from conftest import ROOT
 
 from kit.lab import claims_table

@@ -191,7 +191,7 @@ def plot_losses(results: dict, axes=None):
         _, axes = plt.subplots(1, len(engines), figsize=(5.5 * len(engines), 3.4), sharey=True)
     axes = [axes] if not hasattr(axes, "__len__") else list(axes)
     cases = sorted({f for f, _, _ in results} - {"recipe_order"})
-    colors = dict(zip(cases, ["tab:blue", "tab:green", "tab:purple", "tab:brown", "tab:olive"]))
+    colors = dict(zip(cases, ["tab:blue", "tab:green", "tab:purple", "tab:brown", "tab:olive"], strict=False))
     for ax, engine in zip(axes, engines, strict=True):
         for (f, e, b), r in results.items():
             if e != engine or not r.get("losses"):

@@ -6,9 +6,9 @@ from __future__ import annotations
 from itertools import combinations
 
 from kit.budget import hardware, shapes
+from kit.lab import collectives
 from kit.lab.exercises import Exercise
 from kit.lab.exercises.checks import number
-from kit.lab import collectives
 
 GiB, MiB = 2**30, 2**20
 

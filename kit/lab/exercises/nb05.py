@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import ast
 
-from kit.lab.exercises import Exercise, one_of
 from kit.lab import order
+from kit.lab.exercises import Exercise, one_of
 
 # A statement of a case -> the step it is (the names a learner answers with).
 STEPS = {"t.load(": "load", "t.add_lora(": "lora", "enable_activation_checkpointing(": "checkpointing",

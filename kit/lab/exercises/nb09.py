@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from kit.lab.exercises import Exercise, close_to
-
 from kit import ROOT
+from kit.lab.exercises import Exercise, close_to
 
 RECORDED = ROOT / "benchmarks" / "results" / "bench-8b-2xh200-run4.jsonl"
 MATRIX = ROOT / "benchmarks" / "matrices" / "bench-8b.yaml"
