@@ -127,6 +127,39 @@ def notebook_11(tmp_path_factory) -> Path:
     return folder
 
 
+# Notebook 09 run once under papermill, its bench on the tiny matrix plus two cases: the peer
+# stack, which a CPU matrix skips (liger's kernels are GPU kernels), and the kit's recipe at the
+# batch its setup plans (`batches: [auto]`); each case keeps its own batches and the matrix its
+# 8 equivalence steps; an out-of-memory injected from batch 4 on every rank (the notebook's
+# default). test_notebooks.py checks the notebook's stored outputs, test_bench.py reads its bench
+# folder: CI runs the bench once.
+TINY_MATRIX = ROOT / "benchmarks" / "matrices" / "bench-tiny.yaml"
+PEER_CASE = {"name": "peer", "recipe": "peer", "role": "peer", "label": "peer stack",
+             "batches": [1, 2], "options": {"engine": "fsdp1", "attention": "sdpa"}}
+AUTO_CASE = {"name": "kit-auto", "recipe": "kit", "role": "planned", "batches": ["auto"],
+             "label": "kit, defaults (no flags)"}
+
+
+@pytest.fixture(scope="session")
+def notebook_09(tmp_path_factory):
+    """(folder, tour outcome): the executed notebook is folder/09-benchmarks.ipynb, the bench's
+    output folder/bench (results.jsonl, table.md, runs/)."""
+    import yaml
+
+    from kit.run import tour
+
+    pytest.importorskip("papermill")
+    folder = tmp_path_factory.mktemp("notebook_09")
+    matrix = yaml.safe_load(TINY_MATRIX.read_text())
+    matrix["cases"] += [PEER_CASE, AUTO_CASE]
+    (folder / "matrix.yaml").write_text(yaml.safe_dump(matrix, sort_keys=False))
+    parameters = {"matrix": str(folder / "matrix.yaml"), "out_dir": str(folder / "bench"),
+                  "batches": [], "equivalence_steps": 0, "inject_oom_at": 4}  # fmt: skip
+    outcome = tour.run(ROOT / "notebooks" / "09-benchmarks.ipynb", folder / "09-benchmarks.ipynb",
+                       parameters)  # fmt: skip
+    return folder, outcome
+
+
 def reload_in_process(script: str, out: Path) -> dict:
     """Run tests/<script> (a plain-PEFT reload that prints JSON) in this process: the trained run
     came from other processes anyway, and a child's start (torch, transformers, peft imported

@@ -3,7 +3,6 @@ started through kit.run.launch's run folders."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -20,28 +19,19 @@ from kit.run.launch import Run
 TINY_MATRIX = ROOT / "benchmarks" / "matrices" / "bench-tiny.yaml"
 
 
-# Added to the tiny matrix in the run below: the peer stack, which a CPU matrix skips (liger's
-# kernels are GPU kernels), and the kit's recipe at the batch its setup plans (`batches: [auto]`).
-PEER_CASE = {"name": "peer", "recipe": "peer", "role": "peer", "label": "peer stack",
-             "batches": [1, 2], "options": {"engine": "fsdp1", "attention": "sdpa"}}
-AUTO_CASE = {"name": "kit-auto", "recipe": "kit", "role": "planned", "batches": ["auto"],
-             "label": "kit, defaults (no flags)"}
-
-
 @pytest.fixture(scope="module")
-def tiny_bench(tmp_path_factory):
-    """The tiny matrix, plus a peer case and a kit case with `batches: [auto]`, with an
-    out-of-memory injected at batch 4 on every rank; the runner's output in OUT/stdout.txt."""
-    out = tmp_path_factory.mktemp("bench")
-    matrix = yaml.safe_load(TINY_MATRIX.read_text())
-    matrix["cases"] += [PEER_CASE, AUTO_CASE]
-    path = out / "matrix.yaml"
-    path.write_text(yaml.safe_dump(matrix, sort_keys=False))
-    env = {**os.environ, "KIT_BENCH_OOM_AT_BATCH": "4", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "kit.bench", str(path), "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (out / "stdout.txt").write_text(proc.stdout)
+def tiny_bench(notebook_09):
+    """The bench notebook 09 ran (conftest.notebook_09: the tiny matrix, plus a peer case and a
+    kit case with `batches: [auto]`, an out-of-memory injected at batch 4 on every rank); what
+    the notebook printed of the runner's lines in OUT/stdout.txt."""
+    import nbformat
+
+    folder, outcome = notebook_09
+    assert outcome.ok, outcome.error
+    out = folder / "bench"
+    printed = [o.get("text", "") for c in nbformat.read(str(outcome.output), as_version=4).cells
+               if c.cell_type == "code" for o in c.outputs if o.get("output_type") == "stream"]
+    (out / "stdout.txt").write_text("".join(printed))
     return out, jsonl.read(out / "results.jsonl")
 
 
