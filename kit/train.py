@@ -41,18 +41,6 @@ from kit.recipe import (
 from kit.recipe import dist as kdist
 
 
-def import_model_libraries(cfg: Config) -> None:
-    """Every rank imports transformers, PEFT and (for a 4-bit base) bitsandbytes here, side by
-    side. Left to first use, rank 0 would import them alone in its check and plan
-    (kdist.on_main) while the others wait, and the others alone after it: 4 of the 23 s of a
-    two-step tiny run on a 2-core CPU."""
-    import peft  # noqa: F401
-    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
-
-    if cfg.quantization.method != "none":
-        import bitsandbytes  # noqa: F401
-
-
 class Recipe:
     """setup -> train -> save -> cleanup, as `main` calls them."""
 
@@ -66,7 +54,7 @@ class Recipe:
         cfg = self.cfg
         self.env = env = kdist.init(cfg.training.device, cfg.run.dist_timeout_min)
         kdist.joined(env)
-        import_model_libraries(cfg)
+        model.import_libraries(cfg)  # every rank, side by side
         self.engine = engines.get(cfg.sharding.engine)
         # What every rank would find alike, checked once by rank 0 before any model is loaded (a
         # mistake is its one line; the others end quietly): the engine, this machine, model.name,
@@ -390,9 +378,8 @@ def run(cfg: Config) -> dict:
         recipe.cleanup()
         return result
     result = recipe.finish(recipe.save())
-    # Only on success: after a failure, destroy_process_group under NCCL waits for peers stuck in
-    # a collective, so the failed rank would never exit and torchrun would never notice (measured
-    # on 2x H200). Exiting the process frees the group all the same.
+    # Only on success: after a failure, NCCL's destroy_process_group waits for peers stuck in a
+    # collective, so the failed rank never exits and torchrun never notices (2x H200).
     recipe.cleanup()
     return result
 

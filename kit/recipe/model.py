@@ -70,3 +70,15 @@ def build(cfg: Config, device: torch.device, *, train: bool = True) -> Built:
     for finding in check_checkpointing_active(peft_model):
         raise RuntimeError(str(finding))
     return Built(peft_model, tokenizer, attn, warning, recomputed)
+
+
+def import_libraries(cfg: Config) -> None:
+    """Import transformers, PEFT and (for a 4-bit base) bitsandbytes. kit.train calls it on every
+    rank as soon as the group exists, so that the ranks import them side by side: left to first
+    use, rank 0 imported them alone in its check and plan (kdist.on_main) while the others waited,
+    and the others alone after it (4 of the 23 s of a two-step tiny run on a 2-core CPU)."""
+    import peft  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+
+    if cfg.quantization.method != "none":
+        import bitsandbytes  # noqa: F401
