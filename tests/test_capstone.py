@@ -24,6 +24,9 @@ TRAIN = ROOT / "kit" / "data" / "answer-format.jsonl"
 HELD_OUT = ROOT / "kit" / "data" / "answer-format-heldout.jsonl"
 SCRIPT = ROOT / "benchmarks" / "make_answer_format.py"
 MARGIN = 24  # of 32: "at least 24 more of the 32 held-out questions are answered in it"
+# CI time: 6 of the notebook's 8 steps (13 s each on 2 cores); the margin holds there too (+32 of
+# 32 in one run, the merged model's right answers 20 against the base's 16); the tour runs all 8.
+STEPS = 6
 
 
 def rows(path):
@@ -96,7 +99,7 @@ def test_notebook_12_teaches_the_form_by_the_margin_it_states(tmp_path):
     papermill = pytest.importorskip("papermill")
     out = tmp_path / "nb12"
     papermill.execute_notebook(
-        str(NOTEBOOK), str(tmp_path / "12.ipynb"), parameters={"out_dir": str(out)},
+        str(NOTEBOOK), str(tmp_path / "12.ipynb"), parameters={"out_dir": str(out), "steps": STEPS},
         cwd=str(ROOT / "notebooks"), kernel_name="python3", progress_bar=False,
     )  # fmt: skip
     assert f"at least {MARGIN} more of the 32" in " ".join(NOTEBOOK.read_text().split())

@@ -68,6 +68,7 @@ def restart(out: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.full  # CI time: notebook 08 section 7 sends run.sh the stop request and restarts it (exit 75, resumed), section 3 resumes exactly
 def test_a_stop_request_saves_the_step_and_a_restart_resumes_by_itself(tmp_path, straight):
     """SIGTERM to run.sh alone (what Kubernetes sends a pod's first process): the ranks finish the
     step, save it, write result.json "preempted" and run.sh exits 75; the same run.sh started
