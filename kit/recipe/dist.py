@@ -179,6 +179,7 @@ def entry(body) -> int:
     any other exception has each traceback line prefixed with the rank, then re-raised
     (torchrun's @record writes it to the rank's error file)."""
     import sys
+    import time
     import traceback
 
     from kit.config import ConfigError
@@ -195,6 +196,8 @@ def entry(body) -> int:
         # config, the command line): rank 0 says it, the others end quietly with the same code.
         if rank == "0" or dist.is_initialized():
             sys.stderr.write(f"[rank {rank}] ConfigError: {e}\n")
+        else:  # torchrun stops every rank once one has ended: a quiet rank that ended first
+            time.sleep(3)  # would stop rank 0 before its line (no group to wait on yet)
         return 2
     except CheckpointError as e:  # a checkpoint that cannot be written or read: one line too
         sys.stderr.write(f"[rank {rank}] CheckpointError: {e}\n")
