@@ -8,15 +8,13 @@ import sys
 
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, TINY_MATRIX
 
 from kit.bench import runner as bench
 from kit.bench.report import best_by_case
 from kit.config import ConfigError
 from kit.folder import jsonl
 from kit.run.launch import Run
-
-TINY_MATRIX = ROOT / "benchmarks" / "matrices" / "bench-tiny.yaml"
 
 
 @pytest.fixture(scope="module")

@@ -308,29 +308,29 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
             f"2 x LoRA weights in their dtype{shard_note}; LoRA in fp32 is its own master copy",
         ),
     }
-    if shape.experts and setup.quantization != "none":
-        # kit.recipe.experts keeps each expert stack's quantization state beside its module, not
-        # as a parameter: FSDP shards the packed 4-bit values, every rank holds all the scales.
-        # Each forward restores a stack's double-quantized scales to fp32 (experts._absmax), and
-        # bitsandbytes' matmul keeps them in its autograd context until backward, outside any
-        # recompute policy: 4 B per block of every stack of every layer (counted on the graph of
-        # kit:tiny-qwen3-moe, tests/test_moe.py; Qwen3-235B-A22B's shape on 4 GPUs ran out of
-        # memory without this, benchmarks/results/issue36-4xh100.md).
-        stacked = shape.layers * shape.experts * sum(a * b for a, b in shape.expert_stacks().values())
-        scales = stacked * (quantized_bytes_per_param(setup.quantization, setup.double_quant) - 0.5)
-        static["expert scales"] = (scales * (1 - 1 / world) if sharded else 0.0,
-                                   "the experts' 4-bit scales, whole on every rank (beyond their "
-                                   "share in the base weights)")
-        if setup.double_quant:
-            static["expert scales kept in fp32"] = (
-                stacked * 4 / BLOCKSIZE,
-                "every stack's scales restored to fp32 in forward, kept by the 4-bit matmul to backward")
     for name, (value, note) in static.items():
         if setup.cpu_offload and sharded:
             est.cpu_bytes += value
             name, note = name + " [CPU]", "offloaded to host memory: 0 on the GPU"
             value = 0.0
         parts[name], notes[name] = value, note
+
+    if shape.experts and setup.quantization != "none":
+        # kit.recipe.experts keeps each expert stack's quantization state beside its module, not
+        # as a parameter (so on the GPU under cpu_offload too): FSDP shards the packed 4-bit
+        # values, every rank holds all the scales. Each forward restores a stack's
+        # double-quantized scales to fp32 (experts._absmax), and bitsandbytes' matmul keeps them
+        # in its autograd context until backward, outside any recompute policy: 4 B per block of
+        # every stack of every layer (counted on the graph of kit:tiny-qwen3-moe,
+        # tests/test_moe.py; Qwen3-235B-A22B's shape on 4 GPUs ran out of memory without this,
+        # benchmarks/results/issue36-4xh100.md).
+        stacked = shape.layers * shape.experts * sum(a * b for a, b in shape.expert_stacks().values())
+        scales = stacked * (quantized_bytes_per_param(setup.quantization, setup.double_quant) - 0.5)
+        parts["expert scales"] = scales * (1 - 1 / world) if sharded else 0.0
+        notes["expert scales"] = "the experts' 4-bit scales, whole on every rank (beyond their share above)"
+        if setup.double_quant:
+            parts["expert scales kept in fp32"] = stacked * 4 / BLOCKSIZE
+            notes["expert scales kept in fp32"] = "restored in forward, kept by the 4-bit matmul to backward"
 
     # Loading (kit.recipe.loading): full and rank0 put the whole model on every GPU before sharding;
     # stream only this rank's shards plus the unit being filled (a decoder layer, or the
