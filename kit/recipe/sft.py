@@ -349,12 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     code = kdist.entry(lambda: run(load_config(path, overrides)))
     if code:
         return code
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    kdist.cleanup()  # collected first: a gloo thread freed at interpreter shutdown aborted a rank
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    kdist.leave(main())
