@@ -43,3 +43,23 @@ def test_fsdp2_report_of_one_rank(group_of_one, tmp_path):
     assert sharding_report.layers_at_once(found) == [{
         "engine": "fsdp2", "layers at once, forward": 1, "layers at once, backward": 1,
         "root held": "100% of the step", "embed_tokens held": "0% of the step"}]
+
+
+def test_one_unit_for_the_whole_model_holds_it_gathered_the_whole_step(group_of_one, tmp_path):
+    """The first article's FSDP(model) (claim A06, notebook 04 section 10): one unit, the root,
+    gathered from the first operation to the end of backward; the kit's wrap never holds every
+    unit at once."""
+    from kit.lab.sharding import report_rank, shard_whole
+
+    cfg = load_config(None, ["sharding.engine=fsdp2", "training.device=cpu"])
+    rows = {}
+    for label, wrap in (("fsdp2", None), ("fsdp2-whole", shard_whole)):
+        torch.manual_seed(cfg.training.seed)
+        extra = (wrap, label) if wrap else ()
+        rows[label] = [report_rank(cfg, group_of_one, tmp_path, *extra)]
+    assert rows["fsdp2-whole"][0]["engine"] == "fsdp2-whole" and rows["fsdp2-whole"][0]["units"] == [""]
+    table = {r["wrap"]: r for r in sharding_report.one_unit(rows)}
+    assert table["fsdp2"]["units"] == 4 and table["fsdp2"]["whole model gathered"] == "0% of the step"
+    assert table["fsdp2-whole"]["units"] == 1
+    assert int(table["fsdp2-whole"]["whole model gathered"].split("%")[0]) >= 90
+    assert table["fsdp2-whole"]["most bytes gathered"] > table["fsdp2"]["most bytes gathered"]

@@ -26,6 +26,23 @@ def shard(model: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
     return engines.get(cfg.sharding.engine).wrap(model, cfg, device)
 
 
+def shard_whole(model: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
+    """The first article's naive wrap, `FSDP(model)` with no auto-wrap policy, in FSDP2 terms: one
+    unit for the whole model, with the engine's mixed precision (notebook 04 sets it beside the
+    engine's unit per decoder layer)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from kit.recipe.quantize import DTYPES
+
+    dtype = DTYPES[cfg.model.dtype]
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    fully_shard(model, mesh=init_device_mesh(device.type, (dist.get_world_size(),)), mp_policy=policy)
+    engines.keep_quant_state(model)
+    return model
+
+
 # --------------------------------------------------------------------------- what each rank holds (04)
 #
 #   torchrun --nproc_per_node=2 -m kit.lab.sharding CONFIG OUT [fsdp2 fsdp1 ddp] [key=value ...]
@@ -241,8 +258,9 @@ class Timeline:
         return out
 
 
-def report_rank(cfg: Config, env, out) -> dict:
-    """One engine on this rank: before sharding, after, and after one forward/backward."""
+def report_rank(cfg: Config, env, out, wrap=shard, label: str = "") -> dict:
+    """One engine on this rank (`wrap`: how it shards; `label`: the report's name for it, default
+    the engine): before sharding, after, and after one forward/backward."""
     from kit.config import apply_overrides, config_from_dict
     from kit.recipe import model
 
@@ -252,7 +270,7 @@ def report_rank(cfg: Config, env, out) -> dict:
     before = held(peft_model)
     quant_bytes = quant_constant_bytes(peft_model)
     layer_classes = sorted(c.__name__ for c in decoder_layer_classes(peft_model))
-    wrapped = shard(peft_model, cfg, env.device)
+    wrapped = wrap(peft_model, cfg, env.device)
     after = held(wrapped)
     seen, handles = _seen_in_forward(wrapped)
     ids = torch.arange(2 * 16, device=env.device).reshape(2, 16) % 100 + 3
@@ -266,7 +284,7 @@ def report_rank(cfg: Config, env, out) -> dict:
     grads = held(wrapped)
     saved = plain_save(wrapped)  # after the step, on every rank (FSDP1's gathers are collectives)
     return {
-        "engine": cfg.sharding.engine, "rank": env.rank, "world_size": env.world_size,
+        "engine": label or cfg.sharding.engine, "rank": env.rank, "world_size": env.world_size,
         "units": wrapped_units(wrapped),
         "decoder_layer_classes": layer_classes,
         "quant_constant_bytes": quant_bytes,
@@ -282,14 +300,17 @@ def report_rank(cfg: Config, env, out) -> dict:
 
 
 # The report as a case table on the experiment harness (kit.recipe.experiment): one case per
-# engine, its config the launch's with sharding.engine set; every rank writes OUT/<engine>/rank<R>.json.
+# engine, its config the launch's with sharding.engine set, and fsdp2-whole (FSDP2 with one unit
+# for the whole model); every rank writes OUT/<case>/rank<R>.json.
 EXPERIMENT = experiment.Experiment(
     prog="kit.lab.sharding", doc="What each rank holds, per engine (notebook 04).",
-    cases={e: (lambda case: report_rank(case.cfg, case.env, case.out))
-           for e in ("fsdp2", "fsdp1", "ddp")},
+    cases={**{e: (lambda case: report_rank(case.cfg, case.env, case.out))
+              for e in ("fsdp2", "fsdp1", "ddp")},
+           "fsdp2-whole": lambda case: report_rank(case.cfg, case.env, case.out, shard_whole,
+                                                   "fsdp2-whole")},
     row_path=lambda out, engine, rank: out / engine / f"rank{rank}.json",
     row=lambda case, got, error, trace: got,
-    overrides=lambda engine: [f"sharding.engine={engine}"],
+    overrides=lambda engine: [f"sharding.engine={engine.removesuffix('-whole')}"],
 )
 
 if __name__ == "__main__":

@@ -197,3 +197,24 @@ def layers_at_once(report: dict[str, list[dict]], engines=("fsdp2", "fsdp1")) ->
         row.setdefault("embed_tokens held", "(in the root)")
         rows.append(row)
     return rows
+
+
+
+def one_unit(report: dict[str, list[dict]], engines=("fsdp2", "fsdp2-whole")) -> list[dict]:
+    """The kit's FSDP2 wrap (a unit per decoder layer, the embeddings, the root) beside one unit for
+    the whole model (the first article's `FSDP(model)`), from rank 0's step: units, all-gathers,
+    the share of the step during which every unit was gathered at once (the whole model on every
+    rank), and the most bytes held gathered at once (kit.lab.sharding.Timeline; FSDP2's copy-out
+    spike included) against the model's bytes."""
+    rows = []
+    for engine in [e for e in engines if e in report and report[e][0].get("timeline")]:
+        r = report[engine][0]
+        tl, model = r["timeline"], sum(p["full_bytes"] for p in r["params"].values())
+        whole = sum(all(any(a <= t < b for a, b in spans) for spans in tl["gathered"])
+                    for t in range(tl["ops"]))  # fmt: skip
+        rows.append({"wrap": engine, "units": len(r["units"]),
+                     "all-gathers": r["collectives"].get("allgather_base", {}).get("calls", 0),
+                     "whole model gathered": f"{whole / tl['ops']:.0%} of the step",
+                     "most bytes gathered": tl["peak_gathered_bytes"],
+                     "x the model": round(tl["peak_gathered_bytes"] / model, 2)})  # fmt: skip
+    return rows
