@@ -375,6 +375,11 @@ def test_notebook_08_runs_under_papermill(tmp_path):
         for o in c.outputs
     )
     assert "adapter_model.safetensors holds 0 tensors, no error" in text  # the article's save
+    # The article's load (claim A26): each rank fails its own way; the kit's way loads exactly.
+    assert "rank 1: TypeError: Expected state_dict to be dict-like, got <class 'NoneType'>" in text
+    assert "rank 0: FileNotFoundError: " in text and "adapter_model.bin'" in text
+    assert "with the fix: every rank holds the 28 trained adapter tensors, equal" in text
+    assert "28 keys in the file: 28 unexpected, 49 of the model's 49 missing" in text
     assert "same steps: True, largest difference: 0" in text  # exact resume
     assert "['step-000009', 'step-000012']" in text  # retention
     assert "step-000006.tmp: incomplete" in text and "step-000003 at step 3" in text

@@ -16,7 +16,6 @@ from kit.lab.claims import BY_ID, CLAIMS, VERDICTS
 # Claims no notebook cell settles yet. Settling one (a cell whose metadata names it) fails
 # test_every_claim_is_settled_but_the_known_few until it leaves this set.
 KNOWN_UNSETTLED = {
-    "A26",  # the article's loading pattern (adapter_model.bin, load_state_dict(None) on ranks > 0)
     "B15",  # expandable_segments against fragmentation: GPU only, no recorded run
 }
 

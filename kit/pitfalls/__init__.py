@@ -443,6 +443,24 @@ PITFALLS: list[Pitfall] = [
             "and an empty file is written without a warning.",
     ),
     Pitfall(
+        "full_state_dict_load",
+        "FSDP1 FULL_STATE_DICT load of an adapter from rank 0 (the first article)",
+        "the first article's load fails on every rank: PEFT writes adapter_model.safetensors, not "
+        "adapter_model.bin, and load_state_dict(None) on the other ranks raises 'Expected "
+        "state_dict to be dict-like'",
+        "rank 0 reads adapter_model.safetensors, keys mapped with PEFT's names taken before "
+        "wrapping; set_model_state_dict(options=StateDictOptions(full_state_dict=True, "
+        "broadcast_from_rank0=True, strict=False)) on every rank",
+        script=(r"\.load_state_dict\(", r"FULL_STATE_DICT", r"adapter_model\.bin"),
+        error=r"Expected state_dict to be dict-like, got <class 'NoneType'>|"
+              r"No such file or directory: '[^']*adapter_model\.bin'",
+        wrong="full_state_dict_load", fixed="adapter_loaded_the_kit_way",
+        why="FSDP1's FULL_STATE_DICT load takes the whole state dict on every rank (rank0_only "
+            "applies to state_dict() only), and PEFT's file keys lack the adapter name and the "
+            "frozen base the model's own names have: a strict load of the file refuses it even on "
+            "rank 0 (notebook 08 runs it).",
+    ),
+    Pitfall(
         "adapter_empty", "an adapter file with no tensors",
         "the adapter file holds no tensors (FSDP-prefixed keys were not mapped)",
         "save through kit.recipe.checkpoint (PEFT keys taken before wrapping)",

@@ -12,6 +12,8 @@ done, rank-0-only work follows a step's last collective, the timeout waits on a 
 step that kills a process (crashes=True) comes last. The steps are a case table on the experiment
 harness (kit.recipe.experiment); after each step every rank writes OUT/<code>/<side>.rank<N>.json:
 ok, the exception, what it observed, the in-run checks.
+
+Longer than 400 lines because it holds every reproduction, both sides of each next to each other.
 """
 
 from __future__ import annotations
@@ -315,6 +317,52 @@ def offload_to_cpu(cfg, env, out):
     options = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, options):
         model.state_dict()
+
+
+def _adapter_saved(cfg, env, out) -> dict[str, torch.Tensor]:
+    """A trained adapter saved the kit's way into out/adapter (as PEFT lays it out:
+    adapter_model.safetensors), every rank waiting for the file; its tensors, by model name."""
+    layout, model = _trained_fsdp1(cfg, env)
+    state = checkpoint.gather_trainable(model)  # a collective: every rank
+    if env.is_main:
+        checkpoint.save_adapter(layout, state, out / "adapter")
+    dist.barrier()
+    return {name: state[name] for name in layout.file_key}
+
+
+def _fresh_fsdp1(cfg, env):
+    """A fresh model as training builds it, its adapter layout read before FSDP1 wraps it."""
+    cfg = _with(cfg, "sharding.engine=fsdp1")
+    model = build(cfg, env.device).model
+    return checkpoint.AdapterLayout(model), engines.get("fsdp1").wrap(model, cfg, env.device)
+
+
+def full_state_dict_load(cfg, env, out):
+    """Wrap, then in FULL_STATE_DICT rank 0 torch.loads adapter_model.bin, the others pass None."""
+    _adapter_saved(cfg, env, out)
+    _, model = _fresh_fsdp1(cfg, env)
+    options = FullStateDictConfig(offload_to_cpu=False, rank0_only=True)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, options):
+        state_dict = torch.load(out / "adapter" / "adapter_model.bin") if env.is_main else None
+        model.load_state_dict(state_dict)
+
+
+def adapter_loaded_the_kit_way(cfg, env, out):
+    """Rank 0 reads adapter_model.safetensors, its keys mapped to the model's names (the layout
+    taken before wrapping); set_model_state_dict(broadcast_from_rank0) gives every rank its part."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    trained = _adapter_saved(cfg, env, out)
+    layout, model = _fresh_fsdp1(cfg, env)
+    name_of = {key: name for name, key in layout.file_key.items()}
+    read = load_file(out / "adapter" / "adapter_model.safetensors") if env.is_main else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    set_model_state_dict(model, {name_of[k]: v for k, v in read.items()}, options=options)
+    loaded = checkpoint.gather_trainable(model)
+    if not all(torch.equal(loaded[n], trained[n]) for n in trained):
+        raise RuntimeError("the loaded adapter differs from the one trained")
+    return {"observed": f"every rank holds the {len(trained)} trained adapter tensors, equal"}
 
 
 # --------------------------------------------------------------------------- processes
