@@ -67,3 +67,23 @@ def test_the_notebook_kernel_is_this_environments(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert Path(proc.stdout.strip()).parent == Path(sys.executable).parent, proc.stdout
+
+
+def test_a_headless_run_says_nothing_on_stderr(tmp_path):
+    """kit.run.tour.run's kernel talks over local IPC sockets: over TCP ipykernel warned on
+    stderr, at every notebook's start, that its traffic was unencrypted."""
+    import nbformat
+
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(tmp_path / "n.ipynb"))
+    code = ("import sys; from pathlib import Path; from kit.run import tour; "
+            f"o = tour.run(Path({str(tmp_path / 'n.ipynb')!r}), Path({str(tmp_path / 'o.ipynb')!r})); "
+            "sys.exit(0 if o.ok else 1)")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    out = nbformat.read(str(tmp_path / "o.ipynb"), as_version=4)
+    assert out.cells[0].outputs[0]["text"] == "42\n"

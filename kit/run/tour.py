@@ -131,6 +131,35 @@ def kernel_python() -> str:
         return KernelSpecManager().get_kernel_spec("python3").argv[0]
 
 
+def local_kernel_manager():
+    """The kernel manager a headless run uses: on POSIX, the kernel talks over IPC sockets (files
+    in the temporary folder, removed when it shuts down). Over TCP (the default) ipykernel warns at every start that its traffic is
+    unencrypted, a line on stderr per notebook, though kernel and client share this machine.
+    Gap filled: papermill takes a manager class, but neither a transport nor a quiet shutdown."""
+    import tempfile
+    import uuid
+
+    from jupyter_client.manager import AsyncKernelManager
+
+    if os.name != "posix":
+        return AsyncKernelManager
+
+    class LocalKernelManager(AsyncKernelManager):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.transport = "ipc"
+            self.ip = os.path.join(tempfile.gettempdir(), f"kit-kernel-{uuid.uuid4().hex[:12]}")
+
+        async def _async_interrupt_kernel(self):
+            # jupyter_client interrupts before every shutdown request; an idle kernel then logs
+            # "KeyboardInterrupt caught in kernel" on stderr. The shutdown request, then SIGTERM
+            # and SIGKILL still follow when it is busy.
+            if not self.shutting_down:
+                await super()._async_interrupt_kernel()
+
+    return LocalKernelManager
+
+
 def run(path: Path, output: Path, parameters: dict | None = None, timeout: int = 900) -> Outcome:
     """Execute one notebook headless (kernel started in its folder, as Jupyter does)."""
     import papermill
@@ -142,6 +171,7 @@ def run(path: Path, output: Path, parameters: dict | None = None, timeout: int =
             papermill.execute_notebook(
                 str(path), str(output), parameters=parameters or {}, cwd=str(path.parent),
                 progress_bar=False, execution_timeout=timeout,
+                kernel_manager_class=local_kernel_manager(),
             )  # fmt: skip
         return Outcome(path.name, True, time.perf_counter() - start, output)
     except Exception as e:
