@@ -67,10 +67,10 @@ def start_page_order(root: Path) -> list[tuple[str, float | None]]:
 
 
 class Shots:
-    def __init__(self, folder: Path, quality: int):
+    def __init__(self, folder: Path, quality: int, clear: bool = True):
         self.folder, self.quality = folder, quality
         folder.mkdir(parents=True, exist_ok=True)
-        for old in folder.glob("*.jpg"):
+        for old in folder.glob("*.jpg") if clear else ():
             old.unlink()
 
     def take(self, page: Page, name: str, clip: dict | None = None) -> str:
@@ -173,6 +173,17 @@ def prompt(cell) -> str:
 def outputs(cell) -> str:
     o = cell.locator(".jp-OutputArea-output")
     return "\n".join(o.nth(i).inner_text() for i in range(o.count())).strip()
+
+
+def shoot_end(page: Page, shots: Shots, name: str) -> str:
+    """The notebook's last cells. Scrolled by the last cell itself, a few times: with JupyterLab's
+    content-visibility windowing, setting scrollTop to scrollHeight lands past cells not yet
+    painted and shows a blank page (the first full run's end screenshots)."""
+    last = cells(page).last
+    for _ in range(3):
+        last.evaluate("e => e.scrollIntoView({block: 'end'})")
+        time.sleep(1.5)
+    return shots.take(page, name)
 
 
 def clip_of(page: Page, a, b) -> dict:
@@ -337,9 +348,7 @@ def walk_notebook(page: Page, root: Path, rel: str, minutes: float | None, base:
             "e => e.scrollIntoView({block: 'start'})")
         time.sleep(1.5)
         rec["shots"]["widgets"] = shots.take(page, f"{stem}-2-widgets")
-    page.evaluate("(sel) => { const o = document.querySelector(sel + ' .jp-WindowedPanel-outer'); o.scrollTop = o.scrollHeight; }", NB)
-    time.sleep(1)
-    rec["shots"]["end"] = shots.take(page, f"{stem}-3-end")
+    rec["shots"]["end"] = shoot_end(page, shots, f"{stem}-3-end")
     save(page)
     rec["saved"] = saved_report(root / "notebooks" / rel)
     log(f"{stem}: saved file: {rec['saved']}; widgets on page {rec['widgets']}")
@@ -413,7 +422,12 @@ def write_report(out: Path, res: dict) -> None:
           "(`Exercise.solution()`), both computed by the driver with the clone's `kit.lab.exercises`",
           "after the notebook ran, typed as Python literals. Then File > Close and Shut Down Notebook.",
           ""]
-    L += [f"Start page: [screenshot](walkthrough/{res['start_page_shot']})", ""]
+    if res.get("reshoot_end"):
+        L += ["The `end` screenshots were taken again after the walk (`" + res["reshoot_end"] + "`): the walk's",
+              "own were blank (the driver scrolled past what JupyterLab had painted; fixed in the driver). They",
+              "show each notebook as the walk saved it: the outputs of its Run All, the exercises answered right.", ""]
+    L += [f"Start page: [screenshot](walkthrough/{res['start_page_shot']}), "
+          f"[without the file browser](walkthrough/{res.get('start_page_shot_wide', '')})", ""]
     L += ["## Notebooks", "",
           "| notebook | run all (s) | start page says (min) | finished | errors (saved file) | tracebacks on page | stderr outputs | widgets | screenshots |",
           "|---|---|---|---|---|---|---|---|---|"]
@@ -475,6 +489,48 @@ def findings(res: dict) -> list[str]:
     return found
 
 
+def reshoot_end(a, root: Path, order, base: str, shots: Shots) -> int:
+    res = json.loads((a.out / "walkthrough-cpu.json").read_text())
+    by_name = {n["notebook"]: n for n in res["notebooks"]}
+    for _ in range(120):
+        try:
+            urllib.request.urlopen(f"{base}/api/status?token={TOKEN}", timeout=2)
+            break
+        except OSError:
+            time.sleep(1)
+    with sync_playwright() as p:
+        browser = p.chromium.launch_persistent_context(
+            str(root / ".walkthrough-jupyter" / "chromium-profile"), executable_path=CHROMIUM,
+            args=["--no-sandbox"], headless=True, viewport=VIEW)
+        page = browser.pages[0] if browser.pages else browser.new_page()
+        for rel, _ in order:
+            stem = Path(rel).stem
+            page.goto(f"{base}/lab/tree/notebooks/{rel}?token={TOKEN}")
+            page.locator(f"{NB} .jp-Notebook").first.wait_for(timeout=60000)
+            time.sleep(3)
+            accept_dialog_if_any(page, stem)
+            dismiss_toasts(page)
+            if page.locator(".jp-LabShell .jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current").count():
+                page.keyboard.press("Control+b")
+            name = shoot_end(page, shots, f"{stem}-3-end")
+            if stem in by_name and "shots" in by_name[stem]:
+                by_name[stem]["shots"]["end"] = name
+                by_name[stem]["end_shot_note"] = ("re-rendered after the walk from the saved notebook "
+                                                  "(outputs of the walk's run, exercises answered right)")
+            log(f"{stem}: end screenshot {name}")
+            menu(page, "File", "Close and Shut Down Notebook")
+            time.sleep(1)
+            accept_dialog_if_any(page, stem)
+            time.sleep(1)
+        browser.close()
+    files = list(shots.folder.glob("*.jpg"))
+    res["shots_count"], res["shots_bytes"] = len(files), sum(f.stat().st_size for f in files)
+    res["reshoot_end"] = a.command
+    json.dump(res, open(a.out / "walkthrough-cpu.json", "w"), indent=1)
+    write_report(a.out, res)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", type=Path, required=True, help="the clone to walk (its notebooks get outputs)")
@@ -484,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quality", type=int, default=60)
     ap.add_argument("--command", default=" ".join(sys.argv))
     ap.add_argument("--setup", default=None, help="a line on the setup, for the report")
+    ap.add_argument("--reshoot-end", action="store_true",
+                    help="after a walk: open each saved notebook of --root (no run) and take its "
+                    "end screenshot again; updates OUT/walkthrough-cpu.json and the report")
     a = ap.parse_args(argv)
     root = a.root.resolve()
     import kit  # the clone's kit (installed editable by its setup.sh)
@@ -494,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     order = start_page_order(root)
     if a.only:
         order = [o for o in order if any(Path(o[0]).stem.startswith(p) for p in a.only)]
-    shots = Shots(a.out / "walkthrough", a.quality)
+    shots = Shots(a.out / "walkthrough", a.quality, clear=not a.reshoot_end)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     jupyter = Path(sys.executable).parent / "jupyter"
@@ -510,6 +569,12 @@ def main(argv: list[str] | None = None) -> int:
                             f"--LabApp.workspaces_dir={fresh / 'workspaces'}"],
                            cwd=root, env=env, stdout=lab_log, stderr=subprocess.STDOUT, start_new_session=True)
     log(f"jupyter lab pid {lab.pid} on {base}, root {root}, KIT_HOME={os.environ.get('KIT_HOME')}")
+    if a.reshoot_end:
+        try:
+            return reshoot_end(a, root, order, base, shots)
+        finally:
+            os.killpg(lab.pid, signal.SIGTERM)
+            log("jupyter lab stopped")
     res: dict = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                  "commit": subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
                                           text=True).stdout.strip(),
