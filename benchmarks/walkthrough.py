@@ -119,10 +119,10 @@ JS_STATE = """(sel) => {
 }"""
 
 
-def wait_idle(page: Page, timeout: float, settle: int = 2) -> tuple[bool, float]:
+def wait_idle(page: Page, timeout: float, settle: int = 2, start: float | None = None) -> tuple[bool, float]:
     """Poll until the kernel is idle and no cell shows [*], `settle` polls in a row. Returns
-    (finished, seconds until the first idle poll of the final run)."""
-    t0 = time.time()
+    (finished, seconds from `start` (default: now) until the first idle poll of the final run)."""
+    t0 = start or time.time()
     calm, first_calm = 0, None
     while time.time() - t0 < timeout:
         s = page.evaluate(JS_STATE, NB)
@@ -260,7 +260,7 @@ def answer(page: Page, key: str, original: str, value_src: str, shot_name: str, 
 
 def saved_report(path: Path) -> dict:
     nb = json.loads(path.read_text())
-    errors, stderr, unrun = [], 0, 0
+    errors, stderr, unrun = [], [], 0
     for i, c in enumerate(nb["cells"]):
         if c["cell_type"] != "code":
             continue
@@ -270,8 +270,8 @@ def saved_report(path: Path) -> dict:
             if o["output_type"] == "error":
                 errors.append({"cell": i, "ename": o["ename"], "evalue": o["evalue"][:300]})
             elif o["output_type"] == "stream" and o.get("name") == "stderr":
-                stderr += 1
-    return {"errors": errors, "stderr_outputs": stderr, "unexecuted_code_cells": unrun}
+                stderr.append({"cell": i, "text": "".join(o["text"]).strip()[:300]})
+    return {"errors": errors, "stderr_outputs": len(stderr), "stderr": stderr, "unexecuted_code_cells": unrun}
 
 
 def exercise_keys(path: Path) -> list[tuple[str, str]]:
@@ -319,7 +319,7 @@ def walk_notebook(page: Page, root: Path, rel: str, minutes: float | None, base:
     t0 = time.time()
     menu(page, "Run", "Run All Cells")
     time.sleep(1)
-    done, secs = wait_idle(page, timeout)
+    done, secs = wait_idle(page, timeout, start=t0)
     rec["run_all_s"] = round(secs, 1)
     rec["finished"] = done
     if not done:
@@ -405,6 +405,7 @@ def write_report(out: Path, res: dict) -> None:
           "- versions: " + ", ".join(f"{k} {v}" for k, v in res["versions"].items()),
           f"- setup: {res.get('setup', 'see walkthrough.sh')}",
           f"- total: {res['total_s']:.0f} s in the browser for {len(res['notebooks'])} notebooks",
+          f"- result: {summary(res)}",
           ""]
     L += ["How: `benchmarks/walkthrough.sh` clones the repository into a temp folder, makes a venv, runs",
           "`bash setup.sh` there, sets a fresh `KIT_HOME`, adds `playwright` to that venv (Debian's",
@@ -412,7 +413,8 @@ def write_report(out: Path, res: dict) -> None:
           "starts `jupyter lab` from the clone root (the kit has no command that opens JupyterLab), opens",
           "`notebooks/README.md` as a Markdown preview, then for each notebook of its map, in order:",
           "clicks the notebook's link on that page, waits for the kernel, clicks Run > Run All Cells, polls",
-          "until the kernel is idle and no cell shows `[*]` (the time below is from the click to that),",
+          "until the kernel is idle and no cell shows `[*]` (the time below: from the click to the first",
+          "of two such polls 2 s apart),",
           "saves (Ctrl+S) and reads the saved file for outputs of type `error` (JupyterLab renders an error",
           "as stderr text, so the page alone does not tell an error from a warning; the page's",
           "traceback-looking stderr is counted too), then answers each exercise: clicks into the cell,",
@@ -452,11 +454,24 @@ def write_report(out: Path, res: dict) -> None:
             L.append(f"| {e['key']} | `{cell_md(w['typed'])}` | {cell_md(w['printed'])} | {'yes' if w['ok'] else 'NO'} | "
                      f"`{cell_md(r['typed'])}` | {cell_md(r['printed'])} | {'yes' if r['ok'] else 'NO'} | "
                      f"[wrong](walkthrough/{w['shot']}), [right](walkthrough/{r['shot']}) |")
+    warn = [(n["notebook"], e) for n in res["notebooks"] if "saved" in n for e in n["saved"].get("stderr", [])]
+    if warn:
+        L += ["", "## stderr outputs (not errors)", ""]
+        L += [f"- {nb}, cell {e['cell']}: `{cell_md(e['text'])}`" for nb, e in warn]
     L += ["", "## Found", ""]
     found = res.get("found") or ["nothing: every notebook ran without an error output and every check said what it should."]
     L += [f"- {f}" for f in found]
     L += ["", f"Screenshots: {res['shots_count']} JPEG files, {res['shots_bytes'] / 1e6:.2f} MB in `walkthrough/`.", ""]
     (out / "walkthrough-cpu.md").write_text("\n".join(L))
+
+
+def summary(res: dict) -> str:
+    nbs = res["notebooks"]
+    clean = sum(1 for n in nbs if n.get("finished") and not n["saved"]["errors"])
+    exs = [e for n in nbs for e in n.get("exercises", [])]
+    good = sum(1 for e in exs if "failure" not in e and e["wrong"]["ok"] and e["right"]["ok"])
+    return (f"{clean} of {len(nbs)} notebooks ran all their cells without an error output; "
+            f"{good} of {len(exs)} exercises: the wrong answer got a hint and the solution 'right.'")
 
 
 def findings(res: dict) -> list[str]:
@@ -487,6 +502,18 @@ def findings(res: dict) -> list[str]:
             if not e["right"]["ok"]:
                 found.append(f"{e['key']}: right answer {e['right']['typed']!r} printed {e['right']['printed']!r}")
     return found
+
+
+def stop(lab: subprocess.Popen) -> None:
+    """jupyter lab and its kernels (its own session): TERM, then KILL after 20 s."""
+    try:
+        os.killpg(lab.pid, signal.SIGTERM)
+        lab.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(lab.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    log("jupyter lab stopped")
 
 
 def reshoot_end(a, root: Path, order, base: str, shots: Shots) -> int:
@@ -573,8 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return reshoot_end(a, root, order, base, shots)
         finally:
-            os.killpg(lab.pid, signal.SIGTERM)
-            log("jupyter lab stopped")
+            stop(lab)
     res: dict = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                  "commit": subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
                                           text=True).stdout.strip(),
@@ -651,12 +677,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(res, open(a.out / "walkthrough-cpu.json", "w"), indent=1)
             browser.close()
     finally:
-        try:
-            os.killpg(lab.pid, signal.SIGTERM)
-            lab.wait(timeout=20)
-        except Exception:  # noqa: BLE001
-            os.killpg(lab.pid, signal.SIGKILL)
-        log("jupyter lab stopped")
+        stop(lab)
     res["total_s"] = time.time() - t_all
     files = list(shots.folder.glob("*.jpg"))
     res["shots_count"] = len(files)

@@ -29,6 +29,6 @@ pip install -q playwright  # the browser driver, outside the project's requireme
 export KIT_HOME="$WORK/kit_home"
 mkdir -p "$KIT_HOME"
 python "$HERE/benchmarks/walkthrough.py" --root "$WORK/clone" --out "$HERE/benchmarks/results" \
-  --command "bash benchmarks/walkthrough.sh $*" \
+  --command "bash benchmarks/walkthrough.sh${*:+ $*}" \
   --setup "fresh clone, new venv, \`bash setup.sh\` in $((t1 - t0)) s, then \`pip install playwright\`; KIT_HOME=$KIT_HOME (empty)" "$@"
 du -sh "$HERE/benchmarks/results/walkthrough"
