@@ -37,8 +37,10 @@ def shard_whole(model: nn.Module, cfg: Config, device: torch.device) -> nn.Modul
     from kit.recipe.quantize import DTYPES
 
     dtype = DTYPES[cfg.model.dtype]
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    fully_shard(model, mesh=init_device_mesh(device.type, (dist.get_world_size(),)), mp_policy=policy)
+    kwargs = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),))}
+    if cfg.sharding.mixed_precision and dtype != torch.float32:  # as kit.recipe.engines.FSDP2
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    fully_shard(model, **kwargs)
     engines.keep_quant_state(model)
     return model
 
