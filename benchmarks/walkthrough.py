@@ -516,15 +516,20 @@ def stop(lab: subprocess.Popen) -> None:
     log("jupyter lab stopped")
 
 
+def wait_for_server(base: str, seconds: int = 120) -> None:
+    """Until JupyterLab's API answers at `base` (at most `seconds`)."""
+    for _ in range(seconds):
+        try:
+            urllib.request.urlopen(f"{base}/api/status?token={TOKEN}", timeout=2)
+            return
+        except OSError:
+            time.sleep(1)
+
+
 def reshoot_end(a, root: Path, order, base: str, shots: Shots) -> int:
     res = json.loads((a.out / "walkthrough-cpu.json").read_text())
     by_name = {n["notebook"]: n for n in res["notebooks"]}
-    for _ in range(120):
-        try:
-            urllib.request.urlopen(f"{base}/api/status?token={TOKEN}", timeout=2)
-            break
-        except OSError:
-            time.sleep(1)
+    wait_for_server(base)
     with sync_playwright() as p:
         browser = p.chromium.launch_persistent_context(
             str(root / ".walkthrough-jupyter" / "chromium-profile"), executable_path=CHROMIUM,
@@ -609,12 +614,7 @@ def main(argv: list[str] | None = None) -> int:
                  "notebooks": []}
     t_all = time.time()
     try:
-        for _ in range(120):
-            try:
-                urllib.request.urlopen(f"{base}/api/status?token={TOKEN}", timeout=2)
-                break
-            except OSError:
-                time.sleep(1)
+        wait_for_server(base)
         with sync_playwright() as p:
             # A profile folder inside the clone: a new learner's browser, and a command line that
             # walkthrough.sh's clean-up finds by the work folder's path.
