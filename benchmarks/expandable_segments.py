@@ -141,7 +141,7 @@ def child_with_cap(args) -> dict:
     import torch
 
     if args.cap_gib and args.device == "cuda":
-        device = torch.device("cuda")
+        device = torch.device("cuda", torch.cuda.current_device())  # the call needs an index
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), device)
     row = child(args)
