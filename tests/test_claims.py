@@ -15,9 +15,7 @@ from kit.lab.claims import BY_ID, CLAIMS, VERDICTS
 
 # Claims no notebook cell settles yet. Settling one (a cell whose metadata names it) fails
 # test_every_claim_is_settled_but_the_known_few until it leaves this set.
-KNOWN_UNSETTLED = {
-    "B15",  # expandable_segments against fragmentation: GPU only, no recorded run
-}
+KNOWN_UNSETTLED: set[str] = set()
 
 
 def test_54_claims_30_from_the_first_article_24_from_the_second():

@@ -215,6 +215,9 @@ def test_notebook_07_runs_under_papermill(tmp_path, monkeypatch):
         gap = float(text.split("largest |FSDP2 - DDP| loss gap over ")[1].split(": ")[1].split()[0])
         assert 0 < gap < 0.05, gap
         assert "rank 1 failed: InjectedFailure" in text
+        # Claim B15, read from the recorded H100 run: fragmentation's out-of-memory steps.
+        assert ("capped 1.02x: out of memory on 16 of 60 steps by default, 0 of 60 with "
+                "expandable_segments") in text
         # The notebook's first run, read again from its folder: what a launch leaves.
         run = Run.attach(ROOT / "launch" / name)
         metrics, result = run.metrics(), run.result()

@@ -307,7 +307,14 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
                else f"the fastest that fits {hw.memory_gib:g} GiB"))
     _fill_memory(planned, shape)
     planned.tokens_per_s = (speed(shape, seq_len, batch, rc.keeps if rc.enabled else None, hw)
-                            if hw.peak_flops else None)
+                            if hw.peak_flops and not shape.experts else None)
+    if shape.experts and hw.peak_flops:  # the step model counts matmuls, not the loop's launches
+        planned.notes.append(
+            "expected speed: not predicted for a mixture of experts (kit.recipe.experts runs "
+            "each expert on its own, so kernel launches bound the step, which the step model "
+            "does not count); measured: 480-906 tokens/s per GPU on Qwen3-30B-A3B's shape "
+            "(H200s, benchmarks/results/moe-30b-a3b-2xh200.md), 69 on Qwen3-235B-A22B's (4x "
+            "H100, benchmarks/results/issue36-4xh100.md)")
     if hw.fp8 and not out.quantization.fp8_matmul and out.quantization.method != "none":
         planned.notes.append(
             "not chosen: quantization.fp8_matmul=true (this GPU has FP8 tensor cores; measured "

@@ -121,7 +121,8 @@ CLAIMS: list[Claim] = [
     Claim("B14", "TOKENIZERS_PARALLELISM=false avoids deadlocks of fast tokenizers with multi-process "
           "DataLoaders", "launch script, l.126-127; best practices, l.213"),
     Claim("B15", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces out-of-memory errors from "
-          "fragmentation", "launch script, l.128-129; best practices, l.213"),
+          "fragmentation", "launch script, l.128-129; best practices, l.213",
+          results="expandable-segments-1xh100.md"),
     Claim("B16", "per GPU the model shard is ~22 GB (11B x 2 bytes / 2 GPUs)", "memory budget, l.164"),
     Claim("B17", "LoRA adapters take ~52 MB (26M x 2 bytes) and their AdamW state ~208 MB",
           "memory budget, l.165-166"),
