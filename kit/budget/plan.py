@@ -14,6 +14,9 @@ the model allows it (a frozen head, no logit softcapping or scaling), else chunk
 layers and grouped adapters where they were measured; of every recompute policy and batch the
 estimate says fit, the one `speed` predicts fastest; activations offloaded only when nothing else
 fits. FP8 base matmuls stay opt-in (they move the loss); the plan says what they would add.
+
+Longer than 400 lines because each constant of the step model carries the measurement it was
+fitted to, and each choice and note carries its reason and its record: what `kit plan` prints.
 """
 
 from __future__ import annotations
