@@ -145,6 +145,12 @@ class RecomputeConfig:
     # auto: the planner picks the policy and batch that it predicts fastest within memory
     # (kit.budget.plan); inputs where it does not plan (a CPU, training.plan=off).
     keeps: Literal["auto", "inputs", "matmuls", "mlp_matmuls", "attention_matmuls"] = "auto"
+    # How many recomputed layers (the first ones) keep every matmul's result whatever `keeps`
+    # says (mlp_matmuls or attention_matmuls only): the memory between two policies, used a
+    # layer at a time. Measured on one H100 at the 8B shape, 24 GiB: +0.44 GiB and ~+0.2%
+    # tokens/s per layer at batch 4 (benchmarks/results/layers-8b-1xh100.md), within the
+    # run-to-run spread, so the planner leaves it at 0; the estimate counts what you set.
+    matmul_layers: int = 0
     # Run each layer's MLP this many tokens at a time, keeping only its input (kit.recipe.recompute):
     # at long sequences its gate/up intermediates are a layer's widest tensors (at the 8B shape
     # 56 KiB per token each). 0: off. Eager layers with keeps=inputs (or recompute off) only.
@@ -296,7 +302,10 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
     """Return value as type tp, or raise ConfigError naming the field."""
     origin = get_origin(tp)
     if origin is Literal:
-        if value in get_args(tp):
+        # YAML 1.1 (PyYAML) reads a bare off / on as false / true: `training.plan=off` is meant
+        if isinstance(value, bool) and ("on" if value else "off") in get_args(tp):
+            return "on" if value else "off"
+        if not isinstance(value, bool) and value in get_args(tp):
             return value
     elif origin in (Union, types.UnionType):
         for option in get_args(tp):
@@ -430,6 +439,13 @@ def _check(cfg: Config) -> None:
          "training.activation_memory_budget", t.activation_memory_budget,
          f"only 1.0 with training.recompute.keeps={rc.keeps!r} (its policy decides "
          "what is recomputed)")
+    need(rc.matmul_layers >= 0, "training.recompute.matmul_layers", rc.matmul_layers,
+         "expected an integer >= 0")
+    need(rc.matmul_layers == 0 or (rc.enabled and rc.keeps in
+                                           ("mlp_matmuls", "attention_matmuls", AUTO)),
+         "training.recompute.matmul_layers", rc.matmul_layers,
+         "only 0 unless training.recompute.keeps is mlp_matmuls or attention_matmuls (the "
+         "layers it names keep every matmul instead)")
     need(not (lo.recompute and rc.enabled and rc.keeps not in ("inputs", AUTO)),
          "lora.recompute", lo.recompute, "only false with training.recompute.keeps="
          f"{rc.keeps!r} (its policy already recomputes the adapters' branch)")

@@ -97,8 +97,8 @@ class Recipe:
             f"attention={built.attention} world={env.world_size} device={env.device.type}"
         )
         if rc.enabled and (rc.every > 1 or rc.keeps != "inputs"):
-            self.say(f"recompute: {len(built.recomputed)} decoder layers, keeping their "
-                     f"{rc.keeps}")
+            self.say(f"recompute: {len(built.recomputed)} decoder layers, keeping their {rc.keeps}"
+                     + (f" (the first {rc.matmul_layers}: every matmul)" if rc.matmul_layers else ""))
         wrapping = time.perf_counter()
         self.model = self.engine.wrap(self.peft_model, cfg, env.device)
         peaks: list = [None] * env.world_size  # each rank's peak host memory (MiB) until sharded

@@ -18,6 +18,17 @@ def test_overrides_apply_and_coerce():
     assert cfg.lora.target_modules == ["q_proj", "v_proj"]
 
 
+def test_off_reads_as_off_on_the_command_line_and_in_a_file(tmp_path):
+    """YAML 1.1 reads a bare `off` as false; `training.plan=off` is what the docs and the
+    planner's refusal tell a user to write."""
+    assert load_config(None, ["training.plan=off"]).training.plan == "off"
+    path = tmp_path / "c.yaml"
+    path.write_text("training:\n  plan: off\n")
+    assert load_config(path).training.plan == "off"
+    with pytest.raises(ConfigError, match="training.plan: True is not allowed"):
+        load_config(None, ["training.plan=on"])
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_configs_load_and_open_with_their_command(path):
     load_config(path)
@@ -68,6 +79,11 @@ def test_benchmark_matrices_hold_valid_kit_configs(path):
          "training.activation_memory_budget: 0.5 is not allowed; only 1.0 with training.recompute.keeps='mlp_matmuls'"),
         (["training.recompute.keeps=attention_matmuls", "lora.recompute=true"],
          "lora.recompute: True is not allowed; only false with training.recompute.keeps='attention_matmuls'"),
+        (["training.recompute.keeps=inputs", "training.recompute.matmul_layers=4"],
+         "training.recompute.matmul_layers: 4 is not allowed; only 0 unless training.recompute.keeps is "
+         "mlp_matmuls or attention_matmuls"),
+        (["training.recompute.matmul_layers=-1"],
+         "training.recompute.matmul_layers: -1 is not allowed; expected an integer >= 0"),
         (["training.recompute.keeps=all"],
          "training.recompute.keeps: 'all' is not allowed; expected one of 'auto', 'inputs', 'matmuls', 'mlp_matmuls', 'attention_matmuls'"),
         (["training.loss=fast"], "training.loss: 'fast' is not allowed; expected one of 'auto', 'hf', 'chunked', 'fused'"),

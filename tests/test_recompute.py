@@ -170,12 +170,15 @@ def _nf4_layer_model():
 
 
 def _with_keeps(model, keeps, r):
+    """keeps: a policy, "none", or "<policy>+1" (its first layer keeps every matmul instead:
+    training.recompute.matmul_layers=1)."""
     from kit.recipe.recompute import selective_checkpointing
 
     if keeps == "inputs":
         enable_activation_checkpointing(model)
     elif keeps != "none":
-        assert selective_checkpointing(model, keeps, r) == [0, 1]
+        policy, _, more = keeps.partition("+")
+        assert selective_checkpointing(model, policy, r, matmul_layers=int(more or 0)) == [0, 1]
     return model.train()
 
 
@@ -184,7 +187,7 @@ def test_recompute_keeps_gives_the_same_gradients():
     gradients equal those of the layer run once."""
     ids = torch.randint(3, 1000, (2, 48), generator=torch.Generator().manual_seed(3))
     results = {}
-    for keeps in ("none", "matmuls", "mlp_matmuls", "attention_matmuls"):
+    for keeps in ("none", "matmuls", "mlp_matmuls", "attention_matmuls", "attention_matmuls+1"):
         model, r = _nf4_layer_model()
         _with_keeps(model, keeps, r)
         torch.manual_seed(7)
@@ -209,22 +212,59 @@ def test_recompute_keeps_policies_on_nf4():
     ids = torch.randint(3, 1000, (1, 128), generator=torch.Generator().manual_seed(4))
     kept = {}
     try:
-        for keeps in ("none", "matmuls", "mlp_matmuls", "attention_matmuls"):
+        for keeps in ("none", "matmuls", "mlp_matmuls", "attention_matmuls",
+                      "attention_matmuls+1"):
             model, r = _nf4_layer_model()
             _with_keeps(model, keeps, r)
             torch._dynamo.reset()
             compile_layers(model)
             weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            # Embeddings that need a gradient: both layers see the same guards (an input without
+            # one compiles the first layer apart, which once hid a second policy's graph reusing
+            # the first's)
+            embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
             loss, kept[keeps] = saved_bytes(
-                lambda m=model: m(input_ids=ids, labels=ids, use_cache=False).loss, weights)
+                lambda m=model, e=embeds: m(inputs_embeds=e, labels=ids, use_cache=False).loss,
+                weights)
             loss.backward()
     finally:
         torch._dynamo.reset()
     assert kept["none"] > kept["matmuls"] > kept["mlp_matmuls"] > kept["attention_matmuls"], kept
+    # training.recompute.matmul_layers=1: the first of the 2 layers keeps what `matmuls` keeps,
+    # the second what `attention_matmuls` keeps (the logits and embeddings alike in each)
+    mixed = (kept["matmuls"] + kept["attention_matmuls"]) / 2
+    assert kept["attention_matmuls+1"] == pytest.approx(mixed, rel=0.05), kept
     # Per token and layer, in hidden-size units: 23.7, 12.7, 10.2, 5.7 (+ the same logits and
     # embeddings in each; benchmarks/kept_per_policy.py); recomputing every matmul keeps ~2.
     assert 0.45 < kept["matmuls"] / kept["none"] < 0.65, kept
     assert 0.2 < kept["attention_matmuls"] / kept["none"] < 0.4, kept
+
+
+@pytest.mark.slow  # compiles twice
+def test_compiled_layers_keep_each_their_own_policy():
+    """training.recompute.matmul_layers=1 on 2 compiled NF4 layers: the second keeps what
+    attention_matmuls keeps, not what the first layer's graph (every matmul) keeps. Both layers
+    see the same guards (their input needs a gradient), so a graph compiled for the first policy
+    would otherwise serve the second layer too (it did: 32.0 GiB on one H100 where ~20 was due)."""
+    from kit.recipe.recompute import compile_layers
+
+    ids = torch.randint(3, 1000, (1, 128), generator=torch.Generator().manual_seed(4))
+    kept = {}
+    try:
+        for keeps in ("matmuls", "attention_matmuls+1"):
+            model, r = _nf4_layer_model()
+            _with_keeps(model, keeps, r)
+            torch._dynamo.reset()
+            compile_layers(model)
+            weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+            loss, kept[keeps] = saved_bytes(
+                lambda m=model, e=embeds: m(inputs_embeds=e, labels=ids, use_cache=False).loss,
+                weights)
+            loss.backward()
+    finally:
+        torch._dynamo.reset()
+    assert kept["attention_matmuls+1"] < 0.9 * kept["matmuls"], kept
 
 
 def _tiled_run(tile: int, dropout: float, ids, recompute: bool = False):

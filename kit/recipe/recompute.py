@@ -22,6 +22,9 @@ Between the two, `training.recompute.keeps` chooses what a checkpointed layer ke
 - `attention_matmuls`: as `matmuls`, except the MLP's gate and up projections, which are
   recomputed (about half of the layer's matmul work runs twice).
 
+`training.recompute.matmul_layers: N` gives the first N of them the `matmuls` policy instead: the
+memory between two policies, used a layer at a time (opt-in: measured, it paid ~0.2% a layer).
+
 This is torch's selective activation checkpointing (`torch.utils.checkpoint` with
 `create_selective_checkpoint_contexts`): a policy sees each operation of the layer's forward and
 says save or recompute. It runs the same eagerly and inside compiled layers, where the compiler's
@@ -115,17 +118,35 @@ def save_policy(keeps: str, rank: int, mlp_width: int):
     return policy
 
 
-def selective_checkpointing(model, keeps: str, rank: int, every: int = 1) -> list[int]:
+def selective_checkpointing(model, keeps: str, rank: int, every: int = 1,
+                            matmul_layers: int = 0) -> list[int]:
     """Run decoder layers 0, every, 2*every, ... under torch.utils.checkpoint with the save policy
-    for `keeps`; returns their indices. Call before sharding and compiling: the layer's forward is
-    replaced in place (one function for every layer, so a compiled layer compiles once)."""
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    for `keeps`, the first `matmul_layers` of them with the policy that keeps every matmul
+    (training.recompute.matmul_layers); returns their indices. Call before sharding and
+    compiling: the layer's forward is replaced in place (one function per policy, so a compiled
+    layer compiles once per policy)."""
+    from kit.config import ConfigError
 
     config = model.config
     # A mixture of experts' MLP is its experts (Qwen3-MoE, OLMoE: moe_intermediate_size wide)
     width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-    policy = save_policy(keeps, rank, width)
-    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    chosen = [i for i in range(len(decoder_layers(model))) if i % every == 0]
+    if matmul_layers > len(chosen):
+        raise ConfigError(f"training.recompute.matmul_layers: {matmul_layers} is not allowed; "
+                          f"expected at most the {len(chosen)} recomputed decoder layers")
+    forwards = (_checkpointed("matmuls", rank, width), _checkpointed(keeps, rank, width))
+    layers = decoder_layers(model)
+    for n, i in enumerate(chosen):
+        layers[i].forward = types.MethodType(forwards[n >= matmul_layers], layers[i])
+    return chosen
+
+
+def _checkpointed(keeps: str, rank: int, width: int):
+    """A decoder layer's forward under torch.utils.checkpoint with the save policy for `keeps`."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    context_fn = functools.partial(create_selective_checkpoint_contexts,
+                                   save_policy(keeps, rank, width))
 
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
@@ -137,12 +158,12 @@ def selective_checkpointing(model, keeps: str, rank: int, every: int = 1) -> lis
         return checkpoint(type(self).forward, self, *args, use_reentrant=False,
                           context_fn=context_fn, **kwargs)
 
-    chosen = []
-    for i, layer in enumerate(decoder_layers(model)):
-        if i % every == 0:
-            layer.forward = types.MethodType(forward, layer)
-            chosen.append(i)
-    return chosen
+    # A code object of its own per policy: torch.compile caches compiled graphs per code object,
+    # and torch 2.11's guards do not tell two closures apart by their context_fn, so layers with
+    # the second policy ran the first one's graph (measured on one H100: 4 of 32 layers asked to
+    # keep every matmul, all 32 did, 32.0 GiB instead of ~20; bench-8b-layers-probe.yaml).
+    forward.__code__ = forward.__code__.replace(co_name=f"forward_keeps_{keeps}")
+    return forward
 
 
 class _TiledMLP(torch.autograd.Function):
@@ -229,7 +250,7 @@ def apply(model, cfg) -> list[int]:
         return []
     if rc.keeps == "inputs":
         return enable_activation_checkpointing(model, rc.every)
-    return selective_checkpointing(model, rc.keeps, cfg.lora.r, rc.every)
+    return selective_checkpointing(model, rc.keeps, cfg.lora.r, rc.every, rc.matmul_layers)
 
 
 def compile_layers(model, memory_budget: float = 1.0) -> int:
