@@ -212,11 +212,26 @@ def test_estimate_at_long_context_within_10_percent():
     assert tiled.parts["activations"] < whole.parts["activations"] - 3 * 2**30
 
 
-def test_estimate_of_the_fastest_cases_within_15_percent():
-    """The kit's fastest cases on one H100 (benchmarks/results/round3-8b-1xh100.md): selective
-    recompute policies, with and without grouped adapters (whose measured peaks did not move; the
-    estimate counts one dropped input per group only in layers that keep their dropout copies)."""
+def test_estimate_of_the_fastest_cases_within_3_percent():
+    """The kit's fastest cases on one H100 (benchmarks/results/round3-8b-1xh100.md,
+    layers-8b-1xh100.md): selective recompute policies, with and without grouped adapters (whose
+    measured peaks did not move; the estimate counts one dropped input per group only in layers
+    that keep their dropout copies), and layers keeping every matmul beside attention's. Counting
+    all of the recomputed layer's other activations put these 5-11% above; it now counts the
+    matmul results its policy did not keep."""
     from kit.budget.measured import REFERENCE_SELECTIVE
 
     rows = compare_with_reference(REFERENCE_SELECTIVE)
-    assert len(rows) == 6 and all(0 < r["error_pct"] < 15 for r in rows), rows
+    assert len(rows) == 10 and all(-1 < r["error_pct"] < 3 for r in rows), rows
+
+
+def test_qwen2_shape_under_its_peak_by_less_than_the_planners_headroom():
+    """Qwen2.5-7B's shape: the estimate counts 6-7% below the measured peak (not traced), and
+    the headroom the planner adds (kit.budget.estimate.Estimate.needed_gib) still covers it."""
+    from kit.budget.measured import REFERENCE_QWEN2_SELECTIVE as ref
+
+    rows = compare_with_reference(ref)
+    assert all(-8 < r["error_pct"] < 0 for r in rows), rows
+    for (batch,), measured in ref["peak_gib"].items():
+        est = estimate(ref["model"], Setup(**ref["setup"], batch_size=batch))
+        assert est.needed_gib() > measured, (batch, est.needed_gib(), measured)

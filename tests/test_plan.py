@@ -54,6 +54,34 @@ def test_tiny_cpu_plan_keeps_what_the_config_sets_and_plain_values_for_the_rest(
     assert kplan.is_planned(planned.cfg) and not kplan.is_planned(cfg)  # the input is untouched
 
 
+def test_8b_at_24_gib_plans_the_batch_that_was_measured_to_fit():
+    """One H100 capped at 24 GiB (benchmarks/results/layers-8b-1xh100.md): batch 5 keeping
+    attention's matmuls, which peaked at 21.53 GiB. The estimate that counted all of the
+    recomputed layer's other activations said 23.3 and, with headroom, refused it."""
+    cfg = load_config(None, ["model.name=kit:llama-8b", "lora.r=16", "lora.alpha=32"])
+    planned = kplan.plan(cfg, _gpu(1, 24), 2048)
+    t = planned.cfg.training
+    assert (t.batch_size, t.recompute.keeps) == (5, "attention_matmuls")
+    assert planned.predicted_gib == pytest.approx(21.53, rel=0.01)
+    assert t.recompute.matmul_layers == 0  # opt-in: measured ~0.2% a layer
+
+
+def test_layers_keeping_every_matmul_are_counted_when_set():
+    """training.recompute.matmul_layers=8 (yours to set): the plan keeps it, picks among the
+    policies it can add to, and its predicted peak counts the 8 layers (measured 22.11 GiB at
+    batch 4 with attention's matmuls, layers-8b-1xh100.md); at 24 GiB the headroom refuses it."""
+    sets = ["model.name=kit:llama-8b", "lora.r=16", "lora.alpha=32", "training.batch_size=4",
+            "training.recompute.matmul_layers=8"]
+    planned = kplan.plan(load_config(None, sets), _gpu(1, 40), 2048)
+    rc = planned.cfg.training.recompute
+    assert rc.matmul_layers == 8 and rc.keeps in kplan.LEAN
+    assert "(8 layers every matmul)" in planned.line()
+    mine = load_config(None, [*sets, "training.recompute.keeps=attention_matmuls"])
+    assert kplan.plan(mine, _gpu(1, 40), 2048).predicted_gib == pytest.approx(22.11, rel=0.02)
+    with pytest.raises(ConfigError, match="training.batch_size: 4 does not fit"):
+        kplan.plan(mine, _gpu(1, 24), 2048)
+
+
 @pytest.mark.parametrize("gib", [24, 40, 80])
 def test_8b_on_one_gpu_is_the_fastest_that_fits_by_the_estimate(gib):
     """On one H100 capped at `gib`: the GPU levers on, and of every (policy, batch) the estimate

@@ -56,6 +56,7 @@ class Setup:
     seq_len: int = 2048
     recompute: bool = True  # training.recompute.enabled
     recompute_keeps: str = "inputs"  # training.recompute.keeps (kit.recipe.recompute)
+    matmul_layers: int = 0  # training.recompute.matmul_layers: of those, how many keep every matmul
     attention: str = "sdpa"  # sdpa/flash keep O(seq) per token; eager keeps the seq x seq scores
     cpu_offload: bool = False  # FSDP: shards, grads and optimizer state live in CPU memory
     reshard_after_forward: bool = True  # FSDP2: False keeps every layer gathered until backward
@@ -95,6 +96,7 @@ class Setup:
             seq_len=cfg.data.max_seq_len,
             recompute=cfg.training.recompute.enabled,
             recompute_keeps=plain(cfg.training.recompute.keeps, "inputs"),
+            matmul_layers=cfg.training.recompute.matmul_layers,
             attention=cfg.attention.implementation,
             cpu_offload=cfg.sharding.cpu_offload,
             loading=cfg.model.loading if cfg.model.loading != "auto"
@@ -372,12 +374,22 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
     offload = " [host]" if setup.offload_activations else ""
     if setup.recompute and setup.recompute_keeps != "inputs":
         kept = selective_bytes_per_token_layer(shape, setup) * tokens
+        more = min(setup.matmul_layers, shape.layers)  # these keep every matmul instead
+        richer = selective_bytes_per_token_layer(shape, replace(setup, recompute_keeps="matmuls"))
         # Backward reruns what the policy did not keep, one layer at a time: beyond the kept
-        # tensors, the recomputed layer adds its other activations only.
-        parts["activations"] = shape.layers * kept + max(0, per_layer - kept)
-        notes["activations"] = (f"{shape.layers} layers x {kept / tokens / 1024:.0f} KiB/token kept "
-                                f"({setup.recompute_keeps}), one layer recomputed in backward")
-        parts["logits and loss"] = max(0, logits - per_layer)
+        # tensors, the recomputed layer adds the matmul results the policy did not keep (its
+        # element-wise work is consumed as it is recomputed). Counting all of the layer's other
+        # activations instead put the 8B shape 0.34-0.45 GiB per 2,048-token sequence above
+        # every measured peak on one H100, under each policy (benchmarks/results/
+        # layers-8b-1xh100.md); this count lies 0-2.4% above them (Qwen2.5-7B: 7% below).
+        again = richer - kept // tokens  # per token: what `matmuls` would keep beyond it
+        rerun = min(again * tokens, max(0, per_layer - kept))
+        parts["activations"] = (shape.layers - more) * kept + more * richer * tokens + rerun
+        notes["activations"] = (f"{shape.layers - more} layers x {kept / tokens / 1024:.0f} KiB/token "
+                                f"kept ({setup.recompute_keeps})"
+                                + (f", {more} x {richer / 1024:.0f} (matmuls)" if more else "")
+                                + ", one layer recomputed in backward")
+        parts["logits and loss"] = max(0, logits - rerun)
         notes["logits and loss"] = f"{how}, beyond the recomputed layer"
     elif setup.recompute:
         inputs = shape.layers * tokens * shape.hidden * a

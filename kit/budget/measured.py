@@ -65,14 +65,32 @@ REFERENCE_CONTEXT = {
 # Llama-3-8B shape, FSDP2 on one process, compiled layers, fused loss, LoRA r16 all-linear with
 # dropout; peaks by (training.recompute.keeps, batch, lora.group_inputs). FP8 base matmuls
 # (not a Setup field) measured 0.7 GiB above these with attention's matmuls and 0.5 with every one.
+# The rows with a fourth key are 2026-11-26's (benchmarks/results/layers-8b-1xh100.md):
+# training.recompute.matmul_layers, the first N layers keeping every matmul; batch 10 is the
+# planned run at 80 GiB (planned-1xh100.md).
 REFERENCE_SELECTIVE = {
     "model": "kit:llama-8b",
-    "keys": ("recompute_keeps", "batch_size", "lora_groups"),
+    "keys": ("recompute_keeps", "batch_size", "lora_groups", "matmul_layers"),
     "setup": dict(engine="fsdp2", world_size=1, lora_r=16, seq_len=2048, attention="sdpa",
                   loss="fused", recompute=True),
     "peak_gib": {("attention_matmuls", 5, False): 21.53, ("attention_matmuls", 5, True): 21.53,
                  ("matmuls", 4, False): 32.04, ("matmuls", 4, True): 32.04,
-                 ("matmuls", 8, False): 57.16, ("matmuls", 8, True): 57.16},
+                 ("matmuls", 8, False): 57.16, ("matmuls", 8, True): 57.16,
+                 ("matmuls", 10, True): 69.72,
+                 ("attention_matmuls", 4, True, 0): 18.61, ("attention_matmuls", 4, True, 8): 22.11,
+                 ("attention_matmuls", 4, True, 10): 22.98},
+}  # fmt: skip
+
+# Qwen2.5-7B's shape at 24 GiB on one H100 (benchmarks/results/layers-8b-1xh100.md): the one
+# shape the estimate counts below its measured peak (6-7%), by ~0.3 GiB per added sequence; the
+# planner's headroom (5% and 1 GiB) still covers it.
+REFERENCE_QWEN2_SELECTIVE = {
+    "model": "kit:qwen2-7b",
+    "keys": ("batch_size",),
+    "setup": dict(engine="fsdp2", world_size=1, lora_r=16, seq_len=2048, attention="sdpa",
+                  loss="fused", recompute=True, recompute_keeps="attention_matmuls",
+                  lora_groups=True),
+    "peak_gib": {(5,): 19.28, (6,): 21.78},
 }  # fmt: skip
 
 # A reference's keys name Setup fields; the table calls the first two as notebook 01 shows them.
@@ -82,7 +100,7 @@ COLUMNS = {"recompute": "checkpointing", "batch_size": "batch"}
 
 def compare_with_reference(reference: dict = REFERENCE) -> list[dict]:
     """Estimate vs measured for every row of a reference (REFERENCE, REFERENCE_70B,
-    REFERENCE_KIT_8B, REFERENCE_CONTEXT, REFERENCE_SELECTIVE): each key gives the Setup fields its reference's `keys`
+    REFERENCE_KIT_8B, REFERENCE_CONTEXT, REFERENCE_SELECTIVE, REFERENCE_QWEN2_SELECTIVE): each key gives the Setup fields its reference's `keys`
     name (by default recompute, batch, offload_activations; a shorter key leaves the rest)."""
     rows = []
     for key, measured in reference["peak_gib"].items():

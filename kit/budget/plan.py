@@ -34,6 +34,7 @@ PLAIN = {"training.batch_size": 8, "training.loss": "hf", "training.compile": Fa
          "training.recompute.keeps": "inputs", "lora.group_inputs": False,
          "training.offload_activations": False}
 POLICIES = ("matmuls", "mlp_matmuls", "attention_matmuls", "inputs")
+LEAN = ("mlp_matmuls", "attention_matmuls")  # policies whose first layers may keep every matmul
 # Where the GPU levers were measured (benchmarks/results/planned-1xh100.md): compiled layers and
 # grouped adapters under FSDP2, grouping in these families (separate q/k/v and gate/up modules).
 MEASURED_ENGINE = "fsdp2"
@@ -54,7 +55,11 @@ MAX_BATCH = 64
 #   it cost 1.35x keeping every matmul at batch 8 and 14 alike, 0.045 beyond its matmuls.
 # - PEAK_SHARE: the ideal rate, as a share of the GPU's dense bf16 peak: keeping every matmul at
 #   batch 9, 13,824 tokens/s at 31.6 GFLOP per token over 0.984 of the ideal: 0.45.
+# - MATMUL_LAYER_SHARE: a layer that keeps every matmul beside attention_matmuls' layers saves
+#   this share of its rerun: 10 of 32 layers ran 1.022x faster (11,864 against 11,608 tokens/s
+#   at 24 GiB, benchmarks/results/layers-8b-1xh100.md) where the whole rerun gave 1.046x: 0.5.
 KNEE_TOKENS = 2350
+MATMUL_LAYER_SHARE = 0.5
 RERUN_COST = 0.30
 INPUTS_EXTRA = 0.045
 PEAK_SHARE = 0.45
@@ -104,7 +109,9 @@ class Planned:
         parts = [f"batch {t.batch_size} x {self.seq_len} tokens", f"loss {t.loss}",
                  f"attention {self.cfg.attention.implementation}",
                  f"compile {'on' if t.compile else 'off'}",
-                 f"recompute {'keeps ' + rc.keeps if rc.enabled else 'off'}",
+                 f"recompute {'keeps ' + rc.keeps if rc.enabled else 'off'}"
+                 + (f" ({rc.matmul_layers} layers every matmul)" if rc.enabled
+                    and rc.matmul_layers else ""),
                  f"adapters {'grouped' if self.cfg.lora.group_inputs else 'ungrouped'}"]
         if t.offload_activations:
             parts.append("activations offloaded")
@@ -166,14 +173,18 @@ def rerun_share(shape: Shape, keeps: str) -> float:
     return again / total
 
 
-def speed(shape: Shape, seq_len: int, batch: int, keeps: str | None, hw: Hardware) -> float:
+def speed(shape: Shape, seq_len: int, batch: int, keeps: str | None, hw: Hardware,
+          matmul_layers: int = 0) -> float:
     """Tokens/s per GPU the step model predicts (relative when the GPU's peak is unknown): a
     micro-step of n tokens runs at n^2 / (n^2 + KNEE_TOKENS^2) of the ideal rate, slowed by what
-    the recompute policy runs twice."""
+    the recompute policy runs twice (in all layers but the `matmul_layers` that keep every
+    matmul)."""
     n = batch * seq_len
     cost = 1.0
     if keeps is not None:  # recompute on
-        cost += RERUN_COST * rerun_share(shape, keeps) + (INPUTS_EXTRA if keeps == "inputs" else 0)
+        lean = 1 - MATMUL_LAYER_SHARE * min(matmul_layers, shape.layers) / shape.layers
+        cost += (RERUN_COST * rerun_share(shape, keeps) * lean
+                 + (INPUTS_EXTRA if keeps == "inputs" else 0))
     rate = n * n / (n * n + KNEE_TOKENS**2) / cost
     peak = hw.peak_flops
     return rate * PEAK_SHARE * peak / flops_per_token(shape, seq_len) if peak else rate
@@ -266,7 +277,8 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
 
     policies = ([rc.keeps] if rc.keeps != AUTO else
                 ["inputs"] if (not rc.enabled or rc.mlp_tile_tokens or out.lora.recompute
-                               or t.activation_memory_budget < 1) else list(POLICIES))
+                               or t.activation_memory_budget < 1) else
+                list(LEAN) if rc.matmul_layers else list(POLICIES))
     batches = [t.batch_size] if t.batch_size != AUTO else list(range(1, MAX_BATCH + 1))
     # In GPU memory first; activations offloaded to host memory only when nothing fits so.
     offload, chose_offload = t.offload_activations, t.offload_activations == AUTO
@@ -309,7 +321,8 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
     say(Choice("training.batch_size", batch, by_batch, "set in the config" if by_batch == "you"
                else f"the fastest that fits {hw.memory_gib:g} GiB"))
     _fill_memory(planned, shape)
-    planned.tokens_per_s = (speed(shape, seq_len, batch, rc.keeps if rc.enabled else None, hw)
+    planned.tokens_per_s = (speed(shape, seq_len, batch, rc.keeps if rc.enabled else None, hw,
+                                  rc.matmul_layers)
                             if hw.peak_flops and not shape.experts else None)
     if shape.experts and hw.peak_flops:  # the step model counts matmuls, not the loop's launches
         planned.notes.append(
@@ -333,18 +346,20 @@ def _fits(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, **changes) -> f
 
 
 def _search(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, policies, batches):
-    """((keeps, batch), needed GiB) predicted fastest among those that fit; None if none does."""
-    recompute = cfg.training.recompute.enabled
+    """((keeps, batch), needed GiB) predicted fastest among those that fit; None if none does.
+    Layers that keep every matmul (training.recompute.matmul_layers) are yours to set: the
+    estimate and the step model count them."""
+    rc = cfg.training.recompute
     best, best_speed = None, -1.0
     for keeps in policies:
         for batch in batches:
             need = _fits(cfg, hw, seq_len, shape, batch_size=batch, recompute_keeps=keeps)
             if need is None:
                 break  # a larger batch needs more
-            s = speed(shape, seq_len, batch, keeps if recompute else None, hw)
+            s = speed(shape, seq_len, batch, keeps if rc.enabled else None, hw, rc.matmul_layers)
             if s > best_speed * 1.001:  # a tie goes to the smaller batch (less memory)
                 best, best_speed = ((keeps, batch), need), s
-        if not recompute:
+        if not rc.enabled:
             break
     return best
 
