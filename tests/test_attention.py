@@ -171,6 +171,7 @@ def test_sweep_records_failures_as_rows(monkeypatch):
         attention_bench.sweep([32], ["fast"])
 
 
+@pytest.mark.full  # CI time: notebook 06's test runs the same two settings (test_notebooks.sweep_ran_each_setting)
 def test_recompute_sweep_runs_the_recipe_once_per_setting(tmp_path):
     """Two real runs (torchrun, one CPU rank each): recomputing changes what is kept, not what is
     computed, so the losses match; each row says what the run read and where it is."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,10 +25,11 @@ STAGES = ["00-primer-ranks-and-collectives", "00-setup-and-hardware", "01-memory
           "06-attention-and-checkpointing", "09-benchmarks"]  # fmt: skip
 
 
-# CI time: notebook 06's recompute sweep with two of its four settings (one torchrun each; its
-# checked cells do not read the sweep, and test_attention runs the sweep's own checks).
-FEWER = {"06-attention-and-checkpointing": {"recompute_settings": [
-    "training.recompute.enabled=false", "training.recompute.enabled=true"]}}
+# CI time: notebook 06's recompute sweep with two of its four settings (one torchrun each): the
+# one that recomputes nothing and the selective one. The test below checks what the sweep ran
+# (recompute_sweep's own test, test_attention's, is `-m full`: the same two runs again).
+SWEEP = ["training.recompute.enabled=false", "training.recompute.keeps=matmuls"]
+FEWER = {"06-attention-and-checkpointing": {"recompute_settings": SWEEP}}
 
 
 def stage(name: str) -> Path:
@@ -116,6 +118,24 @@ def test_runs_once_and_reproduces_its_checked_outputs(name, tmp_path, request):
     assert outcome.ok, outcome.error
     stored, got = outputs_of_checked_cells(stage(name)), outputs_of_checked_cells(outcome.output)
     assert stored and got == stored
+    if name == "06-attention-and-checkpointing":
+        sweep_ran_each_setting(texts(outcome.output), tmp_path / "launch")
+
+
+def sweep_ran_each_setting(printed: str, out: Path) -> None:
+    """Notebook 06's recompute sweep (kit.lab.recompute_sweep, one torchrun per setting):
+    recomputing changes what is kept, not what is computed, so the final losses match; each
+    setting's run folder holds the config it ran with."""
+    from kit.lab import recompute_sweep
+
+    for setting in SWEEP:
+        assert re.search(rf"{re.escape(setting)} +peak ", printed), printed  # none failed
+        config = (out / recompute_sweep.folder_name(setting) / "config.yaml").read_text()
+        assert "recompute:" in config and (out / recompute_sweep.folder_name(setting)
+                                           / "metrics.jsonl").is_file()
+    same = re.search(r"final loss the same in every setting: (True|False) \[(.*)\]", printed)
+    losses = [float(x) for x in same[2].split(",")]
+    assert len(losses) == 2 and losses[0] == pytest.approx(losses[1], rel=1e-5), same[0]
 
 
 @pytest.mark.slow
