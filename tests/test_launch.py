@@ -138,7 +138,7 @@ def test_stop_from_another_process_leaves_no_process_alive(tmp_path):
         run.stop(grace_s=2)
 
 
-@pytest.mark.slow
+@pytest.mark.full  # CI time: notebook 07 section 5 crashes rank 1 the same way; its test reads the failure back (crashed_rank_is_named)
 def test_crash_on_one_rank_raises_with_its_rank_and_traceback(tmp_path):
     train_py = (RANK_ROOT / "kit" / "train.py").read_text()
     if "faults.maybe_fail(" not in train_py:
@@ -157,6 +157,24 @@ def test_crash_on_one_rank_raises_with_its_rank_and_traceback(tmp_path):
     error_file = os.path.join(os.path.dirname(e.value.log), "error.json")
     assert raised - os.path.getmtime(error_file) < 20
     assert run.status == "failed" and run.processes() == []
+    dash = Dashboard(run, live=True)
+    dash.poll()
+    assert dash.progress.bar_style == "danger"
+    assert "failed on rank 1" in dash.error.value and "InjectedFailure" in dash.error.value
+
+
+def crashed_rank_is_named(run: Run, step: int) -> None:
+    """A run whose rank 1 raised at `step` (KIT_FAIL_RANK=1): the failure names the rank, its
+    error and traceback, from that rank's own log; the run ended within seconds of the crash
+    (torchrun stopped rank 0, nothing hung), and the dashboard shows it."""
+    assert run.status == "failed" and run.processes() == []
+    e = run.failure()
+    assert e.rank == 1
+    assert e.message.startswith(f"InjectedFailure: injected failure on rank 1 at step {step}")
+    assert "maybe_fail" in e.traceback and "rank 1" in str(e)
+    assert os.path.basename(os.path.dirname(e.log)) == "1"  # the failed rank's own log
+    error_file = os.path.join(os.path.dirname(e.log), "error.json")
+    assert os.path.getmtime(run.files.exit_code) - os.path.getmtime(error_file) < 20
     dash = Dashboard(run, live=True)
     dash.poll()
     assert dash.progress.bar_style == "danger"
@@ -215,6 +233,7 @@ def test_notebook_07_runs_under_papermill(tmp_path, monkeypatch):
         gap = float(text.split("largest |FSDP2 - DDP| loss gap over ")[1].split(": ")[1].split()[0])
         assert 0 < gap < 0.05, gap
         assert "rank 1 failed: InjectedFailure" in text
+        crashed_rank_is_named(Run.attach(ROOT / "launch" / f"{name}-crash"), step=3)
         # Claim B15, read from the recorded H100 run: fragmentation's out-of-memory steps.
         assert ("capped 1.02x: out of memory on 16 of 60 steps by default, 0 of 60 with "
                 "expandable_segments") in text
