@@ -30,6 +30,10 @@ STAGES = ["00-primer-ranks-and-collectives", "00-setup-and-hardware", "01-memory
 # (recompute_sweep's own test, test_attention's, is `-m full`: the same two runs again).
 SWEEP = ["training.recompute.enabled=false", "training.recompute.keeps=matmuls"]
 FEWER = {"06-attention-and-checkpointing": {"recompute_settings": SWEEP}}
+# papermill's injection end to end on a stage notebook, with values a GPU run would change
+# (another model, one process): notebook 00-setup's checked cells do not read them, so its one
+# run carries them (CI time: not a second run of the notebook).
+INJECTED = {"00-setup-and-hardware": {"model": "kit:tiny-qwen2", "nproc": 1}}
 
 
 def stage(name: str) -> Path:
@@ -107,17 +111,21 @@ def test_runs_once_and_reproduces_its_checked_outputs(name, tmp_path, request):
     """One headless run of the defaults (papermill, as `python -m kit tour` runs it) proves the
     notebook runs and that its checked cells reproduce what is stored (what `pytest --nbval-lax`
     compares): run once, not twice. Notebook 09's run is conftest.notebook_09, whose bench
-    test_bench.py reads too (its checked cells read recorded GPU runs, not the bench it runs)."""
+    test_bench.py reads too (its checked cells read recorded GPU runs, not the bench it runs).
+    Notebook 06 runs fewer settings (FEWER), notebook 00-setup two injected values (INJECTED)."""
     if name == "09-benchmarks":
         _, outcome = request.getfixturevalue("notebook_09")
     else:
         declared = tour.parameters_of(stage(name))
         parameters = {"out_dir": str(tmp_path / "launch")} if "out_dir" in declared else {}
-        parameters.update(FEWER.get(name, {}))
+        parameters.update({**FEWER.get(name, {}), **INJECTED.get(name, {})})
         outcome = tour.run(stage(name), tmp_path / f"{name}.ipynb", parameters)
     assert outcome.ok, outcome.error
     stored, got = outputs_of_checked_cells(stage(name)), outputs_of_checked_cells(outcome.output)
     assert stored and got == stored
+    if name in INJECTED:  # the injected values reached the cells that read them
+        executed = texts(outcome.output)
+        assert "kit:tiny-qwen2:" in executed and "nproc=1" in executed
     if name == "06-attention-and-checkpointing":
         sweep_ran_each_setting(texts(outcome.output), tmp_path / "launch")
 
@@ -136,17 +144,6 @@ def sweep_ran_each_setting(printed: str, out: Path) -> None:
     same = re.search(r"final loss the same in every setting: (True|False) \[(.*)\]", printed)
     losses = [float(x) for x in same[2].split(",")]
     assert len(losses) == 2 and losses[0] == pytest.approx(losses[1], rel=1e-5), same[0]
-
-
-@pytest.mark.slow
-def test_injected_parameters_reach_a_real_notebook(tmp_path):
-    """papermill's injection end to end on a stage notebook (cheap: notebook 00), with values a
-    GPU run would change: another model, one process."""
-    outcome = tour.run(stage("00-setup-and-hardware"), tmp_path / "00.ipynb",
-                       {"model": "kit:tiny-qwen2", "nproc": 1})
-    assert outcome.ok, outcome.error
-    executed = texts(outcome.output)
-    assert "kit:tiny-qwen2:" in executed and "nproc=1" in executed
 
 
 def test_nbval_reads_the_checked_cells_the_same_way(tmp_path):
