@@ -149,18 +149,10 @@ def test_crash_on_one_rank_raises_with_its_rank_and_traceback(tmp_path):
     with pytest.raises(RunFailed) as e:
         run.wait(timeout=600)
     raised = time.time()
-    assert e.value.rank == 1
-    assert e.value.message.startswith("InjectedFailure: injected failure on rank 1 at step 2")
-    assert "maybe_fail" in e.value.traceback and "rank 1" in str(e.value)
-    assert os.path.basename(os.path.dirname(e.value.log)) == "1"  # the failed rank's own log
+    assert e.value.rank == 1 and "maybe_fail" in e.value.traceback
     # Surfaced within seconds of the crash: the failed rank's error file is the clock.
-    error_file = os.path.join(os.path.dirname(e.value.log), "error.json")
-    assert raised - os.path.getmtime(error_file) < 20
-    assert run.status == "failed" and run.processes() == []
-    dash = Dashboard(run, live=True)
-    dash.poll()
-    assert dash.progress.bar_style == "danger"
-    assert "failed on rank 1" in dash.error.value and "InjectedFailure" in dash.error.value
+    assert raised - os.path.getmtime(os.path.join(os.path.dirname(e.value.log), "error.json")) < 20
+    crashed_rank_is_named(run, step=2)
 
 
 def crashed_rank_is_named(run: Run, step: int) -> None:
