@@ -111,7 +111,7 @@ class Recipe:
                 f", activation memory budget {t.activation_memory_budget}"
                 if t.activation_memory_budget < 1 else ""))
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)
+        self.optimizer = self.engine.optimizer(trainable, lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = self._scheduler()
         torch.manual_seed(t.seed + env.rank)  # dropout differs per rank, as data does
         one_row = cfg.data.packing and built.attention.startswith("flash_attention")
@@ -181,20 +181,20 @@ class Recipe:
         return {k: v.to(self.env.device, non_blocking=True) for k, v in batch.items()}
 
     def train_step(self) -> dict:
-        cfg, env = self.cfg, self.env
-        accum = cfg.training.grad_accum
+        cfg, env, accum = self.cfg, self.env, self.cfg.training.grad_accum
         start = time.perf_counter()
         loss_sum, tokens = 0.0, 0
         for micro in range(accum):
-            batch = self._to_device(next(self.train_batches))
+            batch = next(self.train_batches)
+            tokens += data.count_tokens(batch)  # on the host: a device value would be read back
             with self.engine.no_sync(self.model, active=micro < accum - 1):
                 with offload.activations(cfg.training.offload_activations, env.device):
-                    loss = self.model(**batch, use_cache=False).loss / accum
+                    loss = self.model(**self._to_device(batch), use_cache=False).loss / accum
                 loss.backward()
             loss_sum += loss.detach()
-            tokens += data.count_tokens(batch)
         # No value is read back until the optimizer step is queued: a read waits for the GPU, and
-        # the GPU would then sit idle while Python queues clipping and the optimizer's kernels.
+        # the GPU would then sit idle while Python queues clipping and the optimizer's kernels
+        # (benchmarks/host_lead.py found the token count doing so: round4-8b-1xh100.md).
         grad_norm = self.engine.clip_grad_norm(self.model, cfg.training.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()

@@ -48,9 +48,17 @@ class Engine:
     def clip_grad_norm(self, wrapped: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip (max_norm > 0) and return the global gradient norm as a tensor on the device
         (reading it waits for the GPU: read it after queuing the optimizer step)."""
+        from kit.recipe import optim  # FSDP2's DTensors: from the local shards (the host time)
+
         params = [p for p in wrapped.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+        return optim.clip_grad_norm(params, max_norm if max_norm > 0 else float("inf"))
+
+    def optimizer(self, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+        """AdamW over the trainable parameters: torch's, stepping FSDP2's DTensors shard by shard
+        (kit.recipe.optim: the host time of DTensor's dispatch, measured; the same update)."""
+        from kit.recipe import optim
+
+        return optim.ShardAdamW(params, lr=lr, weight_decay=weight_decay)
 
     def adapter_dtype(self, cfg: Config) -> torch.dtype:
         """The LoRA weights' dtype: lora.dtype, or with "auto" float32 (exact optimizer updates)."""
