@@ -34,6 +34,7 @@ from kit.recipe import (
     meters,
     model,
     offload,
+    optim,
     planning,
     preempt,
     recompute,
@@ -111,7 +112,7 @@ class Recipe:
                 f", activation memory budget {t.activation_memory_budget}"
                 if t.activation_memory_budget < 1 else ""))
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = self.engine.optimizer(trainable, lr=t.lr, weight_decay=t.weight_decay)
+        self.optimizer = optim.ShardAdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = self._scheduler()
         torch.manual_seed(t.seed + env.rank)  # dropout differs per rank, as data does
         one_row = cfg.data.packing and built.attention.startswith("flash_attention")
@@ -193,8 +194,7 @@ class Recipe:
                 loss.backward()
             loss_sum += loss.detach()
         # No value is read back until the optimizer step is queued: a read waits for the GPU, and
-        # the GPU would then sit idle while Python queues clipping and the optimizer's kernels
-        # (benchmarks/host_lead.py found the token count doing so: round4-8b-1xh100.md).
+        # the GPU would then sit idle while Python queues clipping and the optimizer's kernels.
         grad_norm = self.engine.clip_grad_norm(self.model, cfg.training.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()

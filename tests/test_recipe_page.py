@@ -27,7 +27,7 @@ PAGE = {
     "engines.FSDP2.wrap": ["MixedPrecisionPolicy(", "for layer in decoder_layers(model):",
                            "fully_shard(layer", "fully_shard(embeddings", "fully_shard(model",
                            "set_modules_to_backward_prefetch("],
-    "train.Recipe.setup": ["self.engine.wrap(", "self.model.parameters()", "torch.optim.AdamW("],
+    "train.Recipe.setup": ["self.engine.wrap(", "self.model.parameters()", "AdamW("],
     "train.Recipe.train_step": ["self.engine.no_sync(", "loss = self.model(", ".backward()",
                                 "clip_grad_norm(", "self.optimizer.step()", "zero_grad("],
 }  # fmt: skip

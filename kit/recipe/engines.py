@@ -53,13 +53,6 @@ class Engine:
         params = [p for p in wrapped.parameters() if p.grad is not None]
         return optim.clip_grad_norm(params, max_norm if max_norm > 0 else float("inf"))
 
-    def optimizer(self, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-        """AdamW over the trainable parameters: torch's, stepping FSDP2's DTensors shard by shard
-        (kit.recipe.optim: the host time of DTensor's dispatch, measured; the same update)."""
-        from kit.recipe import optim
-
-        return optim.ShardAdamW(params, lr=lr, weight_decay=weight_decay)
-
     def adapter_dtype(self, cfg: Config) -> torch.dtype:
         """The LoRA weights' dtype: lora.dtype, or with "auto" float32 (exact optimizer updates)."""
         return torch.float32 if cfg.lora.dtype == "auto" else DTYPES[cfg.lora.dtype]
