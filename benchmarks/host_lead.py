@@ -5,7 +5,7 @@
 Builds the case's recipe (kit.bench.runner.case_config, its memory cap as kit.bench sets it),
 then runs steps with a CUDA event and a host clock reading at each point of the step: after
 each decoder layer's forward, after the loss, after backward, clipping, the optimizer step and
-the step's end. No profiler (its own host cost hides what it measures). At each point:
+the step's end; where backward reaches each layer, and each layer's recompute. No profiler (its own host cost hides what it measures). At each point:
 
     lead = GPU time when the GPU got there - host time when the host queued it
 
@@ -20,9 +20,20 @@ import json
 import statistics
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
+
+
+def _show_sync(message, category, filename, lineno, file=None, line=None) -> None:
+    """A synchronizing operation (torch.cuda.set_sync_debug_mode): where it was called from."""
+    if "synchroniz" not in str(message):
+        return
+    frames = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename]
+    where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-4:][::-1])
+    print(f"SYNC {str(message)[:60]}: {where}", flush=True)
 
 
 def main() -> None:
@@ -53,8 +64,21 @@ def main() -> None:
         event.record()
         marks.append((label, time.perf_counter(), event))
 
+    seen: set[int] = set()
+
+    def after_layer(i: int, output) -> None:
+        # The first call is the forward; a later one in the same step is its recompute. The
+        # output's gradient hook marks where backward reaches the layer (queued by autograd's
+        # device thread, on the same stream).
+        mark(f"layer {i} {'recompute' if i in seen else 'forward'}")
+        out = output[0] if isinstance(output, tuple) else output
+        if i not in seen and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda g, i=i: mark(f"layer {i} backward"))
+        seen.add(i)
+
     for i, layer in enumerate(decoder_layers(recipe.model)):
-        layer.register_forward_hook(lambda m, a, o, i=i: mark(f"layer {i} forward"))
+        layer.register_forward_hook(lambda m, a, o, i=i: after_layer(i, o))
+    recipe.model.register_forward_hook(lambda m, a, o: mark("loss"))
     engine, optimizer = recipe.engine, recipe.optimizer
     clip, opt_step = engine.clip_grad_norm, optimizer.step
     engine.clip_grad_norm = lambda *a, **k: (mark("backward done"), clip(*a, **k), mark("clipped"))[1]
@@ -69,9 +93,16 @@ def main() -> None:
         recipe.train_batches = iter([batch])
         torch.cuda.synchronize()
         marks.clear()
+        seen.clear()
         mark("start")
         t0 = marks[0][1]
-        row = recipe.train_step()
+        if step == steps - 1:  # the last step names every read-back that makes the host wait
+            torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = _show_sync
+            row = recipe.train_step()
+        torch.cuda.set_sync_debug_mode("default")
         mark("end")
         torch.cuda.synchronize()
         start_event = marks[0][2]
@@ -82,8 +113,8 @@ def main() -> None:
     last = rows[-1]
     print(f"case {name}: batch {batch_size}, step {1e3 * statistics.median(r['step_s'] for r in rows[1:]):.1f} ms")
     print("| point | host ms | GPU ms | lead ms |\n|---|---|---|---|")
-    for label, host, gpu in last["points"]:
-        if not label.startswith("layer") or label.split()[1] in ("0", "1", "15", "30", "31"):
+    for label, host, gpu in sorted(last["points"], key=lambda p: p[2]):
+        if not label.startswith("layer") or label.split()[1] in ("0", "1", "2", "15", "29", "30", "31"):
             print(f"| {label} | {host} | {gpu} | {round(gpu - host, 1)} |")
     Path(sys.argv[4] if len(sys.argv) > 4 else "host_lead.json").write_text(json.dumps(rows))
 

@@ -155,6 +155,11 @@ class RecomputeConfig:
     # at long sequences its gate/up intermediates are a layer's widest tensors (at the 8B shape
     # 56 KiB per token each). 0: off. Eager layers with keeps=inputs (or recompute off) only.
     mlp_tile_tokens: int = 0
+    # Run each layer's attention block this many queries at a time, keeping only its input
+    # (kit.recipe.attention_tiles): at long sequences q, k, v, attention's output and the adapters'
+    # dropped inputs are most of what a recomputed layer holds (~90 KiB per token at the 8B
+    # shape). 0: off. As mlp_tile_tokens; adapters ungrouped; rows without padding.
+    attention_tile_tokens: int = 0
 
 
 @dataclass
@@ -462,6 +467,13 @@ def _check(cfg: Config) -> None:
          "training.recompute.mlp_tile_tokens", rc.mlp_tile_tokens,
          "only 0 with training.compile=true or a selective training.recompute.keeps (the tiles "
          "run outside their graph and policy)")
+    need(rc.attention_tile_tokens >= 0, "training.recompute.attention_tile_tokens",
+         rc.attention_tile_tokens, "expected an integer >= 0 (queries per tile; 0: off)")
+    need(not rc.attention_tile_tokens or (t.compile is not True and rc.keeps in ("inputs", AUTO)
+                                          and lo.group_inputs is not True),
+         "training.recompute.attention_tile_tokens", rc.attention_tile_tokens,
+         "only 0 with training.compile=true, a selective training.recompute.keeps or "
+         "lora.group_inputs=true (the tiles run outside their graph, policy and groups)")
     need(not (t.offload_activations is True and t.compile is True), "training.offload_activations", True,
          "only without training.compile (compiled layers keep their own saved tensors)")
     need(m.loading != "stream" or cfg.sharding.engine != "ddp", "model.loading", m.loading,

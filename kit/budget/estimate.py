@@ -66,6 +66,7 @@ class Setup:
     loss: str = "hf"  # training.loss: hf | chunked | fused (kit.recipe.loss: how many logits exist)
     offload_activations: bool = False  # training.offload_activations: kept tensors in host memory
     mlp_tile_tokens: int = 0  # training.recompute.mlp_tile_tokens: the MLP's graph one tile at a time
+    attention_tile_tokens: int = 0  # training.recompute.attention_tile_tokens: attention's, likewise
 
     @classmethod
     def from_config(cls, cfg, world_size: int = 2) -> Setup:
@@ -105,6 +106,7 @@ class Setup:
             loss=plain(cfg.training.loss, "hf"),
             offload_activations=plain(cfg.training.offload_activations, False),
             mlp_tile_tokens=cfg.training.recompute.mlp_tile_tokens,
+            attention_tile_tokens=cfg.training.recompute.attention_tile_tokens,
         )
 
     @property
@@ -142,10 +144,19 @@ def activation_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
         dropout mask (1 byte * in), the r-wide output of A (l * r); with lora.group_inputs the
         dropped input and mask once per group of layers that share it (kit.budget.shapes.dropped_inputs)
     """
+    return 4 * shape.hidden + attention_bytes_per_token_layer(shape, setup) + \
+        mlp_bytes_per_token_layer(shape, setup)
+
+
+def attention_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
+    """The attention block's share of activation_bytes_per_token_layer: its norm's fp32 copy,
+    q, k, v, attention's output and o_proj's copy, and the adapters' dropped inputs, masks and
+    r-wide outputs on q, k, v and o. A tiled attention block (kit.recipe.attention_tiles) holds
+    these for one tile of queries only, and keeps its input."""
     h, r = shape.hidden, setup.lora_r
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     a, lb, mask = DTYPE_BYTES[setup.dtype], setup.adapter_bytes, int(setup.lora_dropout)
-    total = 2 * 4 * h + a * (2 * q + 2 * kv) + a * q + mlp_bytes_per_token_layer(shape, setup)
+    total = 4 * h + a * (2 * q + 2 * kv) + a * q
     if setup.attention == "eager":
         total += shape.heads * setup.seq_len * (4 + a)
     for name, fan_in in dropped_inputs(shape, setup.lora_targets, setup.lora_groups).items():
@@ -370,6 +381,10 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
     if 0 < setup.mlp_tile_tokens < tokens:  # one tile's MLP graph instead of all tokens', + its input
         per_layer -= mlp_bytes_per_token_layer(shape, setup) * (tokens - setup.mlp_tile_tokens)
         per_layer += tokens * shape.hidden * a
+    if 0 < setup.attention_tile_tokens < tokens:  # one tile's graph, + its input, the whole
+        # sequence's keys and values and their gradients (4 x kv values per token)
+        per_layer -= attention_bytes_per_token_layer(shape, setup) * (tokens - setup.attention_tile_tokens)
+        per_layer += tokens * a * (shape.hidden + 4 * shape.kv_heads * shape.head_dim)
     logits, how = loss_bytes(shape, setup, tokens)
     offload = " [host]" if setup.offload_activations else ""
     if setup.recompute and setup.recompute_keeps != "inputs":

@@ -265,7 +265,8 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
         targets = out.lora.target_modules
         whole = targets == "all-linear" or any(all(n in targets for n in g)
                                                for g in SHARED_INPUT_GROUPS)
-        why = (f"measured under {MEASURED_ENGINE} only" if out.sharding.engine != MEASURED_ENGINE
+        why = ("attention tiles run each projection on its own" if rc.attention_tile_tokens
+               else f"measured under {MEASURED_ENGINE} only" if out.sharding.engine != MEASURED_ENGINE
                else f"measured for {', '.join(GROUPED_FAMILIES)} only" if family not in
                GROUPED_FAMILIES else "no q/k/v or gate/up group among the targets" if not whole
                else None)
@@ -276,7 +277,8 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
         say(Choice("lora.group_inputs", out.lora.group_inputs, "you", "set in the config"))
 
     policies = ([rc.keeps] if rc.keeps != AUTO else
-                ["inputs"] if (not rc.enabled or rc.mlp_tile_tokens or out.lora.recompute
+                ["inputs"] if (not rc.enabled or rc.mlp_tile_tokens or rc.attention_tile_tokens
+                               or out.lora.recompute
                                or t.activation_memory_budget < 1) else
                 list(LEAN) if rc.matmul_layers else list(POLICIES))
     batches = [t.batch_size] if t.batch_size != AUTO else list(range(1, MAX_BATCH + 1))
@@ -302,6 +304,7 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
     if t.compile == AUTO:
         outside = ("training.offload_activations" if t.offload_activations else
                    "training.recompute.mlp_tile_tokens" if rc.mlp_tile_tokens else
+                   "training.recompute.attention_tile_tokens" if rc.attention_tile_tokens else
                    "a mixture of experts' routed loop (kit.recipe.experts)" if shape.experts
                    else None)
         t.compile = outside is None and out.sharding.engine == MEASURED_ENGINE

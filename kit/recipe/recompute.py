@@ -33,12 +33,12 @@ partitioner follows the policy (and recomputes dropout with the RNG state of the
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import types
 
 import torch
 
+from kit.recipe.attention_tiles import restored_rng, rng_state, tile_attention
 from kit.recipe.layers import decoder_layers
 
 KEEPS = ("inputs", "matmuls", "mlp_matmuls", "attention_matmuls")
@@ -183,7 +183,7 @@ class _TiledMLP(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         ctx.rng, outs = [], []
         for tile in flat.split(tokens):
-            ctx.rng.append(_rng_state(x.device))
+            ctx.rng.append(rng_state(x.device))
             outs.append(type(mlp).forward(mlp, tile))
         return torch.cat(outs).reshape(*x.shape[:-1], -1)
 
@@ -193,7 +193,7 @@ class _TiledMLP(torch.autograd.Function):
         flat, grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
         grads_x, grads_p = [], [None] * len(ctx.params)
         for tile, g, rng in zip(flat.split(ctx.tokens), grad.split(ctx.tokens), ctx.rng, strict=True):
-            with _restored_rng(x.device, rng), torch.enable_grad():
+            with restored_rng(x.device, rng), torch.enable_grad():
                 tile = tile.detach().requires_grad_(True)
                 out = type(ctx.mlp).forward(ctx.mlp, tile)
                 got = torch.autograd.grad(out, (tile, *ctx.params), g, allow_unused=True)
@@ -201,19 +201,6 @@ class _TiledMLP(torch.autograd.Function):
             grads_p = [a if b is None else b if a is None else a + b
                        for a, b in zip(grads_p, got[1:], strict=True)]  # fmt: skip
         return None, None, torch.cat(grads_x).reshape(x.shape), *grads_p
-
-
-def _rng_state(device: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-
-
-@contextlib.contextmanager
-def _restored_rng(device: torch.device, state: torch.Tensor):
-    """Run with the RNG state a tile saw in forward; the global state is left as it was."""
-    on_gpu = device.type == "cuda"
-    with torch.random.fork_rng(devices=[device.index or 0] if on_gpu else []):
-        (torch.cuda.set_rng_state(state, device) if on_gpu else torch.set_rng_state(state))
-        yield
 
 
 def tile_mlp(model, tokens: int) -> int:
@@ -241,11 +228,13 @@ def tile_mlp(model, tokens: int) -> int:
 
 def apply(model, cfg) -> list[int]:
     """Switch on what cfg.training.recompute asks for (before sharding); returns the indices of
-    the recomputed decoder layers ([] when recompute is off). MLP tiling comes first: the layer's
-    recompute then runs the tiled MLP too."""
+    the recomputed decoder layers ([] when recompute is off). MLP and attention tiling come first:
+    the layer's recompute then runs the tiled blocks too."""
     rc = cfg.training.recompute
     if rc.mlp_tile_tokens:
         tile_mlp(model, rc.mlp_tile_tokens)
+    if rc.attention_tile_tokens:
+        tile_attention(model, rc.attention_tile_tokens)
     if not rc.enabled:
         return []
     if rc.keeps == "inputs":
