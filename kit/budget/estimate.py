@@ -67,6 +67,7 @@ class Setup:
     offload_activations: bool = False  # training.offload_activations: kept tensors in host memory
     mlp_tile_tokens: int = 0  # training.recompute.mlp_tile_tokens: the MLP's graph one tile at a time
     attention_tile_tokens: int = 0  # training.recompute.attention_tile_tokens: attention's, likewise
+    lean_norms: bool = False  # training.recompute.lean_norms: RMSNorms keep no fp32 copy
 
     @classmethod
     def from_config(cls, cfg, world_size: int = 2) -> Setup:
@@ -107,6 +108,7 @@ class Setup:
             offload_activations=plain(cfg.training.offload_activations, False),
             mlp_tile_tokens=cfg.training.recompute.mlp_tile_tokens,
             attention_tile_tokens=cfg.training.recompute.attention_tile_tokens,
+            lean_norms=cfg.training.recompute.lean_norms,
         )
 
     @property
@@ -144,19 +146,22 @@ def activation_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
         dropout mask (1 byte * in), the r-wide output of A (l * r); with lora.group_inputs the
         dropped input and mask once per group of layers that share it (kit.budget.shapes.dropped_inputs)
     """
-    return 4 * shape.hidden + attention_bytes_per_token_layer(shape, setup) + \
+    # The two RMSNorms: the fp32 copy of their input; lean (kit.recipe.norms), the fp32 1/rms,
+    # and the second's bf16 input (the first's is the layer's input, kept anyway).
+    norms = 4 + 4 + DTYPE_BYTES[setup.dtype] * shape.hidden if setup.lean_norms else 8 * shape.hidden
+    return norms + attention_bytes_per_token_layer(shape, setup) + \
         mlp_bytes_per_token_layer(shape, setup)
 
 
 def attention_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
-    """The attention block's share of activation_bytes_per_token_layer: its norm's fp32 copy,
+    """The attention block's share of activation_bytes_per_token_layer (its norm not included):
     q, k, v, attention's output and o_proj's copy, and the adapters' dropped inputs, masks and
     r-wide outputs on q, k, v and o. A tiled attention block (kit.recipe.attention_tiles) holds
     these for one tile of queries only, and keeps its input."""
-    h, r = shape.hidden, setup.lora_r
+    r = setup.lora_r
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     a, lb, mask = DTYPE_BYTES[setup.dtype], setup.adapter_bytes, int(setup.lora_dropout)
-    total = 4 * h + a * (2 * q + 2 * kv) + a * q
+    total = a * (2 * q + 2 * kv) + a * q
     if setup.attention == "eager":
         total += shape.heads * setup.seq_len * (4 + a)
     for name, fan_in in dropped_inputs(shape, setup.lora_targets, setup.lora_groups).items():
@@ -382,9 +387,18 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
         per_layer -= mlp_bytes_per_token_layer(shape, setup) * (tokens - setup.mlp_tile_tokens)
         per_layer += tokens * shape.hidden * a
     if 0 < setup.attention_tile_tokens < tokens:  # one tile's graph, + its input, the whole
-        # sequence's keys and values and their gradients (4 x kv values per token)
+        # sequence's keys and values and their gradients (4 x kv values per token), and in the
+        # last tile's backward the keys' and values' gradients for every query head (flash's
+        # backward with grouped queries; measured 2.88 GiB for 131,072 keys at the 8B shape,
+        # benchmarks/tile_sdpa_check.py): 2 x q values per token
         per_layer -= attention_bytes_per_token_layer(shape, setup) * (tokens - setup.attention_tile_tokens)
-        per_layer += tokens * a * (shape.hidden + 4 * shape.kv_heads * shape.head_dim)
+        per_layer += tokens * a * (shape.hidden + 4 * shape.kv_heads * shape.head_dim
+                                   + 2 * shape.heads * shape.head_dim)
+        if not setup.lean_norms:  # the eager norms' backward: fp32 temporaries of the whole
+            # sequence, two at once (fitted: 98,304 and 114,688 tokens at the 8B shape measured
+            # 19.88 and 22.01 GiB, benchmarks/results/round5-8b-1xh100.md; counted without them
+            # the estimate lay 11-13% below). kit.recipe.norms runs them a chunk at a time.
+            per_layer += tokens * 2 * 4 * shape.hidden
     logits, how = loss_bytes(shape, setup, tokens)
     offload = " [host]" if setup.offload_activations else ""
     if setup.recompute and setup.recompute_keeps != "inputs":

@@ -61,6 +61,16 @@ REFERENCE_CONTEXT = {
                  (65536, 8192): 19.38, (131072, 8192): 31.68},
 }  # fmt: skip
 
+# The same with each attention block 8,192 queries at a time too (training.recompute.
+# attention_tile_tokens; benchmarks/results/round5-8b-1xh100.md, 2026-11-27), the MLP in 8k
+# tiles, adapters ungrouped, within a 24 GiB cap: 131,072 ran out of memory there.
+REFERENCE_CONTEXT_TILES = {
+    "model": "kit:llama-8b",
+    "keys": ("seq_len", "attention_tile_tokens"),
+    "setup": dict(REFERENCE_CONTEXT["setup"], mlp_tile_tokens=8192),
+    "peak_gib": {(98304, 8192): 19.88, (114688, 8192): 22.01},
+}  # fmt: skip
+
 # The kit's fastest cases on one H100 (benchmarks/results/round3-8b-1xh100.md, 2026-11-24):
 # Llama-3-8B shape, FSDP2 on one process, compiled layers, fused loss, LoRA r16 all-linear with
 # dropout; peaks by (training.recompute.keeps, batch, lora.group_inputs). FP8 base matmuls

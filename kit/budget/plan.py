@@ -278,6 +278,7 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
 
     policies = ([rc.keeps] if rc.keeps != AUTO else
                 ["inputs"] if (not rc.enabled or rc.mlp_tile_tokens or rc.attention_tile_tokens
+                               or rc.lean_norms
                                or out.lora.recompute
                                or t.activation_memory_budget < 1) else
                 list(LEAN) if rc.matmul_layers else list(POLICIES))
@@ -305,6 +306,7 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
         outside = ("training.offload_activations" if t.offload_activations else
                    "training.recompute.mlp_tile_tokens" if rc.mlp_tile_tokens else
                    "training.recompute.attention_tile_tokens" if rc.attention_tile_tokens else
+                   "training.recompute.lean_norms" if rc.lean_norms else
                    "a mixture of experts' routed loop (kit.recipe.experts)" if shape.experts
                    else None)
         t.compile = outside is None and out.sharding.engine == MEASURED_ENGINE

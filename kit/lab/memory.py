@@ -4,6 +4,7 @@ and a rank's runtime before any model. The estimate these are checked against is
     m = measured_vs_estimated("kit:tiny-llama", batch_size=8)   # builds on CPU, in this process
     m = child.call("kit.lab.memory:measured_vs_estimated", batch_size=8)   # from a notebook kernel
     saved = measure_saved_activations(built.model, batch_size=1, seq_len=256)
+    rows = long_context_levers("kit:tiny-llama", seq_len=256)   # attention tiles, lean norms
 
 Rank/child side: each function runs torch in the process that calls it (a rank, a script, a test,
 a kit.run.child process started from notebook 01's kernel); `runtime_baseline_gib` starts a fresh
@@ -71,6 +72,49 @@ def measured_vs_estimated(model: str = "kit:tiny-llama", batch_size: int = 8,
         "saved_bytes": {"no checkpointing": saved[False], "checkpointing": saved[True]},
         "seq_lens": seq_lens,
     }
+
+
+def long_context_levers(model: str = "kit:tiny-llama", seq_len: int = 256, tile: int = 64) -> list:
+    """One sequence through a bf16 `model` (its weights trained, as a long-context step trains
+    them), once per setting: the attention block whole; in tiles of `tile` queries
+    (kit.recipe.attention_tiles); and tiled with lean RMSNorms (kit.recipe.norms). Per setting:
+    the bytes autograd keeps (weights not counted), the loss, and the largest gradient difference
+    from the whole block's, relative to the largest gradient."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kit.inputs import builtin
+    from kit.recipe.attention_tiles import tile_attention
+    from kit.recipe.norms import lean_norms
+
+    ids = torch.randint(3, 1000, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    rows, base = [], None
+    for name in ("attention whole", "attention in tiles", "tiles + lean norms"):
+        torch.manual_seed(0)
+        m = AutoModelForCausalLM.from_pretrained(builtin.resolve(model), dtype=torch.bfloat16)
+        m.train()
+        if name != "attention whole":
+            tile_attention(m, tile)
+        if name == "tiles + lean norms":
+            lean_norms(m)
+        weights = {p.untyped_storage().data_ptr() for p in m.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t, seen=seen, weights=weights):
+            if t.untyped_storage().data_ptr() not in weights:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        grads = torch.cat([p.grad.float().flatten() for p in m.parameters() if p.grad is not None])
+        base = grads if base is None else base
+        rows.append({"setting": name, "kept_kib": round(sum(seen.values()) / 1024, 1),
+                     "loss": round(loss.item(), 4),
+                     "grad_difference": round(((grads - base).abs().max()
+                                               / base.abs().max()).item(), 4)})
+    return rows
 
 
 def runtime_baseline_gib() -> float:

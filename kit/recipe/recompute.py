@@ -40,6 +40,7 @@ import torch
 
 from kit.recipe.attention_tiles import restored_rng, rng_state, tile_attention
 from kit.recipe.layers import decoder_layers
+from kit.recipe.norms import lean_norms
 
 KEEPS = ("inputs", "matmuls", "mlp_matmuls", "attention_matmuls")
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
@@ -235,6 +236,8 @@ def apply(model, cfg) -> list[int]:
         tile_mlp(model, rc.mlp_tile_tokens)
     if rc.attention_tile_tokens:
         tile_attention(model, rc.attention_tile_tokens)
+    if rc.lean_norms:
+        lean_norms(model)
     if not rc.enabled:
         return []
     if rc.keeps == "inputs":

@@ -1,27 +1,32 @@
-"""training.recompute.attention_tile_tokens (kit.recipe.attention_tiles): each layer's attention
-block a tile of queries at a time gives the loss and gradients of the block run whole, with the
-forward's dropout masks in backward, keeping only its input."""
+"""The long-context levers of a recomputed layer. training.recompute.attention_tile_tokens
+(kit.recipe.attention_tiles): each layer's attention block a tile of queries at a time gives the
+loss and gradients of the block run whole, with the forward's dropout masks in backward, keeping
+only its input. training.recompute.lean_norms (kit.recipe.norms): the RMSNorms' own forward, op
+for op, keeping no fp32 copy."""
 
 import pytest
 import torch
-from levers import saved_bytes
+from levers import kept_by
 from test_recompute import _nf4_layer_model
 from transformers import AutoModelForCausalLM
 
 from kit.config import ConfigError, load_config
 from kit.inputs import builtin
+from kit.recipe import norms
 from kit.recipe.attention_tiles import tile_attention
 from kit.recipe.recompute import enable_activation_checkpointing
 
 IDS = torch.randint(3, 1000, (2, 48), generator=torch.Generator().manual_seed(3))
 
 
-def _run(model, tile: int, dropout: float = 0.0, recompute: bool = False):
+def _run(model, tile: int, dropout: float = 0.0, recompute: bool = False, lean: bool = False):
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = dropout
     if tile:
         assert tile_attention(model, tile) == 2
+    if lean:
+        assert norms.lean_norms(model) > 0
     if recompute:
         enable_activation_checkpointing(model)
     torch.manual_seed(7)
@@ -89,9 +94,7 @@ def test_tiled_attention_keeps_only_its_input():
         model = _nf4_layer_model()[0]
         if tile:
             tile_attention(model, tile)
-        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        _, kept[tile] = saved_bytes(
-            lambda m=model: m(input_ids=ids, labels=ids, use_cache=False).loss, weights)
+        kept[tile] = kept_by(model, ids)
     # Byte counts follow from the shapes alone: measured 3,795,980 against 4,881,420 (the MLP,
     # norms and loss keep the rest); the block kept whole would put them level.
     assert kept[32] < 0.8 * kept[0], kept
@@ -111,3 +114,68 @@ def test_attention_tiles_are_refused_where_they_cannot_run():
     gemma2 = AutoModelForCausalLM.from_pretrained(builtin.resolve("kit:tiny-gemma2"))
     with pytest.raises(ConfigError, match="sliding-window"):
         tile_attention(gemma2, 16)
+
+
+def _qwen3():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(builtin.resolve("kit:tiny-qwen3"),
+                                                dtype=torch.float32).train()
+
+
+def test_lean_norms_compute_what_the_models_norms_compute(monkeypatch):
+    """One Llama RMSNorm in bf16, 15 tokens in chunks of 4: the same output bit for bit and the
+    same input and weight gradients; then Qwen3 whole (its layer norms and the per-head q/k norms)
+    with attention tiles: the loss and every gradient of the plain model."""
+    import types
+
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    monkeypatch.setattr(norms, "ROWS", 4)
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(64, eps=1e-5).to(torch.bfloat16)
+    norm.weight.data.normal_(1, 0.1)
+    x = torch.randn(3, 5, 64, dtype=torch.bfloat16, requires_grad=True)
+    outs = []
+    for lean in (False, True):
+        if lean:
+            norm.forward = types.MethodType(norms._forward, norm)
+        x.grad = norm.weight.grad = None
+        y = norm(x)
+        y.backward(torch.ones_like(y).normal_(generator=torch.Generator().manual_seed(1)))
+        outs.append((y.detach(), x.grad, norm.weight.grad))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+    loss0, grads0 = _run(_qwen3(), 0)
+    loss, grads = _run(_qwen3(), 20, lean=True)
+    assert loss == pytest.approx(loss0, abs=1e-5)
+    assert any("norm" in n for n in grads)
+    for name, g in grads.items():
+        assert torch.allclose(g, grads0[name], atol=1e-5), name
+
+
+def test_lean_norms_keep_less():
+    """A bf16 model's autograd keeps less with lean norms: per norm the fp32 copy of its input
+    (4 bytes a value) gives way to 4 bytes a token (and the second norm's bf16 input)."""
+    ids = torch.randint(3, 1000, (1, 128), generator=torch.Generator().manual_seed(4))
+    kept = {}
+    for lean in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(builtin.resolve("kit:tiny-llama"),
+                                                     dtype=torch.bfloat16).train()
+        if lean:
+            assert norms.lean_norms(model) == 2 * model.config.num_hidden_layers
+        kept[lean] = kept_by(model, ids)
+    h, layers = model.config.hidden_size, model.config.num_hidden_layers
+    fp32_copies = layers * 2 * 128 * h * 4
+    # Measured: exactly the fp32 copies (the second norm's input is kept by its residual anyway).
+    assert kept[False] - kept[True] >= 0.9 * fp32_copies, (kept, fp32_copies)
+
+
+def test_lean_norms_are_refused_where_they_cannot_run():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["training.recompute.lean_norms=true", "training.compile=true"])
+    assert "\n" not in str(e.value) and "lean_norms" in str(e.value)
+    torch.manual_seed(0)
+    gemma2 = AutoModelForCausalLM.from_pretrained(builtin.resolve("kit:tiny-gemma2"))
+    with pytest.raises(ConfigError, match="Gemma2RMSNorm"):
+        norms.lean_norms(gemma2)
