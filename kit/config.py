@@ -154,15 +154,18 @@ class RecomputeConfig:
     # Run each layer's MLP this many tokens at a time, keeping only its input (kit.recipe.recompute):
     # at long sequences its gate/up intermediates are a layer's widest tensors (at the 8B shape
     # 56 KiB per token each). 0: off. Eager layers with keeps=inputs (or recompute off) only.
-    mlp_tile_tokens: int = 0
+    # auto: the planner's, 8,192 when nothing fits without (kit.budget.plan), else 0.
+    mlp_tile_tokens: int | Literal["auto"] = "auto"
     # Run each layer's attention block this many queries at a time, keeping only its input
     # (kit.recipe.attention_tiles): at long sequences q, k, v, attention's output and the adapters'
     # dropped inputs are most of what a recomputed layer holds (~90 KiB per token at the 8B
-    # shape). 0: off. As mlp_tile_tokens; adapters ungrouped; rows without padding.
-    attention_tile_tokens: int = 0
+    # shape). 0: off. As mlp_tile_tokens; adapters ungrouped; rows without padding. auto: as
+    # mlp_tile_tokens, after it, with lean_norms.
+    attention_tile_tokens: int | Literal["auto"] = "auto"
     # RMSNorms that keep their bf16 input and not its fp32 copy (kit.recipe.norms): 24 KiB less
     # per token and layer at the 8B shape, the same forward, op for op. Eager layers (as the tiles).
-    lean_norms: bool = False
+    # auto: the planner's, on with attention tiles.
+    lean_norms: bool | Literal["auto"] = "auto"
 
 
 @dataclass
@@ -464,20 +467,21 @@ def _check(cfg: Config) -> None:
     need(t.max_grad_norm >= 0, "training.max_grad_norm", t.max_grad_norm, "expected >= 0 (0: off)")
     need(d.max_seq_len == AUTO or d.max_seq_len >= 2, "data.max_seq_len", d.max_seq_len, "expected an integer >= 2")
     need(0 <= d.val_fraction < 1, "data.val_fraction", d.val_fraction, "expected 0 <= x < 1")
-    need(rc.mlp_tile_tokens >= 0, "training.recompute.mlp_tile_tokens", rc.mlp_tile_tokens,
-         "expected an integer >= 0 (tokens per tile; 0: off)")
-    need(not rc.mlp_tile_tokens or (t.compile is not True and rc.keeps in ("inputs", AUTO)),
+    need(rc.mlp_tile_tokens == AUTO or rc.mlp_tile_tokens >= 0, "training.recompute.mlp_tile_tokens",
+         rc.mlp_tile_tokens, "expected an integer >= 0 (tokens per tile; 0: off) or auto")
+    need(rc.mlp_tile_tokens in (0, AUTO) or (t.compile is not True and rc.keeps in ("inputs", AUTO)),
          "training.recompute.mlp_tile_tokens", rc.mlp_tile_tokens,
          "only 0 with training.compile=true or a selective training.recompute.keeps (the tiles "
          "run outside their graph and policy)")
-    need(rc.attention_tile_tokens >= 0, "training.recompute.attention_tile_tokens",
-         rc.attention_tile_tokens, "expected an integer >= 0 (queries per tile; 0: off)")
-    need(not rc.attention_tile_tokens or (t.compile is not True and rc.keeps in ("inputs", AUTO)
+    need(rc.attention_tile_tokens == AUTO or rc.attention_tile_tokens >= 0,
+         "training.recompute.attention_tile_tokens", rc.attention_tile_tokens,
+         "expected an integer >= 0 (queries per tile; 0: off) or auto")
+    need(rc.attention_tile_tokens in (0, AUTO) or (t.compile is not True and rc.keeps in ("inputs", AUTO)
                                           and lo.group_inputs is not True),
          "training.recompute.attention_tile_tokens", rc.attention_tile_tokens,
          "only 0 with training.compile=true, a selective training.recompute.keeps or "
          "lora.group_inputs=true (the tiles run outside their graph, policy and groups)")
-    need(not rc.lean_norms or (t.compile is not True and rc.keeps in ("inputs", AUTO)),
+    need(rc.lean_norms in (False, AUTO) or (t.compile is not True and rc.keeps in ("inputs", AUTO)),
          "training.recompute.lean_norms", rc.lean_norms,
          "only false with training.compile=true or a selective training.recompute.keeps (the "
          "norms' own backward runs outside their graph and policy)")

@@ -213,9 +213,10 @@ def test_estimate_at_long_context_within_10_percent():
 
 
 def test_estimate_with_attention_tiles_within_10_percent_and_above():
-    """Attention tiles at 98,304 and 114,688 tokens (benchmarks/results/round5-8b-1xh100.md):
-    within 10% and not below (a planned run must fit); lean norms take their fp32 copies and the
-    eager backward's fp32 temporaries off, ~5 GiB at 131,072 tokens."""
+    """Attention tiles at 98,304 and 114,688 tokens with eager norms, 131,072 and 163,840 with
+    lean ones (benchmarks/results/round5-8b-1xh100.md, round6-8b-1xh100.md): within 10% and not
+    below (a planned run must fit); lean norms take the eager backward's fp32 temporaries off,
+    4 GiB at 131,072 tokens."""
     from kit.budget.measured import REFERENCE_CONTEXT_TILES
 
     rows = compare_with_reference(REFERENCE_CONTEXT_TILES)
@@ -223,7 +224,7 @@ def test_estimate_with_attention_tiles_within_10_percent_and_above():
     eager, lean = (estimate("kit:llama-8b", Setup(
         **REFERENCE_CONTEXT_TILES["setup"], seq_len=131072, attention_tile_tokens=8192,
         lean_norms=lean)) for lean in (False, True))
-    assert lean.total < eager.total - 5 * 2**30
+    assert lean.total < eager.total - 3.5 * 2**30
 
 
 def test_estimate_of_the_fastest_cases_within_3_percent():

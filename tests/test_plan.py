@@ -217,3 +217,95 @@ def test_the_plan_turns_on_only_the_levers_measured_for_this_setup(overrides, fa
     config = {**shape_of_dict("kit:llama-8b"), "model_type": family}
     t = kplan.plan(cfg, _gpu(1, 80), 2048, config).cfg
     assert (t.training.compile, t.lora.group_inputs) == (compiled, grouped)
+
+
+def _long(seq: int, *overrides, config: dict | None = None, gib: float = 24) -> kplan.Planned:
+    cfg = load_config(None, ["model.name=kit:llama31-8b", f"data.max_seq_len={seq}", *overrides])
+    return kplan.plan(cfg, _gpu(1, gib), seq, config)
+
+
+def _tiles(planned: kplan.Planned) -> tuple:
+    rc = planned.cfg.training.recompute
+    return rc.mlp_tile_tokens, rc.attention_tile_tokens, rc.lean_norms
+
+
+def test_long_rows_get_the_tiles_only_when_nothing_fits_without():
+    """Rows of 131,072 tokens within 24 GiB: the plan turns on offloaded inputs, the MLP's and
+    attention's tiles and lean norms, as the hand-set run did (19.89 GiB measured, 20.49
+    predicted, benchmarks/results/round6-8b-1xh100.md); rows of 65,536 need the MLP's tiles only;
+    2,048 none; the measured peak lies within 10% below the prediction. Adapters go ungrouped
+    past GPU memory, as every offloaded and tiled run was measured."""
+    full = _long(131072)
+    t = full.cfg.training
+    assert _tiles(full) == (8192, 8192, True) and t.offload_activations is True
+    assert t.compile is False and full.cfg.lora.group_inputs is False and t.batch_size == 1
+    assert 0 <= (full.predicted_gib - 19.89) / 19.89 < 0.10
+    assert "attention in 8,192-token tiles" in full.line() and "lean norms" in full.line()
+    by = {c.field: c for c in full.choices}
+    assert by["training.recompute.lean_norms"].by == "plan"
+    assert by["lora.group_inputs"].why.startswith("measured ungrouped past GPU memory")
+    # Each stage is needed: the one before it does not fit 24 GiB.
+    assert _needed(full, attention_tile_tokens=0, lean_norms=False) > 24
+    assert _tiles(_long(65536)) == (8192, 0, False)
+    assert _needed(_long(65536), mlp_tile_tokens=0) > 24
+    short = _long(2048)
+    assert _tiles(short) == (0, 0, False) and short.cfg.training.compile is True
+    assert {c.why for c in short.choices if c.field in kplan.TILE_FIELDS} == {"the rows fit without"}
+
+
+def test_long_rows_past_every_lever_are_refused_naming_a_length_that_fits():
+    with pytest.raises(ConfigError) as e:
+        _long(163840)
+    line = str(e.value)
+    assert "\n" not in line and line.endswith("the smallest change that fits: data.max_seq_len=131072")
+
+
+@pytest.mark.parametrize("config, overrides, why", [
+    ({"model_type": "gemma2"}, [], "measured for llama, mistral, qwen2, qwen3 only"),
+    ({"model_type": "mistral", "sliding_window": 4096}, [], "not with sliding-window attention"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, [], "not with sliding-window attention"),
+    ({"attention_dropout": 0.1}, [], "not with attention dropout"),
+    ({}, ["lora.group_inputs=true"], "not with lora.group_inputs=true"),
+])
+def test_attention_tiles_are_not_planned_where_they_cannot_run(config, overrides, why):
+    """Where attention tiles would be refused at start (kit.recipe.attention_tiles), the plan
+    does not choose them, says why, and names the change that fits instead."""
+    config = {**shape_of_dict("kit:llama31-8b"), **config}
+    with pytest.raises(ConfigError) as e:
+        _long(131072, *overrides, config=config)
+    assert "data.max_seq_len=65536" in str(e.value)
+    planned = _long(131072, *overrides, config=config, gib=40)  # fits with the MLP's tiles
+    assert _tiles(planned) == (8192, 0, False)
+    assert {c.why for c in planned.choices if c.field in kplan.TILE_FIELDS[1:]} == {why}
+
+
+def test_tiles_you_set_are_kept_and_compile_rules_them_out():
+    planned = _long(98304, "training.recompute.lean_norms=false")  # measured: 19.88 GiB
+    assert _tiles(planned) == (8192, 8192, False)
+    assert {c.field for c in planned.choices if c.by == "you"} >= {"training.recompute.lean_norms"}
+    mine = _long(2048, "training.recompute.mlp_tile_tokens=1024")
+    assert _tiles(mine) == (1024, 0, False) and mine.cfg.training.compile is False
+    with pytest.raises(ConfigError) as e:  # compiled layers: no tiles to try; a length that fits
+        _long(131072, "training.compile=true")
+    assert "data.max_seq_len=" in str(e.value)
+    cpu = kplan.plan(load_config("tiny-cpu"), kplan.Hardware("cpu", 2), 32)
+    assert _tiles(cpu) == (0, 0, False)
+
+
+def test_offloaded_tensors_must_fit_host_memory_too(monkeypatch):
+    """Offloaded layer inputs at 131,072 tokens on the 8B shape are 32 GiB of host memory per
+    process: with less, the plan is refused in one line that says so and names a length that
+    fits; a rank reads its share of the node's available memory."""
+    cfg = load_config(None, ["model.name=kit:llama31-8b", "data.max_seq_len=131072"])
+    with pytest.raises(ConfigError) as e:
+        kplan.plan(cfg, replace(_gpu(1, 24), host_gib=30), 131072)
+    line = str(e.value)
+    assert "\n" not in line and "32.0 GiB of host memory per process" in line
+    assert line.endswith("data.max_seq_len=65536")
+    assert kplan.plan(cfg, replace(_gpu(1, 24), host_gib=64), 131072).cfg.training.offload_activations
+    from kit.recipe import planning
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    one = planning.host_gib()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert one and planning.host_gib() == pytest.approx(one / 4, abs=0.5)

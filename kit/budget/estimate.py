@@ -106,9 +106,9 @@ class Setup:
             reshard_after_forward=cfg.sharding.reshard_after_forward,
             loss=plain(cfg.training.loss, "hf"),
             offload_activations=plain(cfg.training.offload_activations, False),
-            mlp_tile_tokens=cfg.training.recompute.mlp_tile_tokens,
-            attention_tile_tokens=cfg.training.recompute.attention_tile_tokens,
-            lean_norms=cfg.training.recompute.lean_norms,
+            mlp_tile_tokens=plain(cfg.training.recompute.mlp_tile_tokens, 0),
+            attention_tile_tokens=plain(cfg.training.recompute.attention_tile_tokens, 0),
+            lean_norms=plain(cfg.training.recompute.lean_norms, False),
         )
 
     @property
@@ -146,9 +146,12 @@ def activation_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
         dropout mask (1 byte * in), the r-wide output of A (l * r); with lora.group_inputs the
         dropped input and mask once per group of layers that share it (kit.budget.shapes.dropped_inputs)
     """
-    # The two RMSNorms: the fp32 copy of their input; lean (kit.recipe.norms), the fp32 1/rms,
-    # and the second's bf16 input (the first's is the layer's input, kept anyway).
-    norms = 4 + 4 + DTYPE_BYTES[setup.dtype] * shape.hidden if setup.lean_norms else 8 * shape.hidden
+    # The two RMSNorms: the fp32 copy of their input. Lean norms (kit.recipe.norms) keep less
+    # (the fp32 1/rms and the second's bf16 input), but the measured peaks did not fall by it:
+    # counting 2h + 8 bytes instead of 8h put both lean runs 12-16% below their peaks (131,072
+    # and 163,840 tokens at the 8B shape, benchmarks/results/round6-8b-1xh100.md). What they
+    # take off is the eager backward's fp32 temporaries (the attention-tiles branch below).
+    norms = 8 * shape.hidden
     return norms + attention_bytes_per_token_layer(shape, setup) + \
         mlp_bytes_per_token_layer(shape, setup)
 
@@ -397,7 +400,9 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
         if not setup.lean_norms:  # the eager norms' backward: fp32 temporaries of the whole
             # sequence, two at once (fitted: 98,304 and 114,688 tokens at the 8B shape measured
             # 19.88 and 22.01 GiB, benchmarks/results/round5-8b-1xh100.md; counted without them
-            # the estimate lay 11-13% below). kit.recipe.norms runs them a chunk at a time.
+            # the estimate lay 11-13% below). kit.recipe.norms runs them a chunk at a time:
+            # without them 131,072 and 163,840 tokens lie 3.0% and 0.4% below the estimate
+            # (19.89 and 23.15 GiB measured, round6-8b-1xh100.md).
             per_layer += tokens * 2 * 4 * shape.hidden
     logits, how = loss_bytes(shape, setup, tokens)
     offload = " [host]" if setup.offload_activations else ""

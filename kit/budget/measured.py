@@ -62,13 +62,16 @@ REFERENCE_CONTEXT = {
 }  # fmt: skip
 
 # The same with each attention block 8,192 queries at a time too (training.recompute.
-# attention_tile_tokens; benchmarks/results/round5-8b-1xh100.md, 2026-11-27), the MLP in 8k
-# tiles, adapters ungrouped, within a 24 GiB cap: 131,072 ran out of memory there.
+# attention_tile_tokens), the MLP in 8k tiles, adapters ungrouped, within a 24 GiB cap, by
+# (sequence length, attention tiles, training.recompute.lean_norms): the eager norms' rows
+# (benchmarks/results/round5-8b-1xh100.md, 2026-11-27) ran out of memory at 131,072; the lean
+# norms' (round6-8b-1xh100.md) trained 131,072 and 163,840.
 REFERENCE_CONTEXT_TILES = {
     "model": "kit:llama-8b",
-    "keys": ("seq_len", "attention_tile_tokens"),
+    "keys": ("seq_len", "attention_tile_tokens", "lean_norms"),
     "setup": dict(REFERENCE_CONTEXT["setup"], mlp_tile_tokens=8192),
-    "peak_gib": {(98304, 8192): 19.88, (114688, 8192): 22.01},
+    "peak_gib": {(98304, 8192, False): 19.88, (114688, 8192, False): 22.01,
+                 (131072, 8192, True): 19.89, (163840, 8192, True): 23.15},
 }  # fmt: skip
 
 # The kit's fastest cases on one H100 (benchmarks/results/round3-8b-1xh100.md, 2026-11-24):

@@ -13,10 +13,14 @@ On a GPU (on a CPU, and with training.plan=off, the recipe's plain values): the 
 the model allows it (a frozen head, no logit softcapping or scaling), else chunked; compiled
 layers and grouped adapters where they were measured; of every recompute policy and batch the
 estimate says fit, the one `speed` predicts fastest; activations offloaded only when nothing else
-fits. FP8 base matmuls stay opt-in (they move the loss); the plan says what they would add.
+fits, then (long rows) the MLP's tiles, then attention's with lean norms; adapters ungrouped past
+GPU memory; offloaded tensors within the host's memory where it is known. FP8 base matmuls stay
+opt-in (they move the loss); the plan says what they would add.
 
-Longer than 400 lines because each constant of the step model carries the measurement it was
+Longer than 450 lines because each constant of the step model carries the measurement it was
 fitted to, and each choice and note carries its reason and its record: what `kit plan` prints.
+The choices depend on one another in order (loss, groups, policy and batch, offload, tiles,
+compile), which one function reads best as.
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ from kit.config import AUTO, Config, ConfigError
 # The recipe's plain values: what "auto" means where the kit does not plan (a CPU; plan=off).
 PLAIN = {"training.batch_size": 8, "training.loss": "hf", "training.compile": False,
          "training.recompute.keeps": "inputs", "lora.group_inputs": False,
-         "training.offload_activations": False}
+         "training.offload_activations": False, "training.recompute.mlp_tile_tokens": 0,
+         "training.recompute.attention_tile_tokens": 0, "training.recompute.lean_norms": False}
+TILE_FIELDS = ("training.recompute.mlp_tile_tokens", "training.recompute.attention_tile_tokens",
+               "training.recompute.lean_norms")
 POLICIES = ("matmuls", "mlp_matmuls", "attention_matmuls", "inputs")
 LEAN = ("mlp_matmuls", "attention_matmuls")  # policies whose first layers may keep every matmul
 # Where the GPU levers were measured (benchmarks/results/planned-1xh100.md): compiled layers and
@@ -40,6 +47,13 @@ LEAN = ("mlp_matmuls", "attention_matmuls")  # policies whose first layers may k
 MEASURED_ENGINE = "fsdp2"
 GROUPED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MAX_BATCH = 64
+# Long rows, when nothing fits otherwise (the last resort, after offloaded activations): the
+# MLP, then attention with lean norms, a tile at a time. TILE_TOKENS is the tile of every
+# measured run (speed-round2-1xh100.md, round5-8b-1xh100.md, round6-8b-1xh100.md). Attention
+# tiles and lean norms run on these families' attention and RMSNorm (kit.recipe.attention_tiles,
+# kit.recipe.norms).
+TILE_TOKENS = 8192
+TILED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 # The step model (`speed`), fitted to the kit's bf16 runs on one H100 at the Llama-3-8B shape,
 # sequence 2,048, grouped adapters, compiled layers, fused loss (benchmarks/results/
@@ -58,11 +72,16 @@ MAX_BATCH = 64
 # - MATMUL_LAYER_SHARE: a layer that keeps every matmul beside attention_matmuls' layers saves
 #   this share of its rerun: 10 of 32 layers ran 1.022x faster (11,864 against 11,608 tokens/s
 #   at 24 GiB, benchmarks/results/layers-8b-1xh100.md) where the whole rerun gave 1.046x: 0.5.
+# - ATTENTION_TILES_SPEED: attention tiles (with the MLP's, offloaded inputs and whole-layer
+#   recompute) ran at 0.524-0.530 of the model's rate at 98,304 to 163,840 tokens (four runs,
+#   round5/round6-8b-1xh100.md): attention's forward runs three times a step. MLP tiles alone
+#   ran at 0.73-0.90 of it (32k to 128k), as offloading alone did (0.78-0.84): not counted.
 KNEE_TOKENS = 2350
 MATMUL_LAYER_SHARE = 0.5
 RERUN_COST = 0.30
 INPUTS_EXTRA = 0.045
 PEAK_SHARE = 0.45
+ATTENTION_TILES_SPEED = 0.53
 # Dense bf16 tensor-core peak from the vendors' data sheets, by device name (first match): the
 # step model's scale here, MFU's denominator in kit.bench.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12,
@@ -79,6 +98,9 @@ class Hardware:
     name: str = ""
     fp8: bool = False  # compute capability 8.9 or higher: FP8 tensor cores
     flash_attn: bool = False  # the flash-attn package is installed
+    # Host memory each process may fill with offloaded tensors (the node's available memory over
+    # its processes); None: not known (`kit plan` for other machines), not checked.
+    host_gib: float | None = None
 
     @property
     def peak_flops(self) -> float | None:
@@ -115,6 +137,10 @@ class Planned:
                  f"adapters {'grouped' if self.cfg.lora.group_inputs else 'ungrouped'}"]
         if t.offload_activations:
             parts.append("activations offloaded")
+        tiles = [f"{what} in {n:,}-token tiles" for what, n in
+                 (("MLP", rc.mlp_tile_tokens), ("attention", rc.attention_tile_tokens))
+                 if isinstance(n, int) and n]
+        parts += tiles + (["lean norms"] if rc.lean_norms is True else [])
         mem = (f"; predicted peak {self.predicted_gib:.1f} GiB of {self.hardware.memory_gib:g}"
                if self.predicted_gib is not None and self.hardware.memory_gib else "")
         speed = f", ~{self.tokens_per_s:,.0f} tokens/s per GPU" if self.tokens_per_s else ""
@@ -174,18 +200,18 @@ def rerun_share(shape: Shape, keeps: str) -> float:
 
 
 def speed(shape: Shape, seq_len: int, batch: int, keeps: str | None, hw: Hardware,
-          matmul_layers: int = 0) -> float:
+          matmul_layers: int = 0, attention_tiles: bool = False) -> float:
     """Tokens/s per GPU the step model predicts (relative when the GPU's peak is unknown): a
     micro-step of n tokens runs at n^2 / (n^2 + KNEE_TOKENS^2) of the ideal rate, slowed by what
     the recompute policy runs twice (in all layers but the `matmul_layers` that keep every
-    matmul)."""
+    matmul), and by attention tiles (ATTENTION_TILES_SPEED)."""
     n = batch * seq_len
     cost = 1.0
     if keeps is not None:  # recompute on
         lean = 1 - MATMUL_LAYER_SHARE * min(matmul_layers, shape.layers) / shape.layers
         cost += (RERUN_COST * rerun_share(shape, keeps) * lean
                  + (INPUTS_EXTRA if keeps == "inputs" else 0))
-    rate = n * n / (n * n + KNEE_TOKENS**2) / cost
+    rate = n * n / (n * n + KNEE_TOKENS**2) / cost * (ATTENTION_TILES_SPEED if attention_tiles else 1)
     peak = hw.peak_flops
     return rate * PEAK_SHARE * peak / flops_per_token(shape, seq_len) if peak else rate
 
@@ -260,6 +286,10 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
                    else "the head and the loss a chunk at a time: no logits of the batch"))
     else:
         say(Choice("training.loss", t.loss, "you", "set in the config"))
+    # The tiles: yours are kept; those left at auto start off, the last resort below.
+    tiles_auto = [f for f in TILE_FIELDS if _get(out, f) == AUTO]
+    for name in tiles_auto:
+        _set(out, name, PLAIN[name])
     if out.lora.group_inputs == AUTO:
         family = (model_config or {}).get("model_type")
         targets = out.lora.target_modules
@@ -289,19 +319,46 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
     if offload is not True:
         t.offload_activations = False
         best = _search(out, hw, seq_len, shape, policies, batches)
+    # Past GPU memory the adapters go ungrouped where the plan grouped them: every offloaded and
+    # tiled run was measured so (their saving under whole-layer recompute was never measured,
+    # and the estimate counted grouped MLP tiles at 98,304 tokens into 24 GiB, where ungrouped
+    # ones measured out of memory).
+    if best is None and out.lora.group_inputs and cfg.lora.group_inputs == AUTO:
+        out.lora.group_inputs = False
+        planned.choices[:] = [c for c in planned.choices if c.field != "lora.group_inputs"]
+        say(Choice("lora.group_inputs", False, "plan", "measured ungrouped past GPU memory "
+                   "(offloaded inputs, tiles)"))
     # Offloaded, only whole layers' inputs: what layers keep without recompute would fill host
     # memory (the estimate counts it, the plan does not choose it).
     if (best is None and offload is not False and t.compile is not True and rc.enabled
             and "inputs" in policies):
         t.offload_activations = True
         best = _search(out, hw, seq_len, shape, ["inputs"], batches)
-    if best is None:
-        t.offload_activations = offload if offload != AUTO else False
+    stages, blocked = _tile_stages(out, model_config, shape, seq_len, tiles_auto, policies,
+                                   cfg.lora.group_inputs is True)
+    tiled = False
+    for stage in stages if best is None else []:
+        for name, value in stage.items():
+            _set(out, name, value)
+        t.offload_activations = offload if offload != AUTO else rc.enabled
+        best, tiled = _search(out, hw, seq_len, shape, ["inputs"], batches), True
+        if best is not None:
+            break
+    if best is None:  # after tiles, the refusal counts with them (a shorter length it names
+        # is planned with them too); before, as you set it
+        t.offload_activations = offload if offload != AUTO else tiled and t.offload_activations
         raise ConfigError(_refusal(out, hw, seq_len, shape, policies, batches))
     say(Choice("training.offload_activations", t.offload_activations,
                "plan" if chose_offload else "you", "set in the config" if not chose_offload else
                "nothing fits in GPU memory otherwise" if t.offload_activations else
                "what the layers keep fits in GPU memory"))
+    for name in TILE_FIELDS:
+        value = _get(out, name)
+        say(Choice(name, value, "you", "set in the config") if name not in tiles_auto else
+            Choice(name, value, "plan", f"nothing fits otherwise ({TILE_TOKENS:,}-token tiles, "
+                   "measured on one H100: round6-8b-1xh100.md)" if value else
+                   blocked.get(name) if tiled and name in blocked else
+                   "the rows fit without" if not tiled else "the MLP's tiles were enough"))
     if t.compile == AUTO:
         outside = ("training.offload_activations" if t.offload_activations else
                    "training.recompute.mlp_tile_tokens" if rc.mlp_tile_tokens else
@@ -327,7 +384,7 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
                else f"the fastest that fits {hw.memory_gib:g} GiB"))
     _fill_memory(planned, shape)
     planned.tokens_per_s = (speed(shape, seq_len, batch, rc.keeps if rc.enabled else None, hw,
-                                  rc.matmul_layers)
+                                  rc.matmul_layers, 0 < rc.attention_tile_tokens < seq_len)
                             if hw.peak_flops and not shape.experts else None)
     if shape.experts and hw.peak_flops:  # the step model counts matmuls, not the loop's launches
         planned.notes.append(
@@ -344,9 +401,49 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
     return planned
 
 
+def _tile_stages(cfg: Config, model_config: dict | None, shape: Shape, seq_len: int,
+                 auto: list[str], policies, groups_yours: bool) -> tuple[list[dict], dict]:
+    """The tiles the plan may turn on, in order (the MLP's; then attention's with lean norms),
+    each stage with the ones before it; and why a field left at auto cannot be turned on
+    (`groups_yours`: lora.group_inputs=true set in the config)."""
+    mc = model_config or {}
+    family = mc.get("model_type")
+    mlp, attention, lean = TILE_FIELDS
+    why = ("the rows are no longer than one tile" if seq_len <= TILE_TOKENS else
+           "training.compile=true" if cfg.training.compile is True else
+           "training.recompute.keeps keeps more than inputs" if "inputs" not in policies else
+           "a mixture of experts' routed MLP" if shape.experts else None)
+    if why:
+        return [], dict.fromkeys(auto, f"not with {why}" if "rows" not in why else why)
+    stages, blocked = [], {}
+    if mlp in auto:
+        stages.append({mlp: TILE_TOKENS})
+    sliding = ("sliding_attention" in (mc.get("layer_types") or []) or mc.get("use_sliding_window")
+               or (family == "mistral" and mc.get("sliding_window")))
+    why = (f"measured for {', '.join(TILED_FAMILIES)} only" if family not in TILED_FAMILIES
+           else "not with sliding-window attention" if sliding
+           else "not with attention dropout" if mc.get("attention_dropout")
+           else "not with lora.group_inputs=true" if groups_yours else None)
+    if why:
+        blocked.update({f: why for f in (attention, lean) if f in auto})
+    elif attention in auto or lean in auto:
+        stage = dict(stages[-1]) if stages else {}
+        stage.update({f: v for f, v in ((attention, TILE_TOKENS), (lean, True)) if f in auto})
+        stages.append(stage)
+    return stages, blocked
+
+
+# Of the host memory a process may use, the share offloaded tensors may fill (the rest: the
+# process itself, its pinned staging, the data).
+HOST_SHARE = 0.8
+
+
 def _fits(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, **changes) -> float | None:
-    """The estimate's needed GiB when `changes` (Setup fields) fit hw, else None."""
-    need = estimate(shape, replace(_setup(cfg, hw, seq_len), **changes)).needed_gib()
+    """The estimate's needed GiB when `changes` (Setup fields) fit hw, GPU and host, else None."""
+    est = estimate(shape, replace(_setup(cfg, hw, seq_len), **changes))
+    need = est.needed_gib()
+    if hw.host_gib is not None and est.cpu_bytes / 2**30 > HOST_SHARE * hw.host_gib:
+        return None
     return need if hw.memory_gib is None or need <= hw.memory_gib else None
 
 
@@ -372,14 +469,15 @@ def _search(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, policies, bat
 def _refusal(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, policies, batches) -> str:
     """One line: nothing fits; the smallest single change that does (tried in this order)."""
     t = cfg.training
-    need = estimate(shape, replace(_setup(cfg, hw, seq_len), batch_size=batches[0],
-                                   recompute_keeps=policies[-1])).needed_gib()
+    est = estimate(shape, replace(_setup(cfg, hw, seq_len), batch_size=batches[0],
+                                  recompute_keeps=policies[-1]))
+    need, host = est.needed_gib(), est.cpu_bytes / 2**30
     trials = []
     if batches[0] > 1:  # a batch you set: the largest that fits, with the policies allowed
         for batch in range(batches[0] - 1, 0, -1):
             if any(_fits(cfg, hw, seq_len, shape, batch_size=batch, recompute_keeps=k)
                    is not None for k in policies):
-                return _line(cfg, hw, seq_len, need, f"training.batch_size={batch}")
+                return _line(cfg, hw, seq_len, need, f"training.batch_size={batch}", host)
     if policies != ["inputs"] and t.recompute.enabled:
         trials.append(("training.recompute.keeps=inputs", dict(recompute_keeps="inputs")))
     if not t.recompute.enabled:
@@ -393,22 +491,27 @@ def _refusal(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, policies, ba
     base = dict(batch_size=batches[0], recompute_keeps=policies[-1])
     for text, change in trials:
         if _fits(cfg, hw, seq_len, shape, **{**base, **change}) is not None:
-            return _line(cfg, hw, seq_len, need, text)
-    for seq in (s for s in (32768, 16384, 8192, 4096, 2048, 1024, 512) if s < seq_len):
+            return _line(cfg, hw, seq_len, need, text, host)
+    for seq in (s for s in (131072, 65536, 32768, 16384, 8192, 4096, 2048, 1024, 512)
+                if s < seq_len):
         if _fits(cfg, hw, seq, shape, **base) is not None:
-            return _line(cfg, hw, seq_len, need, f"data.max_seq_len={seq}")
+            return _line(cfg, hw, seq_len, need, f"data.max_seq_len={seq}", host)
     for gpus in (2, 4, 8, 16, 32, 64):
         if gpus > hw.world_size and cfg.sharding.engine != "ddp" and _fits(
                 cfg, replace(hw, world_size=gpus), seq_len, shape, **base) is not None:
-            return _line(cfg, hw, seq_len, need, f"{gpus} GPUs (FSDP shards the weights)")
-    return _line(cfg, hw, seq_len, need, "a larger GPU or sharding.cpu_offload=true")
+            return _line(cfg, hw, seq_len, need, f"{gpus} GPUs (FSDP shards the weights)", host)
+    return _line(cfg, hw, seq_len, need, "a larger GPU or sharding.cpu_offload=true", host)
 
 
-def _line(cfg: Config, hw: Hardware, seq_len: int, need: float, change: str) -> str:
+def _line(cfg: Config, hw: Hardware, seq_len: int, need: float, change: str,
+          host: float = 0.0) -> str:
+    over = (f", and {host:.1f} GiB of host memory per process for offloaded tensors, "
+            f"{HOST_SHARE * hw.host_gib:.1f} available" if hw.host_gib is not None
+            and host > HOST_SHARE * hw.host_gib else "")
     return (f"training.batch_size: {cfg.training.batch_size!r} does not fit: it needs "
             f"{need:.1f} GiB per GPU with headroom (kit.budget.estimate), {hw.memory_gib:g} GiB "
-            f"available ({hw.world_size} x {hw.name or hw.device}, sequence {seq_len}); the "
-            f"smallest change that fits: {change}")
+            f"available ({hw.world_size} x {hw.name or hw.device}, sequence {seq_len}){over}; "
+            f"the smallest change that fits: {change}")
 
 
 def _fill_memory(planned: Planned, shape: Shape | None) -> None:

@@ -27,7 +27,20 @@ def hardware(device: torch.device, world_size: int) -> kplan.Hardware:
     fraction = torch.cuda.get_per_process_memory_fraction(device)
     return kplan.Hardware("cuda", world_size, round(props.total_memory * fraction / 2**30, 2),
                           props.name, (props.major, props.minor) >= (8, 9),
-                          importlib.util.find_spec("flash_attn") is not None)
+                          importlib.util.find_spec("flash_attn") is not None, host_gib())
+
+
+def host_gib() -> float | None:
+    """This node's available host memory over its processes (LOCAL_WORLD_SIZE, torchrun's), in
+    GiB; None where /proc/meminfo is not there to say (the check is then left out)."""
+    import os
+
+    try:  # the standard library has no portable "available memory" (psutil is not a dependency)
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return round(kib / 2**20 / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))), 1)
 
 
 def seq_len(cfg: Config) -> int:

@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-mem", type=float, help="GiB per GPU the run may use")
     parser.add_argument("--gpu", default="", help="the GPU's name, e.g. H100, H200, A100 (its "
                         "bf16 peak gives the expected speed; H100/H200 also FP8)")
+    parser.add_argument("--host-mem", type=float, help="GiB of host memory per GPU's process "
+                        "for offloaded tensors (default: not checked, or this machine's)")
     parser.add_argument("--nproc", type=int, default=2, help="processes on a CPU (default 2)")
     args = parser.parse_intermixed_args(argv)
     path, overrides = args.config, list(args.overrides)
@@ -58,8 +60,11 @@ def _hardware(args):
     if not args.gpus or args.gpus < 1 or not args.gpu_mem or args.gpu_mem <= 0:
         raise ConfigError(f"--gpus {args.gpus} --gpu-mem {args.gpu_mem}: not allowed; expected "
                           "both, a whole number of GPUs >= 1 and GiB per GPU > 0")
+    if args.host_mem is not None and args.host_mem <= 0:
+        raise ConfigError(f"--host-mem {args.host_mem}: not allowed; expected GiB > 0")
     return Hardware("cuda", args.gpus, args.gpu_mem, args.gpu,
-                    fp8=any(k in args.gpu for k in ("H100", "H200", "B200", "L40", "4090")))
+                    fp8=any(k in args.gpu for k in ("H100", "H200", "B200", "L40", "4090")),
+                    host_gib=args.host_mem)
 
 
 if __name__ == "__main__":
