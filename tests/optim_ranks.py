@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from kit.recipe import optim
+from kit.recipe.dist import cleanup
 
 
 def build():
@@ -63,7 +64,10 @@ def main():
                           "state_entries": len(kit_state["state"]), "steps": steps_taken,
                           "world": dist.get_world_size(), "shard_path": sharded,
                           "threads": os.environ.get("OMP_NUM_THREADS")}))
-    dist.destroy_process_group()
+    # Collected, then left (kit.recipe.dist.cleanup): the sharded modules' cycles otherwise
+    # outlive the group, and a gloo thread freeing them at exit aborted rank 1 once on a 2-core
+    # CPU ("terminate called without an active exception") after both ranks had passed.
+    cleanup()
 
 
 if __name__ == "__main__":

