@@ -51,6 +51,10 @@ def codes(overrides=(), on=CPU, cfg=TINY) -> list[str]:
 # --------------------------------------------------------------------------- pre-flight
 
 LLAMA_8B_LONG = ["model.name=kit:llama-8b", "data.max_seq_len=2048"]
+LLAMA31_8B_131K = ["model.name=kit:llama31-8b", "training.device=cuda", "training.batch_size=1",
+                   "data.max_seq_len=131072"]
+ONE_24GB = env(H100, gpus=[{"name": "NVIDIA H100 80GB HBM3", "memory_gib": 24.0}],
+               nproc_per_node=1)
 # (code, overrides with the pitfall, env, overrides without it, env)
 CHECKS = [
     ("fsdp1_use_orig_params", ["sharding.engine=fsdp1", "sharding.use_orig_params=false"], CPU,
@@ -81,6 +85,10 @@ CHECKS = [
                          "training.recompute.enabled=false",
                          "training.offload_activations=false"], H100,
      [*LLAMA_8B_LONG, "training.batch_size=1"], H100),
+    # Rows of 131,072 tokens within 24 GiB offload 32 GiB of layer inputs per process: refused
+    # before start where the node's host memory cannot hold them (the plan's host check).
+    ("memory_over_gpu", LLAMA31_8B_131K, env(ONE_24GB, host_ram_gib=30.0), LLAMA31_8B_131K,
+     ONE_24GB),
     ("memory_over_gpu_loading",
      ["model.name=kit:llama-70b", "data.max_seq_len=256", "model.loading=full"], TWO_24GB,
      ["model.name=kit:llama-70b", "data.max_seq_len=256", "model.loading=auto"], TWO_24GB),

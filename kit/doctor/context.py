@@ -295,7 +295,9 @@ class Context:
                            "(`kit plan CONFIG` shows the plan now)",
                            "data.max_seq_len=<tokens> to check the memory here", "data.max_seq_len")
         name = self.env["gpus"][0].get("name", "")
-        hw = kplan.Hardware("cuda", self.ranks, gpu, name, fp8=any(k in name for k in ("H100", "H200")))
+        ram = self.env.get("host_ram_gib")  # this node's, shared by its processes
+        hw = kplan.Hardware("cuda", self.ranks, gpu, name, fp8=any(k in name for k in ("H100", "H200")),
+                            host_gib=ram / max(1, int(self.env["nproc_per_node"])) if ram else None)
         config = self.facts.config if isinstance(self.facts.config, dict) else self.facts.config.to_dict()
         try:
             return kplan.plan(cfg, hw, cfg.data.max_seq_len, config)
