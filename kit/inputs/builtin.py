@@ -124,22 +124,6 @@ SPECS: dict[str, dict] = {
         rope_theta=500000.0,
         tie_word_embeddings=False,
     ),
-    # Llama-3.1-8B's: the same weights' shape, 131,072 positions with its RoPE scaling (the kit
-    # refuses rows longer than a model's positions): the long-context runs' model.
-    "llama31-8b": dict(
-        model_type="llama",
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192),
-        tie_word_embeddings=False,
-    ),
     # Llama-2-70B's shape (68.98B params; the first article's model). Never written to disk:
     # its folder holds the config and tokenizer, and each rank initialises the weights at load,
     # tensor by tensor on its device, quantizing as it goes (kit.recipe.loading): no 138 GB file.
@@ -169,6 +153,13 @@ SPECS: dict[str, dict] = {
         tie_word_embeddings=False,
     ),
 }
+
+# Llama-3.1-8B's: Llama-3-8B's weights' shape with 131,072 positions and its RoPE scaling (the
+# kit refuses rows longer than a model's positions): the long-context runs' model.
+SPECS["llama31-8b"] = dict(
+    SPECS["llama-8b"], max_position_embeddings=131072,
+    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192))
 
 # SmolLM2-135M-Instruct, pretrained (the shape above; its own tokenizer and chat template): converted
 # once from a GGUF file shipped by a pip package (no hub): name -> (package, file in it).
