@@ -50,6 +50,50 @@ def test_tiled_attention_gives_the_same_loss_and_gradients(recompute):
         assert torch.allclose(g, grads0[name], atol=1e-6), name
 
 
+@pytest.mark.parametrize("start, heads, key_heads", [(0, 4, 2), (12, 4, 2), (24, 8, 2), (12, 4, 4)])
+def test_a_tiles_kernels_give_what_sdpa_gives_with_a_lower_right_mask(start, heads, key_heads):
+    """kit.recipe.tile_kernels: a tile of 8 queries at `start` over keys 0 .. start + 8, run as
+    the unmasked keys (grouped query heads folded into rows) and the causal diagonal block, merged
+    by log-sum-exp; backward from the merged output and log-sum-exp alone. Output and gradients
+    are SDPA's with torch's causal_lower_right mask (fp32, CPU)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from kit.recipe import tile_kernels
+
+    g = torch.Generator().manual_seed(start)
+    q = torch.randn(2, heads, 8, 16, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, key_heads, start + 8, 16, generator=g, requires_grad=True)
+            for _ in range(2))
+    mask = causal_lower_right(8, start + 8) if start else None
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=start == 0, scale=0.25, enable_gqa=True)
+    dout = torch.randn(ref.shape, generator=g)
+    ref.backward(dout)
+    out, lse, aux = tile_kernels.forward(q.detach(), k.detach(), v.detach(), start, 0.25)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    dq = tile_kernels.backward(dout, q.detach(), k.detach(), v.detach(), out, lse, aux, start,
+                               0.25, dk, dv)
+    for got, want in ((out, ref), (dq, q.grad), (dk, k.grad), (dv, v.grad)):
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def test_tiled_attention_runs_its_forward_twice_a_step_inside_layer_recompute(monkeypatch):
+    """Inside whole-layer recompute, the recompute's tiles keep their output and log-sum-exp for
+    the backward that follows: attention's forward runs twice per tile and step (forward,
+    recompute), not three times (round 5's SDPA path ran it again in backward)."""
+    from kit.recipe import tile_kernels
+
+    starts, forward = [], tile_kernels.forward
+
+    def counted(q, k, v, start, scale):
+        starts.append(start)
+        return forward(q, k, v, start, scale)
+
+    monkeypatch.setattr(tile_kernels, "forward", counted)
+    _run(_nf4_layer_model()[0], 16, recompute=True)
+    assert sorted(starts) == [0] * 4 + [16] * 4 + [32] * 4  # 2 layers x 3 tiles x 2
+
+
 def test_tiled_attention_with_query_and_key_norms():
     """Qwen3's attention (an RMSNorm on each head of q and k, bias-free): every weight's gradient,
     the norms' included, through tiles of 20 (uneven: 20, 20, 8)."""

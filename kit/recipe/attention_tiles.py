@@ -8,15 +8,19 @@ and each adapter's dropped input, all of them per token of the whole sequence (~
 at the 8B shape, where the layer's input is 8 KiB). Run a tile of queries at a time, the block
 keeps only its input: forward computes keys and values for the whole sequence (4 KiB per token
 at the 8B shape, with grouped-query attention) and then each tile's queries, attention over the
-keys up to the tile's end and o_proj, without a graph; backward computes it all again, a tile at
-a time, with one. Attention's causal mask for a tile that ends at e and starts at s > 0 is
-aligned to its lower right (query s + i sees keys 0 .. s + i): torch's `causal_lower_right`,
-which SDPA runs with its flash kernel.
+keys up to the tile's end and o_proj, without a graph; backward computes the projections again,
+a tile at a time, with one. Attention's causal mask for a tile that ends at e and starts at s > 0
+is aligned to its lower right (query s + i sees keys 0 .. s + i). Each tile runs on
+kit.recipe.tile_kernels, which returns attention's log-sum-exp and takes it back in backward.
+Inside whole-layer recompute (how the kit runs tiles) the recompute's tiles keep their output and
+log-sum-exp on the module for the backward that follows, so attention's forward runs twice a step,
+as untiled (forward, recompute), and backward runs its backward kernels only; the output kept is
+the sequence's q values per token (4 GiB at 524,288 tokens of the 8B shape), while the layer is in
+backward. Run without the layer's recompute, backward runs each tile's forward once more.
 
 Each projection's RNG state is saved in forward and restored in backward: the same dropout masks.
 The adapters' gradients are summed over the tiles and returned as this function's own (as
-kit.recipe.recompute's tiled MLP does). Attention's forward runs once more than untiled (in
-backward, per tile): the price of not keeping its output.
+kit.recipe.recompute's tiled MLP does).
 
 For decoder layers whose attention module has q_proj, k_proj, v_proj and o_proj (optional
 q_norm / k_norm) and RoPE through its modeling module's apply_rotary_pos_emb: Llama, Mistral,
@@ -36,6 +40,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from kit.recipe import tile_kernels
 from kit.recipe.layers import decoder_layers
 
 _SAID: set[str] = set()
@@ -77,7 +82,9 @@ def _keys_values(attn, x, cos, sin):
 
 
 def _attend(attn, q, k, v, start):
-    """Queries `q` (positions start .. start + len) over keys 0 .. start + len, causally."""
+    """Queries `q` (positions start .. start + len) over keys 0 .. start + len, causally, through
+    SDPA with torch's causal_lower_right mask: round 5's path, kept as the reference
+    benchmarks/tile_attention_bench.py measures tile_kernels against."""
     from torch.nn.attention.bias import causal_lower_right
 
     gqa = q.shape[1] != k.shape[1]
@@ -102,6 +109,11 @@ def _add(total, more):
     return [a if b is None else b if a is None else a + b for a, b in zip(total, more, strict=True)]
 
 
+def _in_backward() -> bool:
+    """True while autograd runs a backward: here, a checkpointed layer's recompute."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, attn, tokens, x, cos, sin, *params):
@@ -117,13 +129,20 @@ class _TiledAttention(torch.autograd.Function):
             values.append(v)
         k, v = torch.cat(keys, 2), torch.cat(values, 2)
         del keys, values
+        # Run again by a checkpointed layer's recompute, the backward that follows is this
+        # block's: it takes the keys, values and each tile's output and log-sum-exp from here
+        # instead of running attention's forward a third time.
+        stash = [] if _in_backward() else None
         outs = []
         for s, e in spans:
             ctx.rng_q.append(rng_state(x.device))
-            a = _attend(attn, _queries(attn, x[:, s:e], cos[:, s:e], sin[:, s:e]), k[:, :, :e],
-                        v[:, :, :e], s)
+            q = _queries(attn, x[:, s:e], cos[:, s:e], sin[:, s:e])
+            a, lse, aux = tile_kernels.forward(q, k[:, :, :e], v[:, :, :e], s, attn.scaling)
             ctx.rng_o.append(rng_state(x.device))
             outs.append(_output(attn, a))
+            if stash is not None:
+                stash.append((a, lse, aux))
+        attn._kit_tile_stash = None if stash is None else (x.data_ptr(), x.shape, k, v, stash)
         return torch.cat(outs, 1)
 
     @staticmethod
@@ -131,29 +150,44 @@ class _TiledAttention(torch.autograd.Function):
         x, cos, sin = ctx.saved_tensors
         attn, params, dev = ctx.attn, ctx.params, x.device
         spans = _spans(x.shape[1], ctx.tokens)
-        with torch.no_grad():  # the whole sequence's keys and values again (the same masks)
-            kv = []
-            for (s, e), rng in zip(spans, ctx.rng_kv, strict=True):
-                with restored_rng(dev, rng):
-                    kv.append(_keys_values(attn, x[:, s:e], cos[:, s:e], sin[:, s:e]))
-            k, v = torch.cat([p[0] for p in kv], 2), torch.cat([p[1] for p in kv], 2)
-            del kv
+        stash, attn._kit_tile_stash = getattr(attn, "_kit_tile_stash", None), None
+        if stash is not None and stash[:2] == (x.data_ptr(), x.shape):
+            k, v, tiles = stash[2:]
+        else:  # not recomputed just before: the keys and values again (the same masks)
+            tiles = None
+            with torch.no_grad():
+                kv = []
+                for (s, e), rng in zip(spans, ctx.rng_kv, strict=True):
+                    with restored_rng(dev, rng):
+                        kv.append(_keys_values(attn, x[:, s:e], cos[:, s:e], sin[:, s:e]))
+                k, v = torch.cat([p[0] for p in kv], 2), torch.cat([p[1] for p in kv], 2)
+                del kv
+        del stash
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         dx = torch.empty_like(x)
         dp = [None] * len(params)
-        for (s, e), rq, ro in zip(spans, ctx.rng_q, ctx.rng_o, strict=True):
+        for i, ((s, e), rq, ro) in enumerate(zip(spans, ctx.rng_q, ctx.rng_o, strict=True)):
             xt = x[:, s:e].detach().requires_grad_(True)
-            kt, vt = k[:, :, :e].detach().requires_grad_(True), v[:, :, :e].detach().requires_grad_(True)
-            with torch.enable_grad():
-                with restored_rng(dev, rq):
-                    a = _attend(attn, _queries(attn, xt, cos[:, s:e], sin[:, s:e]), kt, vt, s)
-                with restored_rng(dev, ro):
-                    out = _output(attn, a)
-                got = torch.autograd.grad(out, (xt, kt, vt, *params), grad[:, s:e], allow_unused=True)
+            with torch.enable_grad(), restored_rng(dev, rq):
+                q = _queries(attn, xt, cos[:, s:e], sin[:, s:e])
+            if tiles is not None:
+                (a, lse, aux), tiles[i] = tiles[i], None
+            else:
+                with torch.no_grad():
+                    a, lse, aux = tile_kernels.forward(q.detach(), k[:, :, :e], v[:, :, :e], s,
+                                                       attn.scaling)
+            a_in = a.detach().requires_grad_(True)
+            with torch.enable_grad(), restored_rng(dev, ro):
+                out = _output(attn, a_in)
+            got = torch.autograd.grad(out, (a_in, *params), grad[:, s:e], allow_unused=True)
+            dp = _add(dp, got[1:])
+            del out, a_in
+            dq = tile_kernels.backward(got[0], q.detach(), k[:, :, :e], v[:, :, :e], a, lse, aux,
+                                       s, attn.scaling, dk[:, :, :e], dv[:, :, :e])
+            del got, a, lse, aux
+            got = torch.autograd.grad(q, (xt, *params), dq, allow_unused=True)
             dx[:, s:e] = got[0]
-            dk[:, :, :e] += got[1]
-            dv[:, :, :e] += got[2]
-            dp = _add(dp, got[3:])
+            dp = _add(dp, got[1:])
         del k, v
         for (s, e), rng in zip(spans, ctx.rng_kv, strict=True):
             xt = x[:, s:e].detach().requires_grad_(True)
