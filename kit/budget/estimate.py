@@ -236,6 +236,7 @@ def loss_bytes(shape: Shape, setup: Setup, tokens: int) -> tuple[float, str]:
 # (benchmarks/results/offload-8b-1xh200.md). With recompute off the copies (~13 GB a step) are
 # slower than the compute and more wait on the GPU (11.4 GiB measured, 9.0 estimated): a floor.
 OFFLOAD_IN_FLIGHT_LAYERS = 2
+TILED_LAYER_HIDDEN = 2.25  # hidden-wide tensors per token a tiled layer holds beyond those counted
 
 
 @dataclass
@@ -390,13 +391,23 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
         per_layer -= mlp_bytes_per_token_layer(shape, setup) * (tokens - setup.mlp_tile_tokens)
         per_layer += tokens * shape.hidden * a
     if 0 < setup.attention_tile_tokens < tokens:  # one tile's graph, + its input, the whole
-        # sequence's keys and values and their gradients (4 x kv values per token), and in the
-        # last tile's backward the keys' and values' gradients for every query head (flash's
-        # backward with grouped queries; measured 2.88 GiB for 131,072 keys at the 8B shape,
-        # benchmarks/tile_sdpa_check.py): 2 x q values per token
+        # sequence's keys and values and their gradients, and a tile's share of the unmasked
+        # keys' gradients before they are added (6 x kv values per token); the attention output
+        # the layer's recompute keeps for backward (q values) and its log-sum-exp (fp32 per
+        # head): kit.recipe.tile_kernels. Measured for one layer's tiles at the 8B shape:
+        # 2.36 GiB above the inputs at 131,072 tokens (benchmarks/tile_attention_bench.py).
         per_layer -= attention_bytes_per_token_layer(shape, setup) * (tokens - setup.attention_tile_tokens)
-        per_layer += tokens * a * (shape.hidden + 4 * shape.kv_heads * shape.head_dim
-                                   + 2 * shape.heads * shape.head_dim)
+        per_layer += tokens * (a * (shape.hidden + 6 * shape.kv_heads * shape.head_dim
+                                    + shape.heads * shape.head_dim) + 4 * shape.heads)
+        if 0 < setup.mlp_tile_tokens < tokens:  # one tile's graph at a time, not both
+            per_layer -= min(attention_bytes_per_token_layer(shape, setup) * setup.attention_tile_tokens,
+                             mlp_bytes_per_token_layer(shape, setup) * setup.mlp_tile_tokens)
+        # Fitted, not itemised: the tiled, recomputed layer's hidden-wide tensors beyond those
+        # counted (its input's and output's gradients, the residual after attention, ...).
+        # Without it the 524,288-token run lay 12% below its measured peak (58.74 GiB at the 8B
+        # shape, benchmarks/results/round7-8b-1xh100.md); with it the three lean runs lie 1-8%
+        # above theirs (REFERENCE_CONTEXT_TILES).
+        per_layer += tokens * TILED_LAYER_HIDDEN * shape.hidden * a
         if not setup.lean_norms:  # the eager norms' backward: fp32 temporaries of the whole
             # sequence, two at once (fitted: 98,304 and 114,688 tokens at the 8B shape measured
             # 19.88 and 22.01 GiB, benchmarks/results/round5-8b-1xh100.md; counted without them

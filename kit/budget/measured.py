@@ -65,13 +65,16 @@ REFERENCE_CONTEXT = {
 # attention_tile_tokens), the MLP in 8k tiles, adapters ungrouped, within a 24 GiB cap, by
 # (sequence length, attention tiles, training.recompute.lean_norms): the eager norms' rows
 # (benchmarks/results/round5-8b-1xh100.md, 2026-11-27) ran out of memory at 131,072; the lean
-# norms' (round6-8b-1xh100.md) trained 131,072 and 163,840.
+# norms' (round6-8b-1xh100.md) trained 131,072 and 163,840, and measured the same peaks to 0.01
+# GiB with the tiles' own kernels (kit.recipe.tile_kernels, round7-8b-1xh100.md), which trained
+# 524,288 within a 78 GiB cap (planned, no lever set).
 REFERENCE_CONTEXT_TILES = {
     "model": "kit:llama-8b",
     "keys": ("seq_len", "attention_tile_tokens", "lean_norms"),
     "setup": dict(REFERENCE_CONTEXT["setup"], mlp_tile_tokens=8192),
     "peak_gib": {(98304, 8192, False): 19.88, (114688, 8192, False): 22.01,
-                 (131072, 8192, True): 19.89, (163840, 8192, True): 23.15},
+                 (131072, 8192, True): 19.89, (163840, 8192, True): 23.15,
+                 (524288, 8192, True): 58.74},
 }  # fmt: skip
 
 # The kit's fastest cases on one H100 (benchmarks/results/round3-8b-1xh100.md, 2026-11-24):

@@ -73,15 +73,17 @@ TILED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 #   this share of its rerun: 10 of 32 layers ran 1.022x faster (11,864 against 11,608 tokens/s
 #   at 24 GiB, benchmarks/results/layers-8b-1xh100.md) where the whole rerun gave 1.046x: 0.5.
 # - ATTENTION_TILES_SPEED: attention tiles (with the MLP's, offloaded inputs and whole-layer
-#   recompute) ran at 0.524-0.530 of the model's rate at 98,304 to 163,840 tokens (four runs,
-#   round5/round6-8b-1xh100.md): attention's forward runs three times a step. MLP tiles alone
-#   ran at 0.73-0.90 of it (32k to 128k), as offloading alone did (0.78-0.84): not counted.
+#   recompute) on their own kernels (kit.recipe.tile_kernels: cuDNN's attention, backward from the
+#   recompute's kept statistics) ran at 0.86-0.90 of the model's rate at 131,072, 163,840 and
+#   524,288 tokens (round7-8b-1xh100.md); through SDPA with a third forward they had run at
+#   0.52-0.53 (round5/round6). MLP tiles alone ran at 0.73-0.90 of it (32k to 128k), as
+#   offloading alone did (0.78-0.84): not counted.
 KNEE_TOKENS = 2350
 MATMUL_LAYER_SHARE = 0.5
 RERUN_COST = 0.30
 INPUTS_EXTRA = 0.045
 PEAK_SHARE = 0.45
-ATTENTION_TILES_SPEED = 0.53
+ATTENTION_TILES_SPEED = 0.88
 # Dense bf16 tensor-core peak from the vendors' data sheets, by device name (first match): the
 # step model's scale here, MFU's denominator in kit.bench.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "A100": 312e12,

@@ -161,6 +161,11 @@ SPECS["llama31-8b"] = dict(
     rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=8192))
 
+# Llama-3-8B's weights' shape with the positions of Gradient's 1048k extension of it: 1,048,576
+# positions and RoPE base 2.8e9 (its model card's last stage). Issue 35's 512k rows.
+SPECS["llama3-8b-1048k"] = dict(SPECS["llama-8b"], max_position_embeddings=1048576,
+                                rope_theta=2.8e9)
+
 # SmolLM2-135M-Instruct, pretrained (the shape above; its own tokenizer and chat template): converted
 # once from a GGUF file shipped by a pip package (no hub): name -> (package, file in it).
 SPECS["smollm2-135m-instruct"] = dict(SPECS["llama-135m"], rms_norm_eps=1e-5)
