@@ -288,3 +288,18 @@ def test_the_planned_matrix_holds_three_recipes_per_cap(tmp_path):
                       for cap in (24, 40, 80)}
     assert all(c["batches"] == ["auto"] and "overrides" not in c
                for c in m["cases"] if c["role"] == "kit")
+
+
+def test_a_planned_batch_is_not_swept_to_other_lengths(tmp_path):
+    """batches: [auto] plans at setup for the matrix's seq_len: a sweep to other lengths is
+    refused in one line (it once trained 131,072-token rows at a batch planned for 2,048)."""
+    from kit.bench.matrix import load_matrix
+
+    f = tmp_path / "m.yaml"
+    f.write_text("model: kit:tiny-llama\nseq_len: 64\ncases:\n"
+                 "  - {name: a, recipe: kit, batches: [auto], seq_lens: [128]}\n")
+    with pytest.raises(ValueError, match=r"cases\.a\.seq_lens: \[128\] is not allowed with batches "
+                                         r"\['auto'\]; expected \[64\]"):
+        load_matrix(f)
+    f.write_text(f.read_text().replace("[128]", "[64]"))
+    assert load_matrix(f)["cases"][0]["seq_lens"] == [64]

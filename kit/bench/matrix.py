@@ -60,6 +60,12 @@ def load_matrix(path: str | Path) -> dict:
                                      and all(isinstance(q, int) and q > 0 for q in seqs)):
             raise ValueError(f"cases.{c['name']}.seq_lens: {seqs!r} is not allowed; expected "
                              "positive whole numbers in ascending order (a context sweep)")
+        if seqs is not None and batches == ["auto"] and seqs != [m.get("seq_len")]:
+            # The plan is made in the case's setup, for the matrix's seq_len: a sweep to other
+            # lengths would train at a batch planned for another length.
+            raise ValueError(f"cases.{c['name']}.seq_lens: {seqs!r} is not allowed with batches "
+                             f"['auto']; expected [{m.get('seq_len')}] (the matrix's seq_len, "
+                             "which the plan is made for)")
         n = c.get("nproc", 1)
         if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
             raise ValueError(f"cases.{c['name']}.nproc: {n!r} is not allowed; expected a "

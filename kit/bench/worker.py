@@ -253,10 +253,10 @@ def worker(this: experiment.Case) -> None:
                 t = time.perf_counter()
                 losses.append(run.step(batch))
                 _sync(env.device)
+                if i == 0:  # with no warm-up step, the measured step is the first
+                    first = time.perf_counter() - t
                 if i >= warmup:
                     times.append(time.perf_counter() - t)
-                elif i == 0:
-                    first = time.perf_counter() - t
         except torch.OutOfMemoryError as e:
             oom, error = True, str(e).splitlines()[0][:200]
         if _any_rank(oom, env):
