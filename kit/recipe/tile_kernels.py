@@ -35,7 +35,7 @@ BACKENDS = ("flash", "cudnn", "cpu")
 
 
 def backend(device: torch.device) -> str:
-    """cuDNN's kernels on Hopper GPUs (measured there: twice flash's speed for a layer's tiles,
+    """cuDNN's kernels on Hopper GPUs (measured there: 1.7x flash's speed for a layer's tiles,
     benchmarks/results/round7-8b-1xh100.md), flash's elsewhere; KIT_TILE_KERNEL=flash|cudnn
     chooses (benchmarks/tile_attention_bench.py)."""
     if device.type != "cuda":
