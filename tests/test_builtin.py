@@ -86,3 +86,15 @@ def test_tiny_tokenizers_read_only_the_sample_texts(tmp_path, monkeypatch):
     reference = builtin.train_tokenizer().get_vocab()
     monkeypatch.setattr(builtin, "DATA_DIR", tmp_path)
     assert builtin.train_tokenizer().get_vocab() == reference
+
+
+def test_building_a_tiny_model_writes_only_its_path_to_stdout(tmp_path):
+    """A tiny model built in a fresh KIT_HOME: `kit models path` prints the folder and nothing
+    else (the tokenizer trainer's progress bar once wrote three blank lines to the process's
+    stdout, below Python's sys.stdout, and so into the tour's log)."""
+    import os
+
+    env = {**os.environ, "KIT_HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "kit", "models", "path", "kit:tiny-llama"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith(str(tmp_path)) and r.stdout.count("\n") == 1

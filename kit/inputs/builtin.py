@@ -226,6 +226,7 @@ def train_tokenizer(vocab_size: int = 1024):
         vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # its bar writes blank lines to stdout where it is not a terminal
     )
     tok.train_from_iterator(lines, trainer)
     fast = PreTrainedTokenizerFast(
