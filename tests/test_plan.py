@@ -232,8 +232,8 @@ def _tiles(planned: kplan.Planned) -> tuple:
 def test_long_rows_get_the_tiles_only_when_nothing_fits_without():
     """Rows of 131,072 tokens within 24 GiB: the plan turns on offloaded inputs, the MLP's and
     attention's tiles and lean norms, as the hand-set run did (19.89 GiB measured,
-    benchmarks/results/round6-8b-1xh100.md, round7-8b-1xh100.md); rows of 65,536 need the MLP's tiles only;
-    2,048 none; the measured peak lies within 10% below the prediction. Adapters go ungrouped
+    benchmarks/results/round6-8b-1xh100.md, round7-8b-1xh100.md); rows of 65,536 need the MLP's
+    tiles only; 2,048 none; the measured peak lies within 10% below the prediction. Adapters go ungrouped
     past GPU memory, as every offloaded and tiled run was measured."""
     full = _long(131072)
     t = full.cfg.training
@@ -326,3 +326,4 @@ def test_half_a_million_tokens_within_80_gib_where_the_host_holds_the_inputs():
     with pytest.raises(ConfigError) as e:
         kplan.plan(cfg, replace(_gpu(1, 78), host_gib=128), 524288)
     assert "128.0 GiB of host memory per process" in str(e.value)
+    assert str(e.value).endswith("the smallest change that fits: data.max_seq_len=131072")
