@@ -371,3 +371,47 @@ def test_tiled_mlp_under_fsdp2_learns_the_same(tmp_path):
     # bf16 compute rounds each tile on its own: measured at most 1.2% of an adapter's norm after
     # 4 steps at lr 1e-2 (an adapter that missed its gradients would be 100% off).
     assert max(diffs.values()) < 0.05, diffs
+
+
+def _hosted_run(host_layers: int, ids):
+    """Loss, adapter gradients and the LayerHost of the compiled NF4 layer model keeping
+    attention's matmuls with `host_layers` of its 2 layers hosting gate and up; with 0, both
+    layers keeping every matmul on the GPU (what hosted layers run, with no host: None)."""
+    from kit.recipe.layers import decoder_layers
+    from kit.recipe.recompute import compile_layers, selective_checkpointing
+
+    model, r = _nf4_layer_model()
+    if host_layers:
+        selective_checkpointing(model, "attention_matmuls", r, host_layers=host_layers)
+    else:  # what hosted layers run, without the host: the same graph (a second compile is cached)
+        selective_checkpointing(model, "matmuls", r)
+    try:
+        torch._dynamo.reset()
+        compile_layers(model)
+        torch.manual_seed(7)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+    finally:
+        torch._dynamo.reset()
+    host = getattr(decoder_layers(model)[0], "_kit_host", None)
+    return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, host
+
+
+def test_host_layers_move_gate_and_up_and_give_them_back_unchanged():
+    """training.recompute.host_layers=2 on 2 compiled NF4 layers (dropout 0.1): each layer hands
+    its gate and up results (and nothing else) to the LayerHost, which gives them back in
+    backward, the earlier layer's fetched ahead while the later one runs backward. Loss and
+    every adapter gradient equal, bit for bit, those of the same layers keeping gate and up on
+    the device (their gradients equal the unrecomputed layers': test above). On a CPU the host
+    copy is a copy in the same memory: the bookkeeping is what runs on a GPU."""
+    ids = torch.randint(3, 1000, (2, 48), generator=torch.Generator().manual_seed(5))
+    loss, grads, none = _hosted_run(0, ids)
+    assert none is None
+    loss_h, grads_h, host = _hosted_run(2, ids)
+    width = 448  # kit:tiny-llama-8b-ratios' intermediate_size
+    assert host.chosen == {0, 1}
+    assert host.moved == 4 and host.moved_bytes == 4 * 2 * 48 * width * 4  # gate, up per layer
+    assert host.prefetched >= 1 and host.groups == []  # layer 0 fetched ahead; all given back
+    assert loss_h == loss
+    for name, g in grads.items():
+        assert torch.equal(grads_h[name], g), name
