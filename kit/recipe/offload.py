@@ -113,26 +113,34 @@ class LayerHost:
     def __init__(self, widths, chosen, in_flight: int = 2):
         self.widths, self.chosen, self.in_flight = set(widths), set(chosen), in_flight
         self.groups: list[_Group] = []  # forward order; a group leaves once fully unpacked
-        self.stream = None
+        self.stream, self.current = None, None
         self.moved = self.moved_bytes = self.prefetched = 0
+        # One pair of hook functions for every layer and step: torch.compile guards on the
+        # hooks' identity, and a new pair per call recompiled each layer until the compiler gave
+        # up and ran the layers eagerly (measured on one H100: out of memory where hosting was due).
+        self.hooks = (self._pack, self._unpack)
 
     @contextlib.contextmanager
     def layer(self, index: int, rows: int):
         """Decoder layer `index`'s forward on `rows` tokens: what it saves of `rows` x a width."""
-        group = _Group(index, rows)
+        group, outer = _Group(index, rows), self.current
         if index in self.chosen:
             self.groups.append(group)
-        with torch.autograd.graph.saved_tensors_hooks(
-                lambda t: self._pack(group, t), lambda p: self._unpack(group, p)):  # fmt: skip
-            yield
+        self.current = group
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(*self.hooks):
+                yield
+        finally:
+            self.current = outer
 
     def _wanted(self, group: _Group, t: torch.Tensor) -> bool:
         return (group.index in self.chosen and t.dim() >= 2 and t.shape[-1] in self.widths
                 and t.shape[:-1].numel() == group.rows)  # an activation, not a weight
 
-    def _pack(self, group: _Group, t: torch.Tensor):
+    def _pack(self, t: torch.Tensor):
+        group = self.current
         if not self._wanted(group, t):
-            return t
+            return group, t
         if t.is_cuda:
             self.stream = self.stream or torch.cuda.Stream(t.device)
             self._bound(group)
@@ -173,7 +181,8 @@ class LayerHost:
                 slot.ready = torch.cuda.Event()
                 slot.ready.record(self.stream)
 
-    def _unpack(self, group: _Group, packed):
+    def _unpack(self, packed):
+        group, packed = (packed.group, packed) if isinstance(packed, _Slot) else packed
         # the nearest earlier chosen layer's tensors start back now, under this layer's backward
         earlier = [g for g in self.groups if g.index < group.index and not g.fetched]
         if earlier:
