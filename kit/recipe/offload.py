@@ -77,7 +77,7 @@ class _Group:
     """What one decoder layer's forward saved: the slots it moved to host memory."""
 
     def __init__(self, index: int, rows: int):
-        self.index, self.rows, self.slots, self.fetched = index, rows, [], False
+        self.index, self.rows, self.slots, self.fetched, self.started = index, rows, [], False, False
         self.pending: list = []  # (GPU tensor, event): alive until its copy to host is done
 
 
@@ -115,10 +115,8 @@ class LayerHost:
         self.groups: list[_Group] = []  # forward order; a group leaves once fully unpacked
         self.stream, self.current = None, None
         self.moved = self.moved_bytes = self.prefetched = 0
-        # One pair of hook functions for every layer and step: torch.compile guards on the
-        # hooks' identity, and a new pair per call recompiled each layer until the compiler gave
-        # up and ran the layers eagerly (measured on one H100: out of memory where hosting was due).
-        self.hooks = (self._pack, self._unpack)
+        self.hooks = (self._pack, self._unpack)  # one pair for every layer and step
+        self.started: list = []  # backward: a compute-stream event as each layer's backward starts
 
     @contextlib.contextmanager
     def layer(self, index: int, rows: int):
@@ -183,9 +181,19 @@ class LayerHost:
 
     def _unpack(self, packed):
         group, packed = (packed.group, packed) if isinstance(packed, _Slot) else packed
+        if torch.cuda.is_available() and self.stream is not None and not group.started:
+            group.started = True
+            self.started = [*self.started[-1:], torch.cuda.current_stream().record_event()]
         # the nearest earlier chosen layer's tensors start back now, under this layer's backward
         earlier = [g for g in self.groups if g.index < group.index and not g.fetched]
         if earlier:
+            # The host queues backward layers ahead of the GPU, and each fetch allocates at queue
+            # time memory the GPU frees only once it has run that layer: without a bound, a host
+            # many layers ahead held that many layers' gate and up at once (measured on one H100:
+            # out of memory at 24 GiB with any number of hosted layers). Wait until the GPU has
+            # started the previous layer's backward: at most ~3 layers' are on the GPU.
+            if len(self.started) == 2:
+                self.started[0].synchronize()
             self._fetch(earlier[-1])
             self.prefetched += 1
         if not isinstance(packed, _Slot):
