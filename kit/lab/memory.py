@@ -36,7 +36,7 @@ def measure_saved_activations(model, batch_size: int, seq_len: int, vocab: int |
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
     model.zero_grad(set_to_none=True)
     return sum(seen.values())
