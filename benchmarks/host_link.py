@@ -1,5 +1,6 @@
-"""The host link's speed, as training.recompute.host_layers uses it (GPU only): pinned host memory
-to and from the GPU on a side stream, alone and while the compute stream runs bf16 matmuls.
+"""The host link's speed, as activation offloading uses it (GPU only): pinned host memory to and
+from the GPU on a side stream, alone and while the compute stream runs bf16 matmuls
+(benchmarks/results/host-layers-8b-1xh100.md).
 
     python3 benchmarks/host_link.py            # prints GB/s per direction, and the matmuls' slowdown
 

@@ -151,15 +151,6 @@ class RecomputeConfig:
     # tokens/s per layer at batch 4 (benchmarks/results/layers-8b-1xh100.md), within the
     # run-to-run spread, so the planner leaves it at 0; the estimate counts what you set.
     matmul_layers: int = 0
-    # How many recomputed layers (spread over the model, after the matmul_layers) keep every
-    # matmul's result, the MLP's gate and up results in pinned host memory (kit.recipe.offload.
-    # LayerHost): copied out on a side stream during forward, back a layer ahead in backward, so
-    # gate and up neither run twice nor stay on the GPU. Compiled layers with keeps
-    # attention_matmuls only (eager checkpointing keeps its results where hooks cannot see them).
-    # Costs host memory (gate and up: 2 x intermediate_size values per token and layer) and the
-    # host link's time, which the layers' forward must hide. auto: the planner's (0 where it
-    # does not plan).
-    host_layers: int | Literal["auto"] = "auto"
     # Run each layer's MLP this many tokens at a time, keeping only its input (kit.recipe.recompute):
     # at long sequences its gate/up intermediates are a layer's widest tensors (at the 8B shape
     # 56 KiB per token each). 0: off. Eager layers with keeps=inputs (or recompute off) only.
@@ -466,13 +457,6 @@ def _check(cfg: Config) -> None:
          "training.recompute.matmul_layers", rc.matmul_layers,
          "only 0 unless training.recompute.keeps is mlp_matmuls or attention_matmuls (the "
          "layers it names keep every matmul instead)")
-    need(rc.host_layers == AUTO or rc.host_layers >= 0, "training.recompute.host_layers",
-         rc.host_layers, "expected an integer >= 0 or auto")
-    need(rc.host_layers in (0, AUTO) or (rc.enabled and rc.keeps in ("attention_matmuls", AUTO)
-                                         and t.compile is not False),
-         "training.recompute.host_layers", rc.host_layers,
-         "only 0 unless training.recompute.keeps is attention_matmuls and training.compile is "
-         "true (its hooks see what compiled layers keep)")
     need(not (lo.recompute and rc.enabled and rc.keeps not in ("inputs", AUTO)),
          "lora.recompute", lo.recompute, "only false with training.recompute.keeps="
          f"{rc.keeps!r} (its policy already recomputes the adapters' branch)")

@@ -99,9 +99,7 @@ class Recipe:
         )
         if rc.enabled and (rc.every > 1 or rc.keeps != "inputs"):
             self.say(f"recompute: {len(built.recomputed)} decoder layers, keeping their {rc.keeps}"
-                     + (f" (the first {rc.matmul_layers}: every matmul)" if rc.matmul_layers else "")
-                     + (f"; {rc.host_layers} of them keep every matmul, gate and up in host memory"
-                        if rc.host_layers not in (0, "auto") else ""))
+                     + (f" (the first {rc.matmul_layers}: every matmul)" if rc.matmul_layers else ""))
         wrapping = time.perf_counter()
         self.model = self.engine.wrap(self.peft_model, cfg, env.device)
         peaks: list = [None] * env.world_size  # each rank's peak host memory (MiB) until sharded
@@ -113,9 +111,6 @@ class Recipe:
             self.say(f"torch.compile: {n} decoder layers" + (
                 f", activation memory budget {t.activation_memory_budget}"
                 if t.activation_memory_budget < 1 else ""))
-        # training.recompute.host_layers: the LayerHost its layers share (said after one step)
-        self.host = next((h for h in (getattr(m, "_kit_host", None) for m in self.model.modules())
-                          if h is not None), None)
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = optim.ShardAdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = self._scheduler()
@@ -206,11 +201,6 @@ class Recipe:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, grad_norm = float(loss_sum), float(grad_norm)
         seconds = time.perf_counter() - start
-        if self.host is not None and not getattr(self, "_host_said", False):
-            self._host_said = True
-            self.say(f"host layers: {len(self.host.chosen)} moved {self.host.moved} tensors, "
-                     f"{self.host.moved_bytes / 2**30:.2f} GiB, to host memory in the first step "
-                     f"({self.host.prefetched} fetched back ahead)")
         per_rank = [None] * env.world_size  # one slow rank stalls every collective: name it
         dist.all_gather_object(per_rank, round(seconds, 4))
         return {

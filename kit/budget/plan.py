@@ -37,8 +37,7 @@ from kit.config import AUTO, Config, ConfigError
 PLAIN = {"training.batch_size": 8, "training.loss": "hf", "training.compile": False,
          "training.recompute.keeps": "inputs", "lora.group_inputs": False,
          "training.offload_activations": False, "training.recompute.mlp_tile_tokens": 0,
-         "training.recompute.attention_tile_tokens": 0, "training.recompute.lean_norms": False,
-         "training.recompute.host_layers": 0}
+         "training.recompute.attention_tile_tokens": 0, "training.recompute.lean_norms": False}
 TILE_FIELDS = ("training.recompute.mlp_tile_tokens", "training.recompute.attention_tile_tokens",
                "training.recompute.lean_norms")
 POLICIES = ("matmuls", "mlp_matmuls", "attention_matmuls", "inputs")

@@ -41,7 +41,6 @@ import torch
 from kit.recipe.attention_tiles import restored_rng, rng_state, tile_attention
 from kit.recipe.layers import decoder_layers
 from kit.recipe.norms import lean_norms
-from kit.recipe.offload import LayerHost
 
 KEEPS = ("inputs", "matmuls", "mlp_matmuls", "attention_matmuls")
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
@@ -120,15 +119,8 @@ def save_policy(keeps: str, rank: int, mlp_width: int):
     return policy
 
 
-def spread(candidates: list[int], n: int) -> list[int]:
-    """n of `candidates` spread evenly over them (the last one last to be chosen: its backward
-    comes first, before any prefetch could bring its tensors back)."""
-    n = min(n, len(candidates))
-    return sorted({candidates[(k * len(candidates)) // n] for k in range(n)}) if n else []
-
-
 def selective_checkpointing(model, keeps: str, rank: int, every: int = 1,
-                            matmul_layers: int = 0, host_layers: int = 0) -> list[int]:
+                            matmul_layers: int = 0) -> list[int]:
     """Run decoder layers 0, every, 2*every, ... under torch.utils.checkpoint with the save policy
     for `keeps`, the first `matmul_layers` of them with the policy that keeps every matmul
     (training.recompute.matmul_layers); returns their indices. Call before sharding and
@@ -143,20 +135,10 @@ def selective_checkpointing(model, keeps: str, rank: int, every: int = 1,
     if matmul_layers > len(chosen):
         raise ConfigError(f"training.recompute.matmul_layers: {matmul_layers} is not allowed; "
                           f"expected at most the {len(chosen)} recomputed decoder layers")
-    if matmul_layers + host_layers > len(chosen):
-        raise ConfigError(f"training.recompute.host_layers: {host_layers} is not allowed; "
-                          f"expected at most the {len(chosen) - matmul_layers} recomputed decoder "
-                          "layers beside training.recompute.matmul_layers")
-    hosted = set(spread(chosen[matmul_layers:], host_layers))
     forwards = (_checkpointed("matmuls", rank, width), _checkpointed(keeps, rank, width))
     layers = decoder_layers(model)
     for n, i in enumerate(chosen):
-        every_matmul = n < matmul_layers or i in hosted
-        layers[i].forward = types.MethodType(forwards[not every_matmul], layers[i])
-    if hosted:  # compile_layers runs each layer under it, outside the compiled graph
-        host = LayerHost({width, 2 * width}, hosted)
-        for layer in layers:
-            layer._kit_host = host
+        layers[i].forward = types.MethodType(forwards[n >= matmul_layers], layers[i])
     return chosen
 
 
@@ -260,9 +242,7 @@ def apply(model, cfg) -> list[int]:
         return []
     if rc.keeps == "inputs":
         return enable_activation_checkpointing(model, rc.every)
-    host_layers = 0 if rc.host_layers == "auto" else rc.host_layers
-    return selective_checkpointing(model, rc.keeps, cfg.lora.r, rc.every, rc.matmul_layers,
-                                   host_layers)
+    return selective_checkpointing(model, rc.keeps, cfg.lora.r, rc.every, rc.matmul_layers)
 
 
 def compile_layers(model, memory_budget: float = 1.0) -> int:
@@ -281,18 +261,6 @@ def compile_layers(model, memory_budget: float = 1.0) -> int:
 
     functorch_config.activation_memory_budget = memory_budget
     layers = decoder_layers(model)
-    for i, layer in enumerate(layers):
+    for layer in layers:
         layer.forward = torch.compile(layer.forward)
-        host = getattr(layer, "_kit_host", None)
-        if host is not None:  # training.recompute.host_layers: its hooks see what the graph saves
-            layer.forward = _hosted(layer.forward, host, i)
     return len(layers)
-
-
-def _hosted(forward, host, index: int):
-    def run(*args, **kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]
-        with host.layer(index, hidden.shape[:-1].numel()):
-            return forward(*args, **kwargs)
-
-    return run
