@@ -69,6 +69,10 @@ def test_each_case_measures_batches_until_one_does_not_fit(tiny_bench):
                    if r["case"] == case and r["kind"] == "batch"]
         # Ascending, an OOM is a result, and the search stops there.
         assert batches == [(1, "ok"), (2, "ok"), (4, "oom")], (case, batches)
+        oom = next(r for r in rows if r["case"] == case and r.get("status") == "oom")
+        # the whole error line, the step it stopped at and the peak so far: what tracing needs
+        assert oom["error"].startswith("injected") and oom["step"] == 0, oom
+        assert oom["peak_alloc_gib"] > 0, oom
         ok = [r for r in rows if r["case"] == case and r.get("status") == "ok"]
         assert all(r["tokens_per_s_gpu"] > 0 and r["step_s"] > 0 for r in ok)
         assert all(r["peak_alloc_gib"] > 0 and r["world"] == 2 for r in ok)

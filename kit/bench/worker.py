@@ -242,7 +242,7 @@ def worker(this: experiment.Case) -> None:
         if env.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(env.device)
-        times, losses, oom, error = [], [], False, None
+        times, losses, oom, error, i = [], [], False, None, 0
         try:
             for i in range(warmup + measure):
                 batch = run.batch(step_no, size)
@@ -258,10 +258,14 @@ def worker(this: experiment.Case) -> None:
                 if i >= warmup:
                     times.append(time.perf_counter() - t)
         except torch.OutOfMemoryError as e:
-            oom, error = True, str(e).splitlines()[0][:200]
+            # the allocator's whole first line (allocated, reserved but unallocated) and the peaks
+            # so far: what a planned case that runs out of memory needs to be traced
+            oom, error = True, str(e).splitlines()[0]
         if _any_rank(oom, env):
+            alloc, reserved = _peaks(env.device) if oom else (None, None)
             emit({"kind": "batch", "batch": size, "seq_len": seq, "flops_per_token": run.flops,
-                  "status": "oom", "error": error})
+                  "status": "oom", "error": error, "step": i, "peak_alloc_gib": alloc,
+                  "peak_reserved_gib": reserved})
             break  # larger batches will not fit either; the process state after an OOM is spent
         step_s = statistics.median(times)
         tps = size * run.seq / step_s
