@@ -228,3 +228,21 @@ def test_keep_records_only_the_checked_cells_of_an_executed_copy(tmp_path):
     assert outputs_of_checked_cells(committed) == {checked.source: "out 0\n"}
     assert tour.stored_outputs(committed) == []  # the plain cell stays clear
     assert tour.keep_outputs(committed, tmp_path / "ran.ipynb") == 0
+
+
+def test_keep_joins_one_cells_stream_chunks(tmp_path):
+    """A kernel may flush one cell's prints in two chunks: the kept cell holds them as one output
+    (as Jupyter shows them), so its shape does not change from run to run."""
+    cell = nbformat.v4.new_code_cell("# NBVAL_CHECK_OUTPUT\nprint(1); print(2)")
+    cell.metadata["tags"] = [tour.KEEP_OUTPUT]
+    committed = tmp_path / "nb.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), str(committed))
+    ran = nbformat.read(str(committed), as_version=4)
+    ran.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text=t)
+                            for t in ("1\n", "2\n")] + [
+        nbformat.v4.new_output("stream", name="stderr", text="warn\n")]
+    nbformat.write(ran, str(tmp_path / "ran.ipynb"))
+    assert tour.keep_outputs(committed, tmp_path / "ran.ipynb") == 1
+    kept = nbformat.read(str(committed), as_version=4).cells[0].outputs
+    assert [(o["name"], o["text"]) for o in kept] == [("stdout", "1\n2\n"), ("stderr", "warn\n")]
+    assert tour.keep_outputs(committed, tmp_path / "ran.ipynb") == 0

@@ -85,12 +85,29 @@ def keep_outputs(path: Path, executed: Path) -> int:
     for cell in nb.cells:
         if KEEP_OUTPUT in cell.metadata.get("tags", []) and cell.get("id") in ran:
             new = ran[cell.get("id")]
+            new.outputs = _joined_streams(new.outputs)
             if (new.outputs, new.execution_count) != (cell.outputs, cell.execution_count):
                 cell.outputs, cell.execution_count = new.outputs, new.execution_count
                 changed += 1
     if changed:
         nbformat.write(nb, str(path))
     return changed
+
+
+def _joined_streams(outputs: list) -> list:
+    """Consecutive stream outputs of one name joined into one, as Jupyter shows them: a kernel may
+    flush one cell's prints in one chunk or two, and a kept cell then changed shape from run to run
+    (notebook 09's plan lines did). Gap filled: nbformat has no such helper; nbconvert's
+    coalesce_streams preprocessor would add nbconvert for these lines."""
+    joined: list = []
+    for out in outputs:
+        last = joined[-1] if joined else None
+        if (last is not None and out.get("output_type") == last.get("output_type") == "stream"
+                and out.get("name") == last.get("name")):
+            last["text"] = last["text"] + out["text"]
+        else:
+            joined.append(out)
+    return joined
 
 
 @dataclass
