@@ -87,7 +87,10 @@ def render(rows: list[dict], matrix: dict) -> str:
         if skip:
             return f"skipped: {skip['why']}"
         oom = next((r for r in rs if r.get("status") == "oom"), None)
-        return f"OOM at batch {oom['batch']}" if oom else "ok"
+        ended = next((r for r in rs if r.get("kind") == "ended"), None)
+        end = (f"; then rc {ended['rc']}" + (" at the timeout" if ended["rc"] == -9 else "")
+               + f", after its last row (see logs/{name}.log)") if ended else ""
+        return (f"OOM at batch {oom['batch']}" if oom else "ok") + end
 
     article = [c for c in matrix["cases"] if c.get("table") == "article"]
     if article:

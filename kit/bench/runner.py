@@ -126,26 +126,29 @@ def run(matrix_path: str | Path, out: str | Path, only: list[str] | None = None,
     for case in [c for c in matrix["cases"] if c["name"] in configs]:
         name = case["name"]
         (out / "cases" / f"{name}.jsonl").unlink(missing_ok=True)
+        head = {"case": name, "recipe": case["recipe"], "label": case.get("label", name),
+                "role": case.get("role", ""), "cap_gib": case.get("cap_gib"),
+                "table": case.get("table", "")}
         why = skipped(matrix, case)
         if why:  # before any process starts: the rest of the matrix runs
-            jsonl.append(out / "cases" / f"{name}.jsonl",
-                         {"case": name, "recipe": case["recipe"], "label": case.get("label", name),
-                          "role": case.get("role", ""), "cap_gib": case.get("cap_gib"),
-                          "table": case.get("table", ""), "kind": "skipped", "why": why})
+            jsonl.append(out / "cases" / f"{name}.jsonl", {**head, "kind": "skipped", "why": why})
             print(f"{name}: skipped: {why}", flush=True)
             continue
         t = time.perf_counter()
         rc = run_case(matrix_path, case, configs[name], case_nproc(matrix, case), out)
         rows = jsonl.read(out / "cases" / f"{name}.jsonl")
-        if rc != 0 or not any(r["kind"] == "done" for r in rows):
+        ended = ""
+        if rc != 0 and any(r["kind"] == "done" for r in rows):
+            # Every row was written before the processes ended badly (a teardown that hung until
+            # the timeout, a crash at exit): the measurements stand, and the end is said so.
+            jsonl.append(out / "cases" / f"{name}.jsonl", {**head, "kind": "ended", "rc": rc})
+            ended = " after its last row (its measurements stand)"
+        elif rc != 0 or not any(r["kind"] == "done" for r in rows):
             log = out / "logs" / f"{name}.log"
             tail = log.read_text(errors="replace").splitlines()[-3:] if log.exists() else []
             jsonl.append(out / "cases" / f"{name}.jsonl",
-                         {"case": name, "recipe": case["recipe"], "label": case.get("label", name),
-                          "role": case.get("role", ""), "cap_gib": case.get("cap_gib"),
-                          "table": case.get("table", ""), "kind": "failed", "rc": rc,
-                          "log_tail": tail})
-        print(f"{name}: rc={rc} in {time.perf_counter() - t:.0f}s", flush=True)
+                         {**head, "kind": "failed", "rc": rc, "log_tail": tail})
+        print(f"{name}: rc={rc}{ended} in {time.perf_counter() - t:.0f}s", flush=True)
     rows = [r for p in sorted((out / "cases").glob("*.jsonl")) for r in jsonl.read(p)]
     jsonl.write(out / "results.jsonl", rows)
     table = render(rows, matrix)

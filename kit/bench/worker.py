@@ -32,7 +32,7 @@ from kit.config import Config
 from kit.folder import jsonl
 from kit.folder.layout import RunFolder
 from kit.recipe import dist as kdist
-from kit.recipe import experiment
+from kit.recipe import experiment, faults
 
 
 def synthetic_batch(step: int, rank: int, batch: int, seq: int, vocab: int, device) -> dict:
@@ -283,6 +283,7 @@ def worker(this: experiment.Case) -> None:
     if env.is_main:  # the run folder's result: kit.run.launch.Run reads the case as completed
         RunFolder(cfg.output_dir).write_result(
             {"status": "completed", "case": name, "seconds": seconds}, indent=None)
+    faults.maybe_hang_after_done()
     # The harness then waits for every rank and ends the process group before the interpreter
     # does: left to exit, gloo's threads were once destroyed still running ("terminate called
     # without an active exception", SIGABRT after "done", the case's run then read as failed).

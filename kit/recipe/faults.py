@@ -72,6 +72,17 @@ def maybe_fail_gather(rank: int) -> None:
                            "(KIT_FAIL_GATHER is set)")
 
 
+def maybe_hang_after_done() -> None:
+    """KIT_HANG_AFTER_DONE=N: a benchmark case's processes sleep N seconds after its last row (its
+    "done"), as a teardown that hangs does; the bench's timeout then stops a case that measured
+    everything, and the case must keep its rows (kit.bench.runner)."""
+    seconds = float(os.environ.get("KIT_HANG_AFTER_DONE", "0") or 0)
+    if seconds > 0:
+        import time
+
+        time.sleep(seconds)
+
+
 def _restarted() -> bool:
     return any(os.environ.get(name, "0") not in ("", "0")
                for name in ("KIT_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"))
