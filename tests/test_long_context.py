@@ -77,6 +77,40 @@ def test_a_tiles_kernels_give_what_sdpa_gives_with_a_lower_right_mask(start, hea
         assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+@pytest.mark.parametrize("start", [0, 384])
+def test_on_a_gpu_each_tile_kernel_gives_what_sdpa_gives_in_fp32(kernel, start, monkeypatch):
+    """The GPU kernels (KIT_TILE_KERNEL: PyTorch's flash, cuDNN's) on bf16 tiles of the 8B
+    shape's heads (32 query heads on 8 key heads, head_dim 128): output and gradients within bf16's
+    rounding of SDPA's math path in fp32 with the lower-right causal mask."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from kit.recipe import tile_kernels
+
+    if kernel == "cudnn" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("cuDNN's tile kernel is the kit's choice on Hopper GPUs only")
+    monkeypatch.setenv("KIT_TILE_KERNEL", kernel)
+    g = torch.Generator("cuda").manual_seed(start)
+    q, k, v = (torch.randn(1, h, t, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+               for h, t in ((32, 128), (8, start + 128), (8, start + 128)))
+    dout = torch.randn(q.shape, generator=g, device="cuda", dtype=torch.bfloat16)
+    ref = [x.float().requires_grad_() for x in (q, k, v)]
+    mask = causal_lower_right(128, start + 128) if start else None
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            *ref, attn_mask=mask, is_causal=start == 0, scale=128 ** -0.5, enable_gqa=True)
+    want.backward(dout.float())
+    out, lse, aux = tile_kernels.forward(q, k, v, start, 128 ** -0.5)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    dq = tile_kernels.backward(dout, q, k, v, out, lse, aux, start, 128 ** -0.5, dk, dv)
+    for got, exp, name in ((out, want, "out"), (dq, ref[0].grad, "dq"), (dk, ref[1].grad, "dk"),
+                           (dv, ref[2].grad, "dv")):
+        err = (got.float() - exp).abs().max().item()
+        assert err < 0.02 * max(1.0, exp.abs().max().item()), (name, err)
+
+
 def test_tiled_attention_runs_its_forward_twice_a_step_inside_layer_recompute(monkeypatch):
     """Inside whole-layer recompute, the recompute's tiles keep their output and log-sum-exp for
     the backward that follows: attention's forward runs twice per tile and step (forward,
