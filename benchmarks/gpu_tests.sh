@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One GPU: the GPU-marked tests (pytest -m gpu, in the three files that hold them: the NF4 layers, activation offload, the attention
-# tiles' flash and cuDNN kernels), with the carried wheels; ~2 minutes, in the foreground:
+# One GPU: the GPU-marked tests (pytest -m gpu, in the three files that hold them: the NF4
+# layers, activation offload, the attention tiles' flash and cuDNN kernels), with the carried
+# wheels; ~2 minutes, in the foreground:
 #   bash benchmarks/gpu_tests.sh "$OUT"
 set -uo pipefail
 OUT=${1:-/tmp/gpu-tests}; mkdir -p "$OUT"
