@@ -87,3 +87,31 @@ def test_a_headless_run_says_nothing_on_stderr(tmp_path):
     assert proc.stderr == ""
     out = nbformat.read(str(tmp_path / "o.ipynb"), as_version=4)
     assert out.cells[0].outputs[0]["text"] == "42\n"
+
+
+def test_a_headless_kernels_own_stderr_is_passed_on_less_libzmqs_teardown_assertion(tmp_path):
+    """What the kernel process itself writes on stderr (not its cells' output: that reaches the
+    notebook) is passed on after it exits; libzmq's assertion while ipykernel closes its sockets
+    at exit is dropped, and kept if the kernel wrote it before the shutdown request."""
+    import nbformat
+
+    from kit.run import tour
+
+    cell = ("import atexit, os; os.write(2, b'from the kernel itself\\n'); print(6 * 7)\n"
+            "atexit.register(os.write, 2, b'Assertion failed: pfd.revents & POLLIN "
+            "(src/signaler.cpp:238)\\n')")  # what libzmq writes, at the kernel's exit
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(tmp_path / "n.ipynb"))
+    code = ("import sys; from pathlib import Path; from kit.run import tour; "
+            f"o = tour.run(Path({str(tmp_path / 'n.ipynb')!r}), Path({str(tmp_path / 'o.ipynb')!r})); "
+            "sys.exit(0 if o.ok else 1)")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "from the kernel itself\n"
+    zmq = b"Assertion failed: pfd.revents & POLLIN (src/signaler.cpp:238)\n"
+    data = b"a warning\n" + zmq
+    assert tour.kernel_stderr_lines(data, teardown_at=len(b"a warning\n")) == ["a warning"]
+    assert tour.kernel_stderr_lines(data, teardown_at=None) == ["a warning", zmq.decode().strip()]
+    assert tour.kernel_stderr_lines(zmq + b"after\n", 0) == ["after"]
