@@ -69,37 +69,10 @@ def test_the_notebook_kernel_is_this_environments(tmp_path):
     assert Path(proc.stdout.strip()).parent == Path(sys.executable).parent, proc.stdout
 
 
-def test_a_headless_run_says_nothing_on_stderr(tmp_path):
-    """kit.run.tour.run's kernel talks over local IPC sockets: over TCP ipykernel warned on
-    stderr, at every notebook's start, that its traffic was unencrypted."""
+def _headless(tmp_path, cell: str):
+    """One cell's notebook run by kit.run.tour.run in a fresh interpreter: (process, output nb)."""
     import nbformat
 
-
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, str(tmp_path / "n.ipynb"))
-    code = ("import sys; from pathlib import Path; from kit.run import tour; "
-            f"o = tour.run(Path({str(tmp_path / 'n.ipynb')!r}), Path({str(tmp_path / 'o.ipynb')!r})); "
-            "sys.exit(0 if o.ok else 1)")  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stderr == ""
-    out = nbformat.read(str(tmp_path / "o.ipynb"), as_version=4)
-    assert out.cells[0].outputs[0]["text"] == "42\n"
-
-
-def test_a_headless_kernels_own_stderr_is_passed_on_less_libzmqs_teardown_assertion(tmp_path):
-    """What the kernel process itself writes on stderr (not its cells' output: that reaches the
-    notebook) is passed on after it exits; libzmq's assertion while ipykernel closes its sockets
-    at exit is dropped, and kept if the kernel wrote it before the shutdown request."""
-    import nbformat
-
-    from kit.run import tour
-
-    cell = ("import atexit, os; os.write(2, b'from the kernel itself\\n'); print(6 * 7)\n"
-            "atexit.register(os.write, 2, b'Assertion failed: pfd.revents & POLLIN "
-            "(src/signaler.cpp:238)\\n')")  # what libzmq writes, at the kernel's exit
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, str(tmp_path / "n.ipynb"))
@@ -109,6 +82,27 @@ def test_a_headless_kernels_own_stderr_is_passed_on_less_libzmqs_teardown_assert
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+    return proc, nbformat.read(str(tmp_path / "o.ipynb"), as_version=4)
+
+
+def test_a_headless_run_says_nothing_on_stderr(tmp_path):
+    """kit.run.tour.run's kernel talks over local IPC sockets: over TCP ipykernel warned on
+    stderr, at every notebook's start, that its traffic was unencrypted."""
+    proc, out = _headless(tmp_path, "print(6 * 7)")
+    assert proc.stderr == ""
+    assert out.cells[0].outputs[0]["text"] == "42\n"
+
+
+def test_a_headless_kernels_own_stderr_is_passed_on_less_libzmqs_teardown_assertion(tmp_path):
+    """What the kernel process itself writes on stderr (not its cells' output: that reaches the
+    notebook) is passed on after it exits; libzmq's assertion while ipykernel closes its sockets
+    at exit is dropped, and kept if the kernel wrote it before the shutdown request."""
+    from kit.run import tour
+
+    cell = ("import atexit, os; os.write(2, b'from the kernel itself\\n'); print(6 * 7)\n"
+            "atexit.register(os.write, 2, b'Assertion failed: pfd.revents & POLLIN "
+            "(src/signaler.cpp:238)\\n')")  # what libzmq writes, at the kernel's exit
+    proc, _ = _headless(tmp_path, cell)
     assert proc.stderr == "from the kernel itself\n"
     zmq = b"Assertion failed: pfd.revents & POLLIN (src/signaler.cpp:238)\n"
     data = b"a warning\n" + zmq
