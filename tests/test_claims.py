@@ -92,5 +92,5 @@ def test_write_replaces_only_the_block_between_the_markers(tmp_path, capsys):
     assert page.read_text() == "no markers here\n"
 
 
-def test_readme_holds_the_generated_table():
-    assert claims_table.block_of((ROOT / "README.md").read_text()) == claims_table.table()
+def test_the_claims_page_holds_the_generated_table():
+    assert claims_table.block_of((ROOT / "docs" / "claims.md").read_text()) == claims_table.table()

@@ -39,7 +39,7 @@ EXPERTS = {"mixtral": "tiny-mixtral", "qwen3_moe": "tiny-qwen3-moe", "olmoe": "t
            "gpt_oss": "tiny-gpt-oss"}  # fmt: skip
 # Families whose tiny model was there before this table (kit.inputs.builtin.SPECS): same names.
 EXISTING = {"llama": "tiny-llama", "qwen2": "tiny-qwen2", **EXPERTS}
-ALL = [*FAMILIES, *EXPERTS]  # every family the kit is tested on (the README's table)
+ALL = [*FAMILIES, *EXPERTS]  # every family the kit is tested on (docs/recipe.md's table)
 # What "auto" tries, fastest first: SDPA (PyTorch's fused kernels), FlashAttention 2 (GPU, the
 # flash-attn package, not float32), flex (GPU: compiled; on a CPU the pre-flight refuses it), eager.
 PREFERENCE = ("sdpa", "flash_attention_2", "flex_attention", "eager")
@@ -123,7 +123,7 @@ def attention_refusal(requested: str, facts: dict | None) -> str | None:
 
 def levers(facts: dict, grouped: tuple[str, ...]) -> dict:
     """What the planner turns on for this family on a GPU under FSDP2, and what "auto" attention
-    is on a CPU (the README's table; `grouped`: kit.budget.plan.GROUPED_FAMILIES)."""
+    is on a CPU (docs/recipe.md's table; `grouped`: kit.budget.plan.GROUPED_FAMILIES)."""
     transforms = facts.get("logit_transforms") or []
     moe = facts["model_type"] in EXPERTS
     return {"attention (GPU)": pick_attention(facts, "cuda", "bfloat16")[0],
@@ -135,7 +135,7 @@ def levers(facts: dict, grouped: tuple[str, ...]) -> dict:
 
 
 def readme_table(facts: dict[str, dict], grouped: tuple[str, ...]) -> str:
-    """The README's family table: family -> its tiny model's facts (kit.inputs.sources.model_facts)."""
+    """docs/recipe.md's family table: family -> its tiny model's facts (kit.inputs.sources.model_facts)."""
     rows = [{"family": f"`{family}`", **levers(f, grouped)} for family, f in facts.items()]
     head = list(rows[0])
     return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head),

@@ -2,7 +2,7 @@
 code-cell metadata (`"claims": {"A07": "demonstrated"}`), as a markdown table.
 
     python -m kit.lab.claims_table                     # print the table
-    python -m kit.lab.claims_table --write README.md   # replace the table between the two markers
+    python -m kit.lab.claims_table --write docs/claims.md   # replace the table between the two markers
 
 Kernel side: no torch (nbformat reads the notebooks as JSON).
 """
@@ -92,7 +92,7 @@ def block_of(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m kit.lab.claims_table` prints the table; `--write FILE` replaces the block between
-    the markers in FILE (the README's, regenerated whenever a notebook's claims change)."""
+    the markers in FILE (docs/claims.md's, regenerated whenever a notebook's claims change)."""
     import argparse
     import sys
 
