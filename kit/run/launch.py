@@ -22,7 +22,6 @@ metrics, failure, attach) is kit/run/runs.py.
 
 from __future__ import annotations
 
-import shlex
 import shutil
 import sys
 from datetime import datetime
@@ -32,6 +31,7 @@ from kit import ROOT
 from kit.config import Config, apply_overrides, config_from_dict, load_config
 from kit.folder import runfolder
 from kit.folder.layout import RunFolder
+from kit.run import quoting
 from kit.run.check import check as check_start
 from kit.run.check import inputs as check_inputs
 
@@ -108,23 +108,23 @@ RUN_SH = """\
 # Run "{name}": {what} under torchrun. Written by kit.run.launch, {date}.
 # Runs as is from any directory, here or on each node of a cluster (with the kit installed).
 # {nproc} processes on this machine; key=value arguments override config.yaml:
-#   bash {rel}/run.sh
-#   NPROC_PER_NODE=8 bash {rel}/run.sh training.steps=100
+#   bash {script}
+#   NPROC_PER_NODE=8 bash {script} training.steps=100
 # Two nodes: on node 0, then on node 1 with NODE_RANK=1 (Kubeflow's PET_* variables work too):
-#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 bash {rel}/run.sh
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 bash {script}
 # Outputs land next to this script: run.log (every rank, lines prefixed [defaultN]:), logs/ (per
 # rank stdout.log, stderr.log, error.json with a failed rank's traceback), metrics.jsonl,
 # result.json, adapter/, exit_code (node 0's; node N's pid and exit_code: logs/node-N/).
 set -euo pipefail
 RUN_DIR="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd -P)"
-KIT_ROOT="${{KIT_ROOT:-{root}}}"  # ranks run here: -m kit.train, relative data paths
-PYTHON="${{PYTHON:-{python}}}"  # on a cluster: PYTHON=python3
+KIT_ROOT=${{KIT_ROOT:-{root}}}  # ranks run here: -m kit.train, relative data paths
+PYTHON=${{PYTHON:-{python}}}  # on a cluster: PYTHON=python3
 NNODES="${{NNODES:-${{PET_NNODES:-{nnodes}}}}}"  # the kit's variables win; Kubeflow's PET_* fill in
 NODE_RANK="${{NODE_RANK:-${{PET_NODE_RANK:-0}}}}"
 NPROC_PER_NODE="${{NPROC_PER_NODE:-${{PET_NPROC_PER_NODE:-{nproc}}}}}"
 MASTER_ADDR="${{MASTER_ADDR:-${{PET_MASTER_ADDR:-127.0.0.1}}}}"   # multi-node: node 0's address
 MASTER_PORT="${{MASTER_PORT:-${{PET_MASTER_PORT:-29500}}}}"
-RDZV_ID="${{RDZV_ID:-{rdzv_id}}}"  # multi-node: one id per job, the same on every node
+RDZV_ID=${{RDZV_ID:-{rdzv_id}}}  # multi-node: one id per job, the same on every node
 DIST_TIMEOUT_MIN="${{DIST_TIMEOUT_MIN:-{timeout}}}"  # collective timeout (run.dist_timeout_min)
 {check}
 # This node's pid, exit_code and terminal log: node 0 (and a lone node) keeps them in the run
@@ -159,7 +159,7 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING="${{TORCH_NCCL_ASYNC_ERROR_HANDLING:-{TOR
 export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC="${{TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC:-$((DIST_TIMEOUT_MIN * 60 + 60))}}"
 
 ON_CPU={on_cpu}                                # config.yaml has training.device={device}
-echo "=== run {name} on $(hostname), $(date '+%F %T'): $NNODES node(s) x $NPROC_PER_NODE processes"
+echo "=== run "{name_word}" on $(hostname), $(date '+%F %T'): $NNODES node(s) x $NPROC_PER_NODE processes"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv,noheader
   echo "NVLink links active on GPU 0: $(nvidia-smi nvlink --status -i 0 2>/dev/null | grep -c 'GB/s' || true)"
@@ -271,15 +271,49 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
 
     plan: for the recipe, what kit.folder.runfolder decided (launch and run_to_end plan before they
     call this); planned here when not given. Its earlier files move into earlier/ first.
-    nnodes: the nodes run.sh starts on when neither NNODES nor PET_NNODES says (kit.run.jobs)."""
+    nnodes: the nodes run.sh starts on when neither NNODES nor PET_NNODES says (kit.run.jobs).
+
+    The folder is claimed first (kit.folder.runfolder.claim): of two starts of one run at once, one
+    writes and the other is refused (FolderRefused, one line). The claim stays until run.sh has
+    started (its pid file) or this process ends; `runfolder.release(folder / runfolder.CLAIM)`
+    gives it up earlier. A folder that cannot be written is a ConfigError naming it."""
     cfg = cfg_or_path
     if not isinstance(cfg, Config) or overrides or name:
         cfg = resolve(cfg_or_path, overrides, name)
     folder = run_dir(cfg)
+    made = [p for p in (folder, *folder.parents) if not p.exists()]  # to take back if refused
+    held = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        held = runfolder.claim(folder, cfg.run.name)
+        if Run(folder).status == "running":
+            raise RuntimeError(f"run {cfg.run.name!r} is running; stop it first: "
+                               f"Run.attach({cfg.run.name!r}).stop()")
+        _write(cfg, folder, nproc, module, args, plan, nnodes)
+    except BaseException as e:
+        runfolder.release(held)
+        _remove_empty(made)
+        if isinstance(e, OSError):
+            raise runfolder.FolderRefused(
+                f"run.output_dir: {str(folder)!r} cannot be written ({e.strerror or e}: "
+                f"{e.filename or folder}); allowed: a folder this user can create and write "
+                "(run.output_dir=<path>)") from None
+        raise
+    return folder
+
+
+def _remove_empty(made: list[Path]) -> None:
+    """Take back the folders a refused start created (while empty): what was there stays."""
+    for path in made:
+        try:
+            path.rmdir()
+        except OSError:
+            return
+
+
+def _write(cfg: Config, folder: Path, nproc: int, module: str, args, plan, nnodes: int) -> None:
+    """prepare's writing, under its claim: earlier files aside, config.yaml, run.sh."""
     files = RunFolder(folder)
-    if folder.exists() and Run(folder).status == "running":
-        raise RuntimeError(f"run {cfg.run.name!r} is running; stop it first: "
-                           f"Run.attach({cfg.run.name!r}).stop()")
     cfg.run.output_dir = str(folder)
     if module == "kit.train":
         plan = plan or runfolder.plan(cfg, nproc)
@@ -289,8 +323,14 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
         shutil.rmtree(files.logs, ignore_errors=True)
     for f in PLUMBING:
         (folder / f).unlink(missing_ok=True)
-    folder.mkdir(parents=True, exist_ok=True)
     files.config.write_text(cfg.to_yaml())
+    files.run_sh.write_text(run_sh(cfg, folder, nproc, module, args, nnodes))
+    files.run_sh.chmod(0o755)
+
+
+def run_sh(cfg: Config, folder: Path, nproc: int, module: str, args, nnodes: int) -> str:
+    """run.sh's text: every value from the config, a path or an argument through
+    kit.run.quoting (a shell word in commands, escaped in comments)."""
     try:
         rel = folder.relative_to(ROOT)
     except ValueError:
@@ -299,17 +339,16 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
     what = (f"kit.train (NF4 + LoRA + {cfg.sharding.engine})" if module == "kit.train"
             else module)
     check = CHECK_STEP.format(args=words) if module == "kit.train" else ""
-    script = RUN_SH.format(
-        name=cfg.run.name, what=what, date=datetime.now().strftime("%F %T"),
-        rel=rel, root=ROOT, python=sys.executable, nproc=int(nproc), nnodes=int(nnodes),
-        rdzv_id=cfg.run.name,
-        timeout=cfg.run.dist_timeout_min, module=module, args=words,
-        device=cfg.training.device, on_cpu=int(cfg.training.device == "cpu"), check=check,
-        **RUN_ENV, **FOLDER_NAMES,
+    return RUN_SH.format(
+        name=quoting.comment(cfg.run.name), name_word=quoting.shell_word(cfg.run.name),
+        what=quoting.comment(what), date=datetime.now().strftime("%F %T"),
+        script=quoting.comment(quoting.shell_word(f"{rel}/{RunFolder.RUN_SH}")),
+        root=quoting.shell_word(ROOT), python=quoting.shell_word(sys.executable),
+        nproc=int(nproc), nnodes=int(nnodes), rdzv_id=quoting.shell_word(cfg.run.name),
+        timeout=int(cfg.run.dist_timeout_min), module=quoting.shell_word(module), args=words,
+        device=quoting.comment(cfg.training.device), on_cpu=int(cfg.training.device == "cpu"),
+        check=check, **{k: quoting.shell_word(v) for k, v in RUN_ENV.items()}, **FOLDER_NAMES,
     )
-    files.run_sh.write_text(script)
-    files.run_sh.chmod(0o755)
-    return folder
 
 
 # Placeholders in run.sh arguments, and the shell expressions they become there.
@@ -322,14 +361,17 @@ def _shell_word(arg: str) -> str:
     for key, value in _PLACEHOLDERS.items():
         if key in arg:
             before, after = arg.split(key, 1)
-            return "".join([shlex.quote(before) if before else "", value,
-                            shlex.quote(after) if after else ""])
-    return shlex.quote(arg)
+            return "".join([quoting.shell_word(before) if before else "", value,
+                            quoting.shell_word(after) if after else ""])
+    return quoting.shell_word(arg)
 
 
 def launch(cfg_or_path: Config | str | Path, overrides: list[str] | None = None, nproc: int = 2,
-           name: str | None = None, env: dict | None = None, force: bool = False) -> Run:
+           name: str | None = None, env: dict | None = None, force: bool = False,
+           detach: bool = False) -> Run:
     """Check (kit.doctor), write launch/<run>/, start run.sh; returns at once (the watched way).
+    The run ends with this kernel (its shutdown or restart is a stop request: a checkpoint, exit
+    75, kit.run.tether) unless detach=True: then it goes on, and Run.attach(name) finds it.
 
     env: extra environment for the ranks, e.g. {"KIT_FAIL_RANK": "1"} (see kit/recipe/faults.py).
     A finished run (training.resume=auto at its training.steps) is said so and returned as it
@@ -341,7 +383,7 @@ def launch(cfg_or_path: Config | str | Path, overrides: list[str] | None = None,
     if plan.start is None:
         return Run(run_dir(cfg))
     run = Run(prepare(cfg, nproc=nproc, plan=plan))
-    run.start({**(env or {}), **checked_env(plan)})
+    run.start({**(env or {}), **checked_env(plan)}, detach=detach)
     return run
 
 

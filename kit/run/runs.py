@@ -5,8 +5,9 @@ kernel or a terminal.
     run.status                   # prepared | running | completed | failed | stopped | preempted
     run.wait(); run.stop(); run.metrics(); run.result(); run.tail(20); run.failure()
 
-A process is the only state; nothing lives in the kernel, so a run survives a kernel restart and
-`Run.attach` finds it again. kit.run.launch writes the folder and starts it; kit.run.widgets watches it.
+A process is the only state; nothing lives in the kernel: a run started detached survives a kernel
+restart and `Run.attach` finds it again (else the kernel's end is its stop request, kit.run.tether).
+kit.run.launch writes the folder and starts it; kit.run.widgets watches it.
 Kernel side: imports neither torch nor ipywidgets.
 """
 
@@ -47,7 +48,6 @@ class RunFailed(RuntimeError):
                          + (f"\n{tail}" if tail else "") + (f"\nlog: {log}" if log else ""))
 
 
-
 class Run:
     """A run folder and the process tree started from it (by us, a former kernel or a terminal)."""
 
@@ -56,6 +56,7 @@ class Run:
         self.files = RunFolder(self.folder)  # the folder's files by name
         self.name = self.folder.name
         self._proc: subprocess.Popen | None = None
+        self.tether = None  # kit.run.tether's, while this process started the run and holds it
 
     def __repr__(self) -> str:
         return f"Run({self.name!r}, status={self.status!r}, folder={str(self.folder)!r})"
@@ -74,8 +75,9 @@ class Run:
     def config(self) -> Config:
         return load_config(self.files.config)
 
-    def start(self, env: dict | None = None) -> Run:
-        """Start run.sh in its own session, output into run.log; returns at once."""
+    def start(self, env: dict | None = None, detach: bool = False) -> Run:
+        """Start run.sh in its own session, output into run.log; returns at once. The run ends
+        with this process (kit.run.tether: a stop request when it ends, however) unless detach."""
         env = {**os.environ, **{k: str(v) for k, v in (env or {}).items()}}
         with open(self.files.log, "wb") as log:
             self._proc = subprocess.Popen(
@@ -84,6 +86,10 @@ class Run:
                 start_new_session=True,  # its own process group: stop() signals it as one
             )
         self.files.pid.write_text(f"{self._proc.pid}\n")  # run.sh writes the same
+        if not detach:
+            from kit.run.tether import tie  # it imports this module
+
+            self.tether = tie(self)
         return self
 
     # ------------------------------------------------------------------ state
