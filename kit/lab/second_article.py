@@ -103,7 +103,7 @@ LAUNCH = [
      r"^export PYTORCH_CUDA_ALLOC_CONF.*"),
     ("software", "pip install (unpinned, torchao -U) at every start", r"^PYTHON=.*"),
     ("GPU check", "nvidia-smi inventory and NVLink status", r"nvidia-smi --query-gpu.*"),
-    ("before any rank", "nothing", r"-m kit\.check .*"),
+    ("before any rank", "nothing", r"-m kit\.run\.check .*"),
 ]
 
 
