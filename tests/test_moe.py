@@ -238,13 +238,27 @@ def held_by_the_graph(grad_fn) -> dict[int, int]:
     return held
 
 
+def frozen_nodes(grad_fn) -> int:
+    """How many grouped frozen-base projections (kit.recipe.grouped_experts) the graph holds."""
+    count, seen, stack = 0, set(), [grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        count += type(fn).__name__ == "_FrozenBaseBackward"
+        stack.extend(f for f, _ in getattr(fn, "next_functions", ()))
+    return count
+
+
 @pytest.mark.parametrize("keeps", ["none", "matmuls"])
-def test_the_estimate_counts_the_expert_scales_a_forward_keeps_until_backward(keeps):
-    """Each forward restores every expert stack's double-quantized scales to fp32, and the 4-bit
-    matmul keeps them to backward whatever the recompute policy: 4 B per 64-value block of every
-    stack of every layer. Qwen3-235B-A22B's shape on 4 GPUs ran out of memory at 78.45 GiB
-    against 72.3 predicted before the estimate counted them (13.2 GiB there)."""
-    from kit.budget.estimate import Setup, estimate
+def test_a_forward_keeps_no_expert_scales_until_backward(keeps):
+    """The per-expert loop restored every expert stack's double-quantized scales to fp32 and
+    bitsandbytes' 4-bit matmul kept them to backward (4 B per 64-value block of every stack of
+    every layer: 13.2 GiB on Qwen3-235B-A22B's shape on 4 GPUs). The grouped experts dequantize
+    each stack by one call and again in backward, keeping only the stored packed stack and its
+    state: no scales made in forward stay for backward. (kit.budget.estimate still counts an
+    "expert scales kept in fp32" part: issue 55, item 3, the planner's MoE model, drops it.)"""
     from kit.config import load_config
     from kit.recipe import experts, model
 
@@ -263,8 +277,7 @@ def test_the_estimate_counts_the_expert_scales_a_forward_keeps_until_backward(ke
     ids = torch.randint(3, 200, (2, 64))
     loss = peft_model(input_ids=ids, labels=ids).loss
     made = {ptr: n for ptr, n in held_by_the_graph(loss.grad_fn).items() if ptr not in stored}
-    blocks = sum(s["state"].absmax.numel() for _, m in experts.find(peft_model)
-                 for s in m._kit_nf4.values())  # fmt: skip
-    assert sum(made.values()) == blocks * 4  # fp32, one per block, every stack, every layer
-    est = estimate("kit:tiny-qwen3-moe", Setup(world_size=2, quantization="nf4", double_quant=True))
-    assert est.parts["expert scales kept in fp32"] == blocks * 4
+    assert made == {}
+    if keeps == "none":  # the graph does hold the experts: two projections a layer (recomputed
+        # layers hold only their inputs until backward reruns them)
+        assert frozen_nodes(loss.grad_fn) == 2 * peft_model.config.num_hidden_layers

@@ -12,10 +12,13 @@ nn.Linear, so the experts, nearly all of an MoE's bytes, would stay in model.dty
   quantization state stays on the module (`_kit_nf4`), as Linear4bit keeps its own: FSDP2
   gathers a plain tensor. The router is a small (E, H) parameter, left in model.dtype and frozen:
   4-bit routing logits would move tokens between experts, for a few kB saved per layer.
-- forward: the eager per-expert loop of transformers (same routing, same gating: the module's own
-  `_apply_gate`), each hit expert's projection through `bitsandbytes.matmul_4bit` on its slice of
-  the packed stack: dequantized in forward, and again in backward for the input's gradient only
-  (the base is frozen; nothing of the dequantized weight is kept between them).
+- forward: grouped (kit.recipe.grouped_experts): the routed rows sorted by expert once per layer,
+  each stack dequantized by one call per pass, every expert's projection and LoRA factors as
+  grouped GEMMs (`torch._grouped_mm` on Hopper, a loop over the sorted groups elsewhere), same
+  routing and gating as transformers (the module's own `_apply_gate`). Nothing of the dequantized
+  stack is kept between forward and backward: backward dequantizes it again for the input's
+  gradient (the base is frozen). `loop_forward`, transformers' eager loop with
+  `bitsandbytes.matmul_4bit` per hit expert, stays as the reference it is tested against.
 - LoRA: PEFT's `target_parameters` builds its lora.ParamWrapper modules (one per expert parameter,
   nested), so the adapter's keys, shapes and adapter_config.json are PEFT's own, and plain PEFT
   reloads it on the unquantized base. PEFT computes ParamWrapper by adding B@A to the dense stack
@@ -37,6 +40,8 @@ import types
 import torch
 
 from kit.config import ConfigError
+from kit.recipe import grouped_experts
+from kit.recipe.grouped_experts import forward  # what every experts module runs
 
 
 def is_experts(module: torch.nn.Module) -> bool:
@@ -150,27 +155,31 @@ def stored_bytes(model: torch.nn.Module) -> dict[str, int]:
 # ---- forward -------------------------------------------------------------------------------------
 
 
-def forward(self, hidden_states, top_k_index=None, top_k_weights=None, router_indices=None,
-            routing_weights=None, lora=None):  # fmt: skip
-    """transformers' eager experts loop on the packed stacks; `lora`: {weight name: [(A, B,
-    scale, dropout p)]} from PEFT's ParamWrapper modules (see adapted_forward)."""
+def loop_forward(self, hidden_states, top_k_index=None, top_k_weights=None, router_indices=None,
+                 routing_weights=None, lora=None):  # fmt: skip
+    """transformers' eager experts loop on the packed stacks, one expert at a time: the reference
+    the grouped forward (kit.recipe.grouped_experts, what runs) is tested and timed against. Its
+    dropout masks are drawn as the grouped forward draws them (one per row in token order)."""
     index = top_k_index if top_k_index is not None else router_indices
     weights = top_k_weights if top_k_weights is not None else routing_weights
     lora = lora or {}
     absmax = {name: _absmax(s["state"]) for name, s in getattr(self, "_kit_nf4", {}).items()}
     final = torch.zeros_like(hidden_states)
+    first = "gate_up_proj" if self.has_gate else "up_proj"
+    masks = grouped_experts.dropout_masks(lora, (first, "down_proj"), index.numel(),
+                                          hidden_states.device)
     with torch.no_grad():
         mask = torch.nn.functional.one_hot(index, num_classes=self.num_experts + 1)
         mask = mask.permute(2, 1, 0)
         hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
-    first = "gate_up_proj" if self.has_gate else "up_proj"
     for e in hit:
         if e == self.num_experts:
             continue
         position, token = torch.where(mask[e])
-        h = _project(self, first, e, hidden_states[token], absmax, lora)
+        rows = token * index.shape[1] + position  # the rows' places in the token-order masks
+        h = _project(self, first, e, hidden_states[token], absmax, lora, masks, rows)
         h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-        h = _project(self, "down_proj", e, h, absmax, lora)
+        h = _project(self, "down_proj", e, h, absmax, lora, masks, rows)
         if getattr(self, "has_post_expert_norm", False):
             h = self.post_expert_norm(h)
         h = h * weights[token, position, None]
@@ -188,7 +197,7 @@ def _absmax(state):
     return (F.dequantize_blockwise(state.absmax, state.state2) + state.offset).float()
 
 
-def _project(self, name, e, x, absmax, lora):
+def _project(self, name, e, x, absmax, lora, masks, rows):
     """Expert e's `name` projection of x: 4-bit base (+ bias) + its LoRA branches."""
     import bitsandbytes as bnb
     from bitsandbytes.functional import QuantState
@@ -211,11 +220,11 @@ def _project(self, name, e, x, absmax, lora):
     bias = getattr(self, f"{name}_bias", None) if getattr(self, "has_bias", False) else None
     if bias is not None:
         y = y + bias[e]
-    for down, up, scale, p in lora.get(name, ()):
+    for (down, up, scale, p), keep in zip(lora.get(name, ()), masks[name], strict=True):
         rank = down.shape[0] // self.num_experts
         a = down.reshape(self.num_experts, rank, -1)[e]  # PEFT's layout (get_delta_factors)
         b = up.reshape(up.shape[0], rank, self.num_experts)[:, :, e]
-        dropped = torch.nn.functional.dropout(x.to(a.dtype), p, True) if p > 0 else x.to(a.dtype)
+        dropped = grouped_experts.dropped(x.to(a.dtype), None if keep is None else keep[rows], p)
         y = y + (dropped @ a.t() @ b.t() * scale).to(y.dtype)
     return y
 
@@ -304,7 +313,13 @@ def _chain(wrapper) -> list[torch.nn.Module]:
 
 
 def adapted_forward(self, hidden_states, *args, **kwargs):
-    """The outermost ParamWrapper's forward: its chain's LoRA factors, run per expert."""
+    """The outermost ParamWrapper's forward: the experts with its chain's LoRA factors."""
+    return forward(_chain(self)[-1], hidden_states, *args, lora=lora_factors(self), **kwargs)
+
+
+def lora_factors(self) -> dict[str, list]:
+    """{weight name: [(A, B, scale, dropout p)]} of an outermost ParamWrapper's chain: the
+    active adapters, dropout only in training."""
     chain = _chain(self)
     lora: dict[str, list] = {}
     for wrapper in chain[:-1]:
@@ -315,4 +330,4 @@ def adapted_forward(self, hidden_states, *args, **kwargs):
                 lora.setdefault(wrapper.parameter_name, []).append((
                     wrapper.lora_A[name].weight, wrapper.lora_B[name].weight,
                     wrapper.scaling[name], self._kit_dropout if self.training else 0.0))
-    return forward(chain[-1], hidden_states, *args, lora=lora, **kwargs)
+    return lora

@@ -1,0 +1,173 @@
+"""Grouped experts: every expert of a MoE layer as one GEMM per projection (kit.recipe.experts).
+
+Per layer and pass, for the rows (token, k-th choice) of the top-k routing:
+- the rows are sorted by expert once (a stable argsort of the flattened expert ids); each expert's
+  rows are one contiguous group, its end offset the cumulative bincount;
+- each expert stack (NF4, packed (E*out, in)) is dequantized to the compute dtype by ONE
+  `bitsandbytes.functional.dequantize_4bit` call over the whole stack, viewed as (E, out, in);
+- the base projection of every group is one grouped GEMM: `torch._grouped_mm` (CUTLASS, Hopper
+  and newer, bf16), elsewhere a loop over the sorted groups' slices (`grouped_kernel` chooses);
+- each LoRA branch is two more grouped GEMMs (A, then B, times its scale) on the input dropped out
+  with a mask drawn per row in token order (so that any layout of the rows sees the same mask);
+- gate/activation (the module's own `_apply_gate`), biases, the routing weights; the rows are put
+  back in token order and summed over the k choices (a deterministic reduction, no atomics).
+
+Backward: `_FrozenBase` keeps nothing of the dequantized stack; it dequantizes the stack again for
+the input's gradient (the base is frozen: no weight gradient). The LoRA GEMMs go through autograd
+(their factors are small). Expert ids must lie in [0, E): the kit runs no expert parallelism of
+transformers' kind (its sentinel id E for another rank's expert).
+
+Gaps filled by hand: transformers' grouped_mm experts read the dense 3-D stacks and know no LoRA;
+bitsandbytes has no grouped 4-bit GEMM; PEFT's ParamWrapper merges B@A into a dense stack.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def grouped_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    """True where `torch._grouped_mm` runs at speed: a CUDA GPU of compute capability 9.0 or newer
+    (its CUTLASS grouped kernel; older GPUs get a loop inside torch) in bf16. Anywhere else (the
+    CPU, pre-Hopper GPUs, fp32 runs) the kit loops over the sorted groups: the same arithmetic."""
+    return (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(device) >= (9, 0))  # fmt: skip
+
+
+class Groups:
+    """The sorted layout of one layer's routed rows: `order` (sorted position -> flat row
+    token*k + choice), `offsets` (int32 cumulative ends per expert, on the device), `ends` (the
+    same as a list, only for the fallback loop, which needs them on the host), `fast`."""
+
+    def __init__(self, index: torch.Tensor, experts: int, fast: bool):
+        ids = index.reshape(-1)
+        self.order = torch.argsort(ids, stable=True)
+        self.ids = ids[self.order]
+        counts = torch.bincount(ids, minlength=experts)
+        self.offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        self.ends = None if fast else self.offsets.tolist()
+        self.fast, self.top_k = fast, index.shape[-1]
+
+
+def gmm(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Rows of group g (sorted x, (S, K)) times w[g] ((E, K, N)): (S, N)."""
+    if groups.fast:
+        return torch._grouped_mm(x, w, offs=groups.offsets)
+    parts, start = [], 0
+    for g, end in enumerate(groups.ends):
+        if end > start:
+            parts.append(x[start:end] @ w[g])
+        start = end
+    return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-1])
+
+
+class _FrozenBase(torch.autograd.Function):
+    """x @ W_g^T per group with W = stack() (E, out, in), made in forward and made again in
+    backward: no dequantized weight lives between them (the planner counts none). The packed
+    stack is held by the closure, as bitsandbytes' matmul_4bit holds its weight."""
+
+    @staticmethod
+    def forward(ctx, x, stack, groups):
+        ctx.stack, ctx.groups = stack, groups
+        return gmm(x, stack().transpose(-2, -1), groups)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gmm(grad.contiguous(), ctx.stack(), ctx.groups), None, None
+
+
+def stack_of(module: torch.nn.Module, name: str):
+    """A function returning module.<name> as (E, out, in) in the compute dtype: the NF4 stack
+    dequantized by one call, or the dense parameter (gpt-oss's (E, in, out) transposed, a view)."""
+    stored = getattr(module, "_kit_nf4", {}).get(name)
+    param = getattr(module, name)
+    if stored is None:
+        return lambda: param.transpose(1, 2) if module.is_transposed else param
+    import bitsandbytes.functional as F
+
+    state, experts = stored["state"], stored["shape"][0]
+
+    def dequantize():
+        packed = param.full_tensor() if hasattr(param, "full_tensor") else param
+        return F.dequantize_4bit(packed.reshape(-1, 1), state).view(experts, stored["out"], -1)
+
+    return dequantize
+
+
+def dropout_masks(lora: dict, names: tuple, rows: int, device) -> dict:
+    """{name: [bool keep-mask (rows, in) per LoRA branch, or None]}, the rows in token order
+    (token*k + choice), drawn in the order of `names` then branches: a layout-free draw, so the
+    grouped forward and the per-expert loop (the tests' reference) drop out the same values."""
+    masks = {}
+    for name in names:
+        masks[name] = [torch.empty(rows, down.shape[1], dtype=torch.bool, device=device)
+                       .bernoulli_(1 - p) if p > 0 else None
+                       for down, _, _, p in lora.get(name, ())]  # fmt: skip
+    return masks
+
+
+def dropped(x: torch.Tensor, keep: torch.Tensor | None, p: float) -> torch.Tensor:
+    """x * keep / (1 - p): dropout with a given mask; autograd keeps only the bool mask."""
+    return x if keep is None else x.mul(keep).mul_(1 / (1 - p))
+
+
+def _lora(x, down, up, scale, keep, p, experts, groups):
+    """One LoRA branch on sorted rows: (drop(x) @ A_g^T) @ B_g^T * scale, two grouped GEMMs.
+    PEFT's ParamWrapper layout: A (E*r, in) expert-major, B (out, r*E) rank-major."""
+    rank = down.shape[0] // experts
+    a = down.reshape(experts, rank, -1)
+    b = up.reshape(up.shape[0], rank, experts).permute(2, 1, 0)  # (E, r, out)
+    dtype = x.dtype if groups.fast else a.dtype  # the grouped kernel computes in bf16
+    a, b = a.to(dtype), b.to(dtype)
+    if groups.fast:
+        # _grouped_mm wants one unit stride in each operand's last two dims and 16-byte aligned
+        # rows: B copied contiguous (E*r*out values), the rank padded to a multiple of 8 with
+        # zero rows (lora.r=4 would give 8-byte rows), which adds nothing to the product.
+        pad = -rank % 8
+        a = torch.nn.functional.pad(a, (0, 0, 0, pad))
+        b = torch.nn.functional.pad(b, (0, 0, 0, pad)).contiguous()
+    h = dropped(x.to(dtype), keep, p)
+    return gmm(gmm(h, a.transpose(1, 2), groups), b, groups) * scale
+
+
+def _project(module, name, x, lora, keeps, groups):
+    """Projection `name` of the sorted rows x: base + bias + LoRA branches."""
+    stored = getattr(module, "_kit_nf4", {}).get(name)
+    dtype = stored["state"].dtype if stored is not None else getattr(module, name).dtype
+    y = _FrozenBase.apply(x.to(dtype), stack_of(module, name), groups)
+    bias = getattr(module, f"{name}_bias", None) if getattr(module, "has_bias", False) else None
+    if bias is not None:
+        y = y + bias[groups.ids]
+    for (down, up, scale, p), keep in zip(lora.get(name, ()), keeps, strict=True):
+        keep = keep[groups.order] if keep is not None else None
+        y = y + _lora(x, down, up, scale, keep, p, module.num_experts, groups).to(y.dtype)
+    return y
+
+
+def forward(self, hidden_states, top_k_index=None, top_k_weights=None, router_indices=None,
+            routing_weights=None, lora=None):  # fmt: skip
+    """The experts module's forward (transformers' signature), grouped; `lora`: {weight name:
+    [(A, B, scale, dropout p)]} from PEFT's ParamWrapper modules (kit.recipe.experts)."""
+    index = top_k_index if top_k_index is not None else router_indices
+    weights = top_k_weights if top_k_weights is not None else routing_weights
+    lora = lora or {}
+    first = "gate_up_proj" if self.has_gate else "up_proj"
+    stored = getattr(self, "_kit_nf4", {}).get(first)
+    dtype = stored["state"].dtype if stored is not None else getattr(self, first).dtype
+    # 16-byte aligned rows for the grouped kernel: every width a multiple of 8 bf16 values
+    widths = [hidden_states.shape[-1], *(s["out"] for s in getattr(self, "_kit_nf4", {}).values()),
+              *(d for p in self._parameters.values() if p is not None and p.dim() == 3
+                for d in p.shape[1:])]  # fmt: skip
+    fast = grouped_kernel(hidden_states.device, dtype) and all(w % 8 == 0 for w in widths)
+    groups = Groups(index, self.num_experts, fast)
+    tokens, k = index.shape
+    masks = dropout_masks(lora, (first, "down_proj"), tokens * k, hidden_states.device)
+    token = groups.order // k
+    h = _project(self, first, hidden_states[token], lora, masks[first], groups)
+    h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
+    h = _project(self, "down_proj", h, lora, masks["down_proj"], groups)
+    if getattr(self, "has_post_expert_norm", False):
+        h = self.post_expert_norm(h)
+    h = h * weights.reshape(-1)[groups.order, None]
+    flat = h.new_zeros(tokens * k, h.shape[-1]).index_copy(0, groups.order, h)
+    return flat.view(tokens, k, -1).sum(1).to(hidden_states.dtype)
