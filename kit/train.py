@@ -11,6 +11,7 @@ an exception on any rank is printed with its rank before torchrun stops the othe
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -18,11 +19,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from kit import pitfalls
-from kit.config import Config, ConfigError, load_config
+from kit.config import Config, load_config
 from kit.folder import runfolder
 from kit.folder.layout import RunFolder
-from kit.inputs import builtin, sources
+from kit.inputs import builtin
 from kit.recipe import (
     checkpoint,
     checks,
@@ -40,6 +40,7 @@ from kit.recipe import (
     recompute,
 )
 from kit.recipe import dist as kdist
+from kit.run import check as check_step
 
 
 class Recipe:
@@ -128,13 +129,10 @@ class Recipe:
         cfg, env = self.cfg, self.env
         self.engine.check(cfg, env.world_size)
         folder = runfolder.checked()  # a start checked before the ranks (kit.run.launch)
-        if folder is None:
-            machine = {"device": env.device.type, "ranks": env.world_size, "packages": {}}
-            for _, violation in pitfalls.machine_violations(cfg, machine):
-                raise ConfigError(str(violation))
-            sources.check_model(cfg.model.name)
-            sources.check_with_model(cfg)  # before loading: config.json says what the model allows
-            folder = runfolder.plan(cfg, env.world_size, ranks=True)
+        if folder is None:  # bare torchrun: the check step's own refusals, before any planning
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or env.world_size)
+            folder = check_step.check(cfg, per_node, max(1, env.world_size // per_node),
+                                      ranks=True)
         if folder.start is None:
             return folder, None
         builtin.resolve(cfg.model.name)  # a kit model is built once, here, for its tokenizer

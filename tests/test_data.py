@@ -370,10 +370,13 @@ PICKY_TEMPLATE = (
     "'assistant'] %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endif %}{% endfor %}")
 
 
+REPLY = {"role": "assistant", "content": "yo"}  # a row with something to train on (datafile)
+
+
 @pytest.mark.parametrize("bad, says", [
-    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}, REPLY],
      "message 1 (role 'system') is not in the text the model's chat template makes of it"),
-    ([{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}],
+    ([{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}, REPLY],
      "is refused by the model's chat template: Conversation roles must alternate"),
 ], ids=["role-the-template-drops", "turns-the-template-refuses"])
 def test_roles_are_checked_against_the_models_chat_template(tmp_path, tokenizer, bad, says):

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import hashlib
 import json
+import os
+import re
 from pathlib import Path
 
 from kit import ROOT
@@ -64,7 +67,7 @@ def read_rows(path: Path, field: str = "data.path", name: str = "") -> list[dict
     try:
         with _quiet():
             # Its cache under KIT_HOME with the kit's other caches, not ~/.cache/huggingface.
-            rows = load_dataset(BUILDERS[path.suffix], data_files=str(path), split="train",
+            rows = load_dataset(BUILDERS[path.suffix], data_files=literal(path), split="train",
                                 cache_dir=str(kit_home() / "datasets"))
         rows = rows.to_list()
     except Exception as e:  # noqa: BLE001 - any failure of the reader becomes one line below
@@ -81,6 +84,41 @@ def read_rows(path: Path, field: str = "data.path", name: str = "") -> list[dict
     if not rows:
         raise ConfigError(f"{where} holds no rows")
     return rows
+
+
+LITERAL = re.compile(r"[\w/. +-]*")  # what datasets reads as written: no glob, $, :, ~ or %
+
+
+def literal(path: Path) -> str:
+    """`path` as datasets will read it literally. datasets takes data_files as a glob pattern
+    ('rows [v2].jsonl' matches rows v.jsonl or rows 2.jsonl, not itself) after os.path.expandvars
+    ('$HOME' in a file name becomes /root), with no way to escape either; a name outside LITERAL
+    is read through a symlink of a plain name under $KIT_HOME/datasets/files."""
+    text = str(path.resolve())
+    if LITERAL.fullmatch(text):
+        return text
+    link = kit_home() / "datasets" / "files" / (
+        hashlib.sha1(text.encode("utf-8", "surrogateescape")).hexdigest()[:16] + path.suffix)
+    if not (link.is_symlink() and os.readlink(link) == text):
+        link.parent.mkdir(parents=True, exist_ok=True)
+        tmp = link.with_name(f"{link.name}.{os.getpid()}.tmp")
+        tmp.unlink(missing_ok=True)
+        os.symlink(text, tmp)
+        os.replace(tmp, link)  # atomic: ranks reading side by side see one link or the other
+    return str(link)
+
+
+def read_text(path: Path, where: str) -> str:
+    """A data file's text, or one line naming the file, the line and the column of its first
+    byte that is not UTF-8 (Python's error names neither file nor line)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ConfigError(f"{where} line {line}: not UTF-8 (byte 0x{data[e.start]:02x} at column "
+                          f"{column})") from None
 
 
 @contextlib.contextmanager
@@ -106,7 +144,7 @@ def read_rows_stdlib(path: Path, field: str = "data.path", name: str = "") -> li
     where = f"{field}: {name or str(path)!r}"
     if path.suffix == ".parquet":
         raise ConfigError(f"{where} needs the datasets package (pip install datasets)")
-    text = path.read_text()
+    text = read_text(path, where)
     rows = _csv_rows(text, where) if path.suffix == ".csv" else _json_rows(path, text, where)
     if not rows:
         raise ConfigError(f"{where} holds no rows")
@@ -211,10 +249,13 @@ def check_rows(name: str, rows: list[dict], cfg: DataConfig, field: str = "data.
     if not rows:
         raise ConfigError(f"{where} holds no rows")
     fmt, column = texts_column(rows, cfg, name)
-    bad = [(i, p) for i, r in enumerate(rows) if (p := _problem(r.get(column), fmt))]
+    trains = fmt == "messages" and cfg.train_on == "assistant"
+    bad = [(i, p) for i, r in enumerate(rows) if (p := _problem(r.get(column), fmt, trains))]
     allowed = (
         "a string in data.text_field" if fmt == "text"
         else "a non-empty list of {role, content} messages in data.messages_field"
+        + (", one of them the assistant's (data.train_on=all trains every token)" if trains
+           else "")
     )
     refuse_rows(name, field, column, bad, f"every row needs {allowed}")
 
@@ -230,7 +271,8 @@ def refuse_rows(name: str, field: str, column: str, bad: list[tuple[int, str]],
     # else the record's place in the file, from 1.
     if str(name).endswith(".jsonl") or name in BUNDLED:
         path = resolve_path(name, field)
-        lines = [n for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+        text = read_text(path, f"{field}: {name!r}")
+        lines = [n for n, line in enumerate(text.splitlines(), 1) if line.strip()]
         number, which = (lambda i: lines[i] if i < len(lines) else i + 1), "line {}"
     else:
         header = ", the header not counted" if str(name).endswith(".csv") else ""
@@ -276,8 +318,10 @@ def render_chats(rows: list[dict], cfg: DataConfig, tokenizer, name: str,
     return texts
 
 
-def _problem(value, fmt: str) -> str:
-    """What is wrong with one row's value ("" when nothing is)."""
+def _problem(value, fmt: str, assistant: bool = False) -> str:
+    """What is wrong with one row's value ("" when nothing is). assistant: a chat must have an
+    assistant's turn with something in it (the loss covers only those turns: without one the
+    row trains nothing, and a batch of such rows has a loss of 0/0, NaN, at step 1)."""
     if value is None:
         return "is missing or null"
     if fmt == "text":
@@ -292,6 +336,9 @@ def _problem(value, fmt: str) -> str:
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             return (f"message {i} has the role {m['role']!r}{hint}, not one of "
                     f"{', '.join(ROLES)}")
+    if assistant and not any(m["role"] == "assistant" and str(m["content"]).strip()
+                             for m in as_messages(value)):
+        return "has no assistant message with content: nothing in it trains"
     return ""
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from kit.config import ConfigError
-from kit.inputs import builtin
+from kit.inputs import builtin, model_folder
 
 HUB_TIMEOUT_S = 3.0  # one TCP connect: answers "is there a network" without a minute of retries
 
@@ -83,6 +83,7 @@ def check_model(name: str) -> None:
         if not (p / "config.json").is_file():
             raise ConfigError(f"{field}: {name!r} has no config.json; expected a model folder "
                               "(what save_pretrained writes: config.json and the weights)")
+        model_folder.check_config(p, name)  # JSON; the weights after what config.json decides
         return
     if cached(name):
         return
@@ -145,7 +146,7 @@ def model_facts(name: str, trust_remote_code: bool = False) -> dict | None:
     the config through its config class, so that values left at the class's default count (a
     saved config.json leaves them out), and the model class's declared attention support. None
     when no config is at hand (a hub id not cached). Imports transformers and torch: a rank calls
-    it, the check step in a child process (kit.run.check.model_facts)."""
+    it, the check step in a child process (kit.run.check.model_read)."""
     import inspect
 
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from kit.config import ConfigError
 from kit.folder.layout import RunFolder
+from kit.inputs import model_folder
 
 
 def locate(target: str | Path) -> tuple[Path, Path]:
@@ -102,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
 
     try:
-        model, tokenizer = load_for_inference(*locate(args.target))
+        run, adapter = locate(args.target)
+        model_folder.check_adapter(adapter)  # a damaged file named, before the base loads
+        model, tokenizer = load_for_inference(run, adapter)
     except (ConfigError, CheckpointError) as e:
         print(f"chat: {e}", file=sys.stderr)
         return 2

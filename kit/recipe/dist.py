@@ -194,8 +194,9 @@ def entry(body) -> int:
     except ConfigError as e:  # bad input: one line, no traceback
         # Found before the process group exists, it came from what every rank reads alike (the
         # config, the command line): rank 0 says it, the others end quietly with the same code.
-        if rank == "0" or dist.is_initialized():
-            sys.stderr.write(f"[rank {rank}] ConfigError: {e}\n")
+        if rank == "0" or dist.is_initialized():  # several problems (check's Refused): a line each
+            sys.stderr.writelines(f"[rank {rank}] ConfigError: {line}\n"
+                                  for line in str(e).splitlines())
         else:  # torchrun stops every rank once one has ended: a quiet rank that ended first
             time.sleep(3)  # would stop rank 0 before its line (no group to wait on yet)
         return 2

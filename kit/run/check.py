@@ -29,7 +29,7 @@ import sys
 from kit import pitfalls
 from kit.config import Config, ConfigError, load_config
 from kit.folder import runfolder
-from kit.inputs import datafile, sources
+from kit.inputs import datafile, model_folder, sources
 
 NOTHING_TO_DO = 3
 
@@ -42,21 +42,32 @@ class Refused(ConfigError):
         super().__init__("\n".join(problems))
 
 
-def inputs(cfg: Config) -> None:
-    """What the config points at: the model (kit.inputs.sources) and the data, row by row (kit.inputs.datafile)."""
+def inputs(cfg: Config, in_process: bool = False) -> None:
+    """What the config points at: the model (kit.inputs.sources, kit.inputs.model_folder: its
+    config.json, what transformers makes of it, its weights' headers and sizes, its tokenizer)
+    and the data, row by row (kit.inputs.datafile). in_process: transformers read here (a rank,
+    which has imported torch), not in a child process."""
     sources.check_model(cfg.model.name)
-    sources.check_with_model(cfg, model_facts(cfg))  # what the model allows, against the config
+    found = model_read(cfg, in_process)
+    if found["config"]:
+        raise ConfigError(found["config"])
+    sources.check_with_model(cfg, found["facts"])  # what the model allows, against the config
+    model_folder.check_weights(cfg.model.name)
+    if found["tokenizer"]:
+        raise ConfigError(found["tokenizer"])
     datafile.check_file(cfg.data, stdlib=True)
 
 
-FACTS_VERSION = 1  # part of the cache key: a change to what model_facts reads reads again
+FACTS_VERSION = 2  # part of the cache key: a change to what model_read reads reads again
+NOTHING_READ = {"facts": None, "config": None, "tokenizer": None}
 
 
-def model_facts(cfg: Config) -> dict | None:
-    """kit.inputs.sources.model_facts for cfg's model, read in a child process (transformers
-    imports torch; this process must not), kept under $KIT_HOME/facts by the model's config and
-    the transformers version: a few seconds once, nothing after. None when no config is at hand
-    or transformers cannot read it (the ranks then say why, as they load it)."""
+def model_read(cfg: Config, in_process: bool = False) -> dict:
+    """kit.inputs.model_folder.read for cfg's model, read in a child process (transformers
+    imports torch; this process must not), kept under $KIT_HOME/facts by the model's config, its
+    folder's files (names, sizes, times) and the transformers version: a few seconds once,
+    nothing after. NOTHING_READ when no config is at hand or the child fails (the ranks then say
+    why, as they load it)."""
     import hashlib
     import json
     from importlib.metadata import version
@@ -64,11 +75,14 @@ def model_facts(cfg: Config) -> dict | None:
     from kit.inputs import builtin
     from kit.run import child
 
-    config = sources.model_config(cfg.model.name)
+    name, trust = cfg.model.name, cfg.model.trust_remote_code
+    if in_process:
+        return model_folder.read(name, trust)
+    config = sources.model_config(name)
     if config is None:
-        return None
-    key = hashlib.sha1(json.dumps([FACTS_VERSION, cfg.model.name, cfg.model.trust_remote_code,
-                                   config, version("transformers")], sort_keys=True,
+        return NOTHING_READ
+    key = hashlib.sha1(json.dumps([FACTS_VERSION, name, trust, config, _stamp(name),
+                                   version("transformers")], sort_keys=True,
                                   default=str).encode()).hexdigest()[:16]  # fmt: skip
     path = builtin.kit_home() / "facts" / f"{key}.json"
     try:
@@ -76,22 +90,37 @@ def model_facts(cfg: Config) -> dict | None:
     except (OSError, ValueError):
         pass
     try:
-        facts = child.call("kit.inputs.sources:model_facts", timeout=300, name=cfg.model.name,
-                           trust_remote_code=cfg.model.trust_remote_code)
+        found = child.call("kit.inputs.model_folder:read", timeout=300, name=name,
+                           trust_remote_code=trust)
     except (child.ChildFailed, TimeoutError):
-        return None
+        return NOTHING_READ
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(facts))
+    tmp.write_text(json.dumps(found))
     os.replace(tmp, path)  # atomic: a concurrent check reads the whole file or none
-    return facts
+    return found
+
+
+def _stamp(name: str) -> list:
+    """A local model folder's files (name, size, modification time): a tokenizer or weights
+    replaced since the last check are read again."""
+    if sources.kind(name) != "local":
+        return []
+    folder = os.path.expanduser(name)
+    try:
+        return sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns)
+                      for e in os.scandir(folder) if e.is_file())
+    except OSError:
+        return []
 
 
 def check(cfg: Config, nproc_per_node: int = 2, nnodes: int = 1,
-          env_vars: dict | None = None) -> runfolder.Plan:
+          env_vars: dict | None = None, ranks: bool = False) -> runfolder.Plan:
     """Raise ConfigError/Refused for a start that cannot run; else return its run-folder plan
-    (plan.start None: finished, nothing to do). Touches no file."""
-    inputs(cfg)
+    (plan.start None: finished, nothing to do). Touches no file. ranks: called by rank 0 of a
+    start nobody checked before (bare torchrun, python -m kit.train), before it plans: the same
+    refusals, transformers read in that process, the run folder planned as ranks plan it."""
+    inputs(cfg, in_process=ranks)
     from kit import doctor  # the pre-flight: pitfalls with this machine, GPUs, memory
 
     machine = doctor.detect_env(vars=env_vars, nproc_per_node=nproc_per_node)
@@ -109,7 +138,7 @@ def check(cfg: Config, nproc_per_node: int = 2, nnodes: int = 1,
                          + (f" (fix: {f.fix})" if f.fix else ""))
     if lines:
         raise Refused(lines)
-    return runfolder.plan(cfg, nproc_per_node * nnodes)
+    return runfolder.plan(cfg, nproc_per_node * nnodes, ranks=ranks)
 
 
 def data_line(cfg: Config, world_size: int, plan: runfolder.Plan) -> str:
