@@ -43,7 +43,10 @@ class Groups:
         ids = index.reshape(-1)
         self.order = torch.argsort(ids, stable=True)
         self.ids = ids[self.order]
-        counts = torch.bincount(ids, minlength=experts)
+        # histc, not bincount: bincount on CUDA reads the largest id back to the host (a sync
+        # per layer); histc takes float ids on the CPU, int ids on CUDA (deterministic mode)
+        counts = torch.histc(ids.float() if ids.device.type == "cpu" else ids.int(), bins=experts,
+                             min=0, max=experts - 1)  # fmt: skip
         self.offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         self.ends = None if fast else self.offsets.tolist()
         self.fast, self.top_k = fast, index.shape[-1]
