@@ -189,15 +189,24 @@ def _verify(path: Path) -> list[str]:
     return lines + [f"{f}: {verify_checkpoint(f)}" for _, f in manifest.step_folders(path)]
 
 
-def _merge(run: Path, out: Path, adapter: str | None) -> Path:
+def _merge(run: Path, out: Path, adapter: str | None, gguf: str | None = None) -> list[Path]:
+    """The merged folder, and with `gguf` (a type: f16, bf16, q8_0) a GGUF file next to it
+    (kit.recipe.gguf_export); everything that can be refused is refused before anything is written."""
     if out.exists():
         raise CheckpointError(f"out: '{out}' exists; choose a new folder")
     if not RunFolder(run).config.is_file():
         raise CheckpointError(f"run: '{run}' " + (
             "has no config.yaml (not a run folder)" if run.is_dir() else "does not exist"))
+    if gguf:
+        from kit.recipe import gguf_export
+
+        gguf_export.check_run(run, gguf_export.gguf_path(out, gguf), gguf)
     folder = Path(adapter) if adapter else RunFolder(run).adapter
     verify_adapter(folder, saved_shapes(folder))
-    return merge_adapter(run, out, folder)
+    merged = merge_adapter(run, out, folder)
+    if not gguf:
+        return [merged]
+    return [merged, gguf_export.export(merged, gguf_export.gguf_path(merged, gguf), gguf)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("run")
     m.add_argument("out", help="a folder that does not exist yet")
     m.add_argument("--adapter", default=None)
+    m.add_argument("--gguf", action="store_true", help="also write OUT-<type>.gguf next to OUT, "
+                   "for llama.cpp, Ollama, LM Studio (Llama, Mistral, Qwen2, Qwen3)")
+    m.add_argument("--type", default=None, help="the GGUF's weights: f16 (default), bf16, q8_0")
     args = parser.parse_args(argv)
     try:
         if args.command == "list":
@@ -228,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "verify":
             print("\n".join(_verify(Path(args.path))))
         else:
-            print(_merge(Path(args.run), Path(args.out), args.adapter))
+            if args.type and not args.gguf:
+                raise CheckpointError(f"--type: {args.type} given without --gguf (it is the GGUF's type)")
+            kind = (args.type or "f16") if args.gguf else None
+            print("\n".join(map(str, _merge(Path(args.run), Path(args.out), args.adapter, kind))))
     except CheckpointError as e:
         print(f"{parser.prog} {args.command}: {e}", file=sys.stderr)
         return 2
