@@ -21,6 +21,7 @@ import math
 import re
 import types
 import typing
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
@@ -35,6 +36,10 @@ AUTO = "auto"  # a value the planner chooses (kit.budget.plan)
 
 class ConfigError(ValueError):
     """A config value that cannot run; the message names field, value and what is allowed."""
+
+
+class Unprintable(ConfigError):
+    """A string value holding a control character (see _printable)."""
 
 
 @dataclass
@@ -322,6 +327,8 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
         for option in get_args(tp):
             try:
                 return _coerce(name, value, option)
+            except Unprintable:
+                raise  # the type fits, the characters do not: say so, not the type
             except ConfigError:
                 pass
     elif origin is list:
@@ -348,8 +355,20 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"{name}: {value!r} is not allowed; expected a finite number")
     elif tp is str:
         if isinstance(value, str):
-            return value
+            return _printable(name, value)
     raise ConfigError(f"{name}: {value!r} is not allowed; expected {_describe(tp)}")
+
+
+def _printable(name: str, value: str) -> str:
+    """value, refused when it holds a control or line-break character: every string field can
+    reach a generated file (run.sh, job.sbatch, YAML), where such a character starts a line of
+    its own, and no file name or hub id needs one."""
+    bad = [c for c in value if unicodedata.category(c) in ("Cc", "Zl", "Zp")]
+    if bad:
+        raise Unprintable(f"{name}: {value!r} is not allowed; expected text without control "
+                          f"characters ({bad[0]!r} here: newline, carriage return, tab, NUL and "
+                          "the like would end a line of run.sh or a YAML file)")
+    return value
 
 
 # Keys that were renamed: a config that still uses one gets a one-line hint to the new name.
@@ -404,7 +423,12 @@ def _set_override(tree: dict, item: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"{key}: {part!r} is not a section")
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        node[parts[-1]] = yaml.load(raw, Loader=UniqueKeyLoader) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{key}: {raw!r} is not allowed; expected a YAML value ({what})") \
+            from None
 
 
 RUN_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
@@ -502,10 +526,37 @@ def _check(cfg: Config) -> None:
         raise ConfigError(str(violation))
 
 
+class DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: Any, mark: Any):
+        super().__init__(f"key {key!r} given twice")
+        self.key, self.mark = key, mark
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, but a mapping key given twice is an error (safe_load keeps the
+    last silently: a second `training:` section would drop the first without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` may be overridden
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise DuplicateKey(key, key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: Path) -> dict:
-    """A YAML config file as a tree; a syntax error is one line naming the file, line and column."""
+    """A YAML config file as a tree; a syntax error or a key given twice is one line naming the
+    file, line and column."""
     try:
-        tree = yaml.safe_load(Path(path).read_text())
+        tree = yaml.load(Path(path).read_text(), Loader=UniqueKeyLoader)
+    except DuplicateKey as e:
+        raise ConfigError(f"config file: {str(path)!r} line {e.mark.line + 1}: key {e.key!r} is "
+                          "given twice; expected each key once (merge the two, or the later "
+                          "would silently replace the earlier)") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""

@@ -60,12 +60,12 @@ def test_run_sh_builds_the_torchrun_command(tmp_path):
     check, args = [line.split()[1:] for line in proc.stdout.splitlines()
                    if line.startswith("ARGS")]
     # First the check step (kit.run.check), with the same arguments, in one process.
-    assert check == ["-m", "kit.run.check", f"{folder}/config.yaml", f"run.output_dir={folder}",
+    assert check == ["-m", "kit.run.check", f"{folder}/config.yaml", f"run.output_dir='{folder}'",
                      "run.dist_timeout_min=5", "training.steps=2", "--nproc", "3", "--nnodes", "1"]
     assert args[:4] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"]
     assert args[4:8] == ["--log-dir", f"{folder}/logs", "--redirects", "3"]
     assert args[args.index("kit.train") + 1:] == [
-        f"{folder}/config.yaml", f"run.output_dir={folder}", "run.dist_timeout_min=5",
+        f"{folder}/config.yaml", f"run.output_dir='{folder}'", "run.dist_timeout_min=5",
         "training.steps=2"]
     assert env["TOKENIZERS_PARALLELISM"] == "false"
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"

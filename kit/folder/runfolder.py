@@ -28,6 +28,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import threading
+import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -76,6 +80,17 @@ class Plan:
         return dest
 
 
+def _unwritable(out: Path) -> str | None:
+    """Why the folder `out` cannot be created and written, None when it can: judged from its
+    nearest existing folder, without writing anything (a read-only mount fails even for root)."""
+    path = next(p for p in (out, *out.parents) if p.exists() or p.is_symlink() or p == p.parent)
+    if not path.is_dir():
+        return f"{str(path)!r} is a file, not a folder"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{str(path)!r} is not writable by this user"
+    return None
+
+
 def _metrics_past(folder: Path, step: int) -> bool:
     return any(row.get("step", 0) > step for row in RunFolder(folder).read_metrics())
 
@@ -89,9 +104,11 @@ def _config_changed(folder: Path, cfg: Config) -> bool:
 
 # What kit.run.jobs writes beside run.sh: the other ways to start this run, not a record of one.
 LAUNCHERS = set(RunFolder.LAUNCHERS)
+# The claim of the start writing the folder now (claim below): hidden, never moved.
+CLAIM = ".claim"
 # Files every start writes anew (kit.run.launch.prepare, run.sh), and the launchers: never moved.
 PLUMBING = {RunFolder.RUN_SH, RunFolder.PID, RunFolder.EXIT_CODE,
-            RunFolder.STOP_REQUESTED} | LAUNCHERS
+            RunFolder.STOP_REQUESTED, CLAIM} | LAUNCHERS
 # What the running start itself is writing when the ranks plan (run.sh's log, torchrun's logs/).
 LIVE = (RunFolder.LOG, RunFolder.LOGS)
 
@@ -152,6 +169,9 @@ def plan(cfg: Config, world_size: int, folder: Path | None = None, ranks: bool =
 def _plan(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume: str,
           start_over: bool) -> Plan:
     out = Path(folder or cfg.output_dir)
+    if (why := _unwritable(out)) is not None:
+        raise ConfigError(f"run.output_dir: {str(out)!r} cannot be written ({why}); allowed: a "
+                          "folder this user can create and write (run.output_dir=<path>)")
     keep = PLUMBING | set(LIVE if ranks else ())
     steps = cfg.training.steps
     if start_over and resume:
@@ -161,7 +181,8 @@ def _plan(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume
     complete, _ = manifest.scan(out)
     trained = [n for n in (RunFolder.ADAPTER, RunFolder.RESULT) if (out / n).exists()]
     trained += [RunFolder.CHECKPOINTS] if complete else []
-    present = sorted(p.name for p in out.iterdir() if p.name != EARLIER) if out.is_dir() else []
+    present = sorted(p.name for p in out.iterdir()  # a claim, and its files, are no record
+                     if p.name != EARLIER and not p.name.startswith(CLAIM)) if out.is_dir() else []
     changed = [RunFolder.CONFIG] if _config_changed(out, cfg) else []
     # An earlier start's own record (its log, its config) when this start would replace it.
     record = [n for n in LIVE if n in present and not ranks] + changed
@@ -225,3 +246,118 @@ def _plan(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume
     moved += [str(f.relative_to(out)) for s_, f in manifest.step_folders(out) if s_ > step]
     moved += record
     return Plan(step, ckpt, notes, moved, trim, f"{out}: resuming from {ckpt} at step {step}")
+
+
+# --------------------------------------------------------------------------- claiming the folder
+
+
+class FolderRefused(ConfigError, RuntimeError):
+    """A start its run folder refuses: another start holds the claim, or the folder cannot be
+    written (a RuntimeError too: what `kit train` refuses as a running run)."""
+
+
+def claim(folder: Path, name: str) -> Path:
+    """Claim `folder` for this start: an exclusive create of folder/.claim (hard-linked from a
+    file already written, so nobody reads it half written), holding this process's pid, host and
+    thread. Two starts of one run at once: one claims, the other gets FolderRefused (one line). A
+    claim is stale, and taken over, when its process is gone, when its start has handed over
+    to run.sh (a pid file newer than the claim: from then on the running run refuses), or when
+    it is this thread's own (a second prepare). Returns the claim file; `release` removes it."""
+    path, mine = folder / CLAIM, _owner()
+    ours = folder / f"{CLAIM}.{mine['nonce']}"
+    ours.write_text(json.dumps(mine))
+    try:
+        for _ in range(200):
+            try:
+                os.link(ours, path)
+                return path
+            except FileExistsError:
+                held = _read(path)
+                if held is None:  # gone meanwhile, or not a claim: broken once it is old
+                    if _age(path) > 10:
+                        _break(path, {})
+                elif not _stale(held, folder, path, mine):
+                    raise FolderRefused(
+                        f"run {name!r} is being started by pid {held.get('pid')} on host "
+                        f"{held.get('host')} (since {held.get('at')}); one start at a time: "
+                        "wait for it, then attach or resume") from None
+                else:
+                    _break(path, held)
+                time.sleep(0.005)
+        raise FolderRefused(f"run {name!r}: its folder {str(folder)!r} is being claimed by "
+                         "several starts at once; start again")
+    finally:
+        ours.unlink(missing_ok=True)
+
+
+def release(path: Path | None) -> None:
+    """Remove a claim this thread holds (a claim of another start is left as it is)."""
+    if path is not None and (_read(path) or {}).get("owner") == _owner()["owner"]:
+        path.unlink(missing_ok=True)
+
+
+def _owner() -> dict:
+    pid = os.getpid()
+    return {"pid": pid, "host": socket.gethostname(), "owner": f"{pid}/{threading.get_ident()}",
+            "started": _create_time(pid), "nonce": uuid.uuid4().hex,
+            "at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")}
+
+
+def _create_time(pid: int) -> float | None:
+    """The process's start time (a pid reused by another process has another), None if gone."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return None
+
+
+def _age(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _stale(held: dict, folder: Path, path: Path, mine: dict) -> bool:
+    if held.get("host") == mine["host"] and held.get("owner") == mine["owner"]:
+        return True  # this thread's own earlier claim
+    try:
+        started = RunFolder(folder).pid.stat().st_mtime_ns >= path.stat().st_mtime_ns
+    except OSError:
+        started = False
+    if started:
+        return True
+    if held.get("host") != mine["host"]:
+        return False  # another machine's process: it cannot be looked at from here
+    alive = _create_time(int(held.get("pid", 0)))
+    return alive is None or (held.get("started") is not None and alive != held["started"])
+
+
+def _break(path: Path, held: dict) -> None:
+    """Remove the stale claim `held`, under a second exclusive file, so that two starts that
+    both found it stale cannot remove a fresh claim one of them has just made."""
+    breaker = path.with_name(CLAIM + ".break")
+    try:
+        fd = os.open(breaker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        try:  # a breaker left by a process that died inside these few lines
+            if time.time() - breaker.stat().st_mtime > 10:
+                breaker.unlink(missing_ok=True)
+        except OSError:
+            pass
+        return
+    try:
+        if (_read(path) or {}).get("nonce") == held.get("nonce"):
+            path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+        breaker.unlink(missing_ok=True)

@@ -27,17 +27,15 @@ The folder's run.sh started as two nodes would start it, on one machine: kit.run
 from __future__ import annotations
 
 import re
-import shlex
 from datetime import datetime
 from pathlib import Path
 
-import yaml
 
 from kit import ROOT, pitfalls
 from kit.config import Config, ConfigError
 from kit.folder import runfolder
 from kit.folder.layout import RunFolder
-from kit.run import launch, schemas
+from kit.run import launch, quoting, schemas
 
 IMAGE = "registry.example.com/kit:latest"  # a placeholder: an image with the kit's dependencies
 PVC = "kit-workspace"  # the volume holding this checkout, the data and the run folder
@@ -103,10 +101,16 @@ def write(config: Config | str | Path, overrides: list[str] | None = None, nnode
              "pytorchjob.yaml": _manifest(pytorchjob(cfg, pod_dir, nnodes, nproc, image, pvc),
                                           cfg, pod_dir, pvc)}
     launch.prepare(cfg, nproc=nproc, plan=plan, nnodes=nnodes)  # run.sh: c10d across nodes
-    for file, text in texts.items():
-        (folder / file).write_text(text)
-    RunFolder(folder).logs.mkdir(exist_ok=True)  # Slurm opens its output there before run.sh starts
-    (folder / "job.sbatch").chmod(0o755)
+    try:  # under prepare's claim; nothing is started here, so it is given up after
+        for file, text in texts.items():
+            (folder / file).write_text(text)
+        RunFolder(folder).logs.mkdir(exist_ok=True)  # Slurm opens its output there first
+        (folder / "job.sbatch").chmod(0o755)
+    except OSError as e:
+        raise runfolder.FolderRefused(f"run.output_dir: {str(folder)!r} cannot be written "
+                                      f"({e.strerror or e})") from None
+    finally:
+        runfolder.release(folder / runfolder.CLAIM)
     return folder
 
 
@@ -178,8 +182,9 @@ def accelerate_config(cfg: Config, nnodes: int, nproc: int) -> dict:
 def accelerate_yaml(cfg: Config, nnodes: int, nproc: int) -> str:
     tree = accelerate_config(cfg, nnodes, nproc)
     lines = [
-        f'# accelerate\'s config for "{cfg.run.name}" ({cfg.sharding.engine}, '
-        f"{cfg.model.dtype}): {nnodes} node(s) x {nproc} GPUs. Written by kit.run.jobs, {_now()}.",
+        quoting.comment(f'# accelerate\'s config for "{cfg.run.name}" ({cfg.sharding.engine}, '
+                        f"{cfg.model.dtype}): {nnodes} node(s) x {nproc} GPUs. Written by "
+                        f"kit.run.jobs, {_now()}."),
         "# The kit's recipe runs under torchrun (run.sh); under accelerate the same run is kit.recipe.sft",
         "# (TRL's SFTTrainer), or a script of your own, started on each node from the checkout:",
         "#   accelerate launch --config_file accelerate.yaml --machine_rank \"$NODE_RANK\" \\",
@@ -197,29 +202,30 @@ def accelerate_yaml(cfg: Config, nnodes: int, nproc: int) -> str:
             "# ones with their quantization state, before accelerate wraps it).",
         ]
         if cfg.training.recompute.enabled and cfg.training.recompute.keeps not in ("inputs", "auto"):
-            lines.append(f"# training.recompute.keeps={cfg.training.recompute.keeps} has no "
-                         "accelerate key: activation checkpointing recomputes whole layers.")
-    return "\n".join(lines) + "\n" + yaml.safe_dump(tree, sort_keys=False)
+            lines.append(quoting.comment(
+                f"# training.recompute.keeps={cfg.training.recompute.keeps} has no accelerate "
+                "key: activation checkpointing recomputes whole layers."))
+    return "\n".join(lines) + "\n" + quoting.yaml_document(tree)
 
 
 # --------------------------------------------------------------------------- Slurm
 
 SBATCH = """\
 #!/usr/bin/env bash
-# Slurm: "{name}" on {nnodes} node(s) x {nproc} GPUs, run.sh once per node. Written by kit.run.jobs,
+# Slurm: "{name}" on {nnodes} node(s) x {nproc} {unit}, run.sh once per node. Written by kit.run.jobs,
 # {date}. Options on sbatch's command line override the #SBATCH lines, key=value arguments
 # after the script override config.yaml:
-#   sbatch {rel}/job.sbatch
-#   sbatch --partition=gpu --time=04:00:00 {rel}/job.sbatch training.steps=200
+#   sbatch {script}
+#   sbatch --partition=gpu --time=04:00:00 {script} training.steps=200
 # The run folder must be on a filesystem every node sees: outputs land there; logs/ holds each
 # node's torchrun logs (its ranks' output) and Slurm's own, slurm-<job id>.out.
-#SBATCH --job-name={name}
+#SBATCH --job-name={job}
 #SBATCH --nodes={nnodes}
 #SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node={nproc}
+#SBATCH {resources}
 #SBATCH --exclusive
 #SBATCH --time={time}
-#SBATCH --output={folder}/{LOGS}/slurm-%j.out
+#SBATCH --output={output}/{LOGS}/slurm-%j.out
 # Preemption and time limits: requeued, never lost. SIGUSR1 120 s before --time ends (and
 # Slurm's SIGTERM when it preempts) makes the ranks save a checkpoint and run.sh exit 75
 # (kit.recipe.preempt); the job then requeues itself, and the requeued job (SLURM_RESTART_COUNT > 0)
@@ -253,13 +259,26 @@ exit "$rc"
 
 
 def sbatch(cfg: Config, folder: Path, nnodes: int, nproc: int, time: str) -> str:
-    if re.search(r"\s", str(folder)):
-        raise ConfigError(f"--out: {str(folder)!r} is not allowed; expected a path without "
-                          "spaces (Slurm's #SBATCH --output line names it)")
-    return SBATCH.format(name=cfg.run.name, nnodes=nnodes, nproc=nproc, date=_now(),
-                         rel=_rel(folder), time=time, folder=folder,
-                         folder_q=shlex.quote(str(folder)), port=PORT, restarts=RESTARTS,
-                         LOGS=RunFolder.LOGS, RUN_SH=RunFolder.RUN_SH)
+    """job.sbatch's text: values in #SBATCH lines as Slurm reads them, in commands as shell
+    words, in comments escaped (kit.run.quoting)."""
+    return SBATCH.format(
+        name=quoting.comment(cfg.run.name), job=quoting.sbatch_value(cfg.run.name, "run.name"),
+        nnodes=int(nnodes), nproc=int(nproc), date=_now(),
+        script=quoting.comment(quoting.shell_word(f"{_rel(folder)}/job.sbatch")),
+        time=quoting.sbatch_value(time, "--time"),
+        output=quoting.sbatch_value(folder, "run.output_dir (--out)", pattern=True),
+        folder_q=quoting.shell_word(folder), port=PORT, restarts=RESTARTS,
+        LOGS=RunFolder.LOGS, RUN_SH=RunFolder.RUN_SH, **_resources(cfg, nproc))
+
+
+def _resources(cfg: Config, nproc: int) -> dict:
+    """What a node's task asks for: a GPU per rank, or on a CPU run (training.device=cpu) a CPU
+    per rank and no GPU (a CPU cluster refuses a job asking GPUs: an invalid gres)."""
+    if cfg.training.device == "cpu":
+        return {"unit": "CPU processes", "resources": f"--cpus-per-task={int(nproc)}"}
+    return {"unit": "GPUs", "resources": "--gpus-per-node={}\n# (training.device=auto or cuda; "
+            "training.device=cpu asks a CPU per rank instead, for a cluster without GPUs)"
+            .format(int(nproc))}
 
 
 # --------------------------------------------------------------------------- Kubernetes
@@ -344,17 +363,18 @@ def _manifest(doc: dict, cfg: Config, pod_dir: str, pvc: str) -> str:
     nodes = spec["trainer"]["numNodes"] if doc["kind"] == "TrainJob" else sum(
         r["replicas"] for r in spec["pytorchReplicaSpecs"].values())
     header = [
-        f'# {what} for "{cfg.run.name}": {nodes} node(s).',
+        quoting.comment(f'# {what} for "{cfg.run.name}": {nodes} node(s).'),
         f"# Written by kit.run.jobs, {_now()}:  kubectl apply -f {doc['kind'].lower()}.yaml",
-        f'# The PersistentVolumeClaim "{pvc}" (ReadWriteMany: every node reads the kit and writes',
+        quoting.comment(f'# The PersistentVolumeClaim "{pvc}" (ReadWriteMany: every node reads '
+                        "the kit and writes"),
         f"# the run folder) holds this checkout at {WORKSPACE}/kit, the data, and the run folder",
-        f"#   {pod_dir}",
+        quoting.comment(f"#   {pod_dir}"),
         "# where the outputs land. The image holds Python with the kit's dependencies (bash",
         "# setup.sh on a CUDA torch image). No secret is written here: HF_TOKEN comes from the",
         f'# Secret "{SECRET}" (key "{SECRET_KEY}") when it exists:',
         f"#   kubectl create secret generic {SECRET} --from-literal={SECRET_KEY}=<your token>",
     ]
-    return "\n".join(header) + "\n" + yaml.safe_dump(doc, sort_keys=False)
+    return "\n".join(header) + "\n" + quoting.yaml_document(doc)
 
 
 def _rel(folder: Path) -> str:

@@ -117,6 +117,10 @@ RUN_SH = """\
 # result.json, adapter/, exit_code (node 0's; node N's pid and exit_code: logs/node-N/).
 set -euo pipefail
 RUN_DIR="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd -P)"
+# The folder as a YAML string for run.output_dir=: single-quoted, quotes doubled, so a folder
+# named like YAML (': ', ' #', a leading quote or brace, yes, 123) stays the same text.
+Q="'"
+RUN_DIR_YAML="'${{RUN_DIR//$Q/$Q$Q}}'"
 KIT_ROOT=${{KIT_ROOT:-{root}}}  # ranks run here: -m kit.train, relative data paths
 PYTHON=${{PYTHON:-{python}}}  # on a cluster: PYTHON=python3
 NNODES="${{NNODES:-${{PET_NNODES:-{nnodes}}}}}"  # the kit's variables win; Kubeflow's PET_* fill in
@@ -241,7 +245,7 @@ exit "$rc"
 FOLDER_NAMES = {"PID": RunFolder.PID, "EXIT_CODE": RunFolder.EXIT_CODE, "LOG": RunFolder.LOG,
                 "LOGS": RunFolder.LOGS, "RESULT": RunFolder.RESULT}
 # What the recipe's run.sh passes kit.train: its config and where to write.
-TRAIN_ARGS = ("{config}", "run.output_dir={run_dir}", "run.dist_timeout_min={timeout}")
+TRAIN_ARGS = ("{config}", "run.output_dir={run_dir_yaml}", "run.dist_timeout_min={timeout}")
 # The recipe's check step (kit.run.check), before anything in the folder is touched.
 CHECK_STEP = """
 # The check step (kit.run.check): config, model.name, the data rows, this machine and the run folder,
@@ -265,7 +269,8 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
 
     module, args: what torchrun runs on each rank (default: the recipe). In args, "{config}",
     "{run_dir}" and "{timeout}" stand for the folder's config.yaml, the folder and the collective
-    timeout; everything else is passed as written. Nothing a run wrote is deleted: a recipe
+    timeout ("{run_dir_yaml}": the folder as a quoted YAML string, for a key=value override);
+    everything else is passed as written. Nothing a run wrote is deleted: a recipe
     start that would replace an earlier run is refused (kit.folder.runfolder: run.start_over moves it
     into earlier/, a resume keeps what it replaces there).
 
@@ -353,7 +358,7 @@ def run_sh(cfg: Config, folder: Path, nproc: int, module: str, args, nnodes: int
 
 # Placeholders in run.sh arguments, and the shell expressions they become there.
 _PLACEHOLDERS = {"{config}": f'"$RUN_DIR/{RunFolder.CONFIG}"', "{run_dir}": '"$RUN_DIR"',
-                 "{timeout}": '"$DIST_TIMEOUT_MIN"'}
+                 "{run_dir_yaml}": '"$RUN_DIR_YAML"', "{timeout}": '"$DIST_TIMEOUT_MIN"'}
 
 
 def _shell_word(arg: str) -> str:
