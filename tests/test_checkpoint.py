@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,9 +19,10 @@ from conftest import ROOT, read_run, torchrun
 
 from kit.config import Config
 from kit.folder import manifest
-from kit.recipe import checkpoint
+from kit.recipe import checkpoint, trainer_state
 
 FP32 = ["model.dtype=float32", "quantization.method=none"]  # exact arithmetic on CPU
+ONE = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))  # a process of one
 
 
 def losses(out) -> list[tuple[str, int, float]]:
@@ -60,7 +62,8 @@ def test_resume_nf4_bf16_fsdp1_full_format(tmp_path):
     assert max(abs(x[2] - y[2]) for x, y in zip(a, b, strict=True)) < 1e-3  # bf16: within tolerance
     marker = json.loads((step10 / checkpoint.MARKER).read_text())
     assert marker["format"] == fmt and marker["bytes"] > 0
-    assert "full.pt" in marker["files"] and marker["config"]["sharding.engine"] == engine
+    assert {"full.json", "full.safetensors", "trainer.json"} <= set(marker["files"])
+    assert marker["config"]["sharding.engine"] == engine
 
 
 # --------------------------------------------------------------------------- the manifest, by hand
@@ -92,7 +95,7 @@ def fake_checkpoint(out, step: int, world_size: int = 2):
     folder = out / "checkpoints" / f"step-{step:06d}"
     (folder / "dcp").mkdir(parents=True)
     (folder / "dcp" / "__0_0.distcp").write_bytes(bytes(range(256)) * 16)
-    (folder / "trainer.pt").write_bytes(b"trainer state " * 8)
+    (folder / "trainer.json").write_bytes(b"trainer state " * 8)
     save_adapter_file(folder / "adapter", {LORA_KEY: torch.ones(8, 16)})
     manifest.write(folder, CONFIG, step, world_size, {"format": "sharded", "seconds": 0.1})
     return folder
@@ -104,7 +107,7 @@ def test_manifest_records_files_checksums_and_the_config_that_made_it(tmp_path):
     assert saved["step"] == 5 and saved["world_size"] == 2 and saved["format"] == "sharded"
     assert sorted(saved["files"]) == ["adapter/adapter_config.json",
                                       "adapter/adapter_model.safetensors", "dcp/__0_0.distcp",
-                                      "trainer.pt"]
+                                      "trainer.json"]
     assert saved["files"]["dcp/__0_0.distcp"] == {
         "bytes": 4096, "sha256": manifest.sha256(folder / "dcp" / "__0_0.distcp")}
     assert saved["config"]["lora.r"] == 8 and saved["config"]["quantization.method"] == "nf4"
@@ -128,7 +131,7 @@ def damage(folder, how: str) -> None:
         data[100] ^= 1
         shard.write_bytes(bytes(data))
     elif how == "missing file":
-        (folder / "trainer.pt").unlink()
+        (folder / "trainer.json").unlink()
     elif how == "old kit, no manifest":
         (folder / manifest.MARKER).write_text(json.dumps({"step": 5, "format": "sharded",
                                                           "world_size": 2, "bytes": 1}))
@@ -142,7 +145,7 @@ def damage(folder, how: str) -> None:
     ("truncated", None, None,
      "{f}: dcp/__0_0.distcp is 1,024 bytes, the manifest says 4,096 (truncated)"),
     ("changed byte", None, None, "{f}: dcp/__0_0.distcp has sha256 "),
-    ("missing file", None, None, "{f}: trainer.pt is missing (the manifest lists it)"),
+    ("missing file", None, None, "{f}: trainer.json is missing (the manifest lists it)"),
     ("", changed(lora__r=16), 2, "{f}: made with lora.r=8, this run has lora.r=16"),
     ("", changed(lora__r=16, model__name="kit:tiny-qwen2"), 2,
      "{f}: made with model.name=kit:tiny-llama, this run has model.name=kit:tiny-qwen2 "
@@ -210,13 +213,13 @@ def test_load_names_the_file_it_cannot_read(tmp_path):
     dcp.save({"model": get_model_state_dict(model, options=options),
               "optim": get_optimizer_state_dict(model, optimizer, options=options)},
              checkpoint_id=str(folder / "dcp"))
-    torch.save({"step": 1, "format": "sharded", "world_size": 1}, folder / "trainer.pt")
+    trainer_state.write(folder, "trainer", {"step": 1, "format": "sharded", "world_size": 1})
     shard = folder / "dcp" / "__0_0.distcp"
     size, saved = shard.stat().st_size, shard.read_bytes()
 
     def load():
         checkpoint.load_training_state(folder, wrapped=model, optimizer=optimizer,
-                                       scheduler=None, batches=None, env=None)
+                                       scheduler=None, batches=None, env=ONE)
 
     os.truncate(shard, size // 2)
     with pytest.raises(checkpoint.CheckpointError) as raised:  # no manifest: the folder
@@ -229,20 +232,23 @@ def test_load_names_the_file_it_cannot_read(tmp_path):
         load()
     assert str(raised.value) == (f"{folder}: dcp/__0_0.distcp is {size // 2:,} bytes, the "
                                  f"manifest says {size:,} (truncated)")
-    os.truncate(folder / "trainer.pt", 20)
-    with pytest.raises(checkpoint.CheckpointError, match=f"^{folder / 'trainer.pt'}: cannot be read "):
+    os.truncate(folder / "trainer.json", 20)
+    with pytest.raises(checkpoint.CheckpointError) as raised:
         load()
+    assert str(raised.value).startswith(f"{folder / 'trainer.json'}: not a JSON file the kit "
+                                        "wrote (JSONDecodeError: ")
     # Another shape (as another LoRA r would give): one line, not one per tensor.
     full = tmp_path / "full"
     full.mkdir()
     options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True, strict=False)
-    torch.save({"model": get_model_state_dict(model, options=options),
-                "optim": get_optimizer_state_dict(model, optimizer, options=options)}, full / "full.pt")
-    torch.save({"step": 1, "format": "full", "world_size": 1}, full / "trainer.pt")
+    trainer_state.write(full, "full", {
+        "model": get_model_state_dict(model, options=options),
+        "optim": get_optimizer_state_dict(model, optimizer, options=options)})
+    trainer_state.write(full, "trainer", {"step": 1, "format": "full", "world_size": 1})
     wider = torch.nn.Linear(4, 8)
     with pytest.raises(checkpoint.CheckpointError) as raised:
         checkpoint.load_training_state(full, wrapped=wider, optimizer=torch.optim.AdamW(
-            wider.parameters()), scheduler=None, batches=None, env=None)
+            wider.parameters()), scheduler=None, batches=None, env=ONE)
     assert str(raised.value).startswith(f"{full}: its weights do not fit this model")
     assert "size mismatch for weight" in str(raised.value) and "\n" not in str(raised.value)
 

@@ -153,9 +153,8 @@ def test_a_run_resumes_on_another_number_of_ranks(tmp_path, before, after):
     """Stopped at step 6 on `before` ranks, resumed on `after`: the sharded adapter and optimizer
     state reshard, the run says what differs, the data goes on from the samples it had reached
     (counted: step 6's position plus 6 steps of `after` ranks' rows) and the loss continues."""
-    import torch
-
     from kit.config import load_config
+    from kit.recipe import checkpoint
 
     out = tmp_path / "run"
     args = [*ARGS[:2], "training.steps=12", "training.eval_every=0", "checkpointing.save_every=6"]
@@ -166,8 +165,8 @@ def test_a_run_resumes_on_another_number_of_ranks(tmp_path, before, after):
            "optimizer state are resharded and the data continues where it stopped" in run.stdout
     assert f"resumed from {step6} at step 6" in run.stdout
     t = load_config(TINY).training
-    seen = [torch.load(out / "checkpoints" / f"step-{s:06d}" / "trainer.pt",
-                       weights_only=False)["batches"]["samples"] for s in (6, 12)]
+    seen = [checkpoint.read_trainer(out / "checkpoints" / f"step-{s:06d}")["batches"]["samples"]
+            for s in (6, 12)]
     assert seen == [6 * t.batch_size * t.grad_accum * before,
                     6 * t.batch_size * t.grad_accum * (before + after)]
     result, metrics = read_run(out)

@@ -7,7 +7,12 @@ files exist; a folder without it (or still named `step-N.tmp`) was interrupted w
     {"step": 10, "world_size": 2, "bytes": 91234, "format": "sharded", "seconds": 0.42,
      "manifest": 1,
      "config": {"model.name": "kit:tiny-llama", "lora.r": 8, ...},      # see RESUME_FIELDS
-     "files": {"dcp/__0_0.distcp": {"bytes": 4096, "sha256": "9f2c..."}, ...}}
+     "files": {"dcp/__0_0.distcp": {"bytes": 4096, "sha256": "9f2c..."},
+               "trainer.json": {...}, "rng-rank0.json": {...}, "rng-rank0.safetensors": {...}, ...}}
+
+It lists every file under the folder, whatever the format wrote (kit.recipe.trainer_state: JSON and
+safetensors; an earlier kit's trainer.pt and rng-rank{r}.pt), so `kit checkpoints verify` checks
+all of them.
 
 `problem` re-reads every file (size, then sha256) and compares the config an exact resume needs;
 a checkpoint written before manifests existed (a COMPLETE.json without "files") is reported as

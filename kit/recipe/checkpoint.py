@@ -28,6 +28,7 @@ import torch
 from kit.folder import manifest
 from kit.folder.layout import RunFolder
 from kit.folder.manifest import MARKER, CheckpointError, checkpoints_root, first_line, scan, summary
+from kit.recipe import trainer_state
 from kit.recipe.merge import (
     fresh_folder,
     generate,
@@ -42,6 +43,7 @@ from kit.recipe.merge import (
 __all__ = [  # callers use these from here; some live in kit.folder.manifest (torch-free) and kit.recipe.merge
     "MARKER", "AdapterLayout", "CheckpointError", "checkpoints_root", "find_resume", "fresh_folder",
     "gather_trainable", "generate", "load_for_inference", "load_training_state", "main",
+    "read_trainer",
     "merge_adapter", "prune", "save_adapter", "save_training_state", "saved_shapes", "scan",
     "summary", "verify_adapter", "verify_checkpoint",
 ]
@@ -133,16 +135,20 @@ def save_adapter(layout: AdapterLayout, state, folder: Path, tokenizer=None) -> 
 #
 # <output_dir>/checkpoints/step-000010/
 #     adapter/            PEFT adapter of that step (verified), usable for inference as is
-#     dcp/  | full.pt     trainable weights + optimizer: sharded (one file per rank, DCP) or gathered
-#     trainer.pt          step, LR scheduler, data position, format, world size (rank 0)
-#     rng-rank{r}.pt      every rank's RNG states (dropout differs per rank)
+#     dcp/ | full.*       trainable weights + optimizer: sharded (one file per rank, DCP) or
+#                         gathered (full.safetensors: the tensors; full.json: the rest)
+#     trainer.json        step, LR scheduler, data position, format, world size (rank 0)
+#     rng-rank{r}.*       every rank's RNG states (dropout differs per rank): .safetensors torch's,
+#                         .json Python's and NumPy's
 #     COMPLETE.json       the manifest (kit.folder.manifest): every file's size and sha256 and the config
 #                         that made it, written last; a folder without it is never resumed
 #
 # Each checkpoint is written into step-N.tmp and renamed when complete, so a process killed mid-save
 # leaves a .tmp folder that resume reports and skips. Resume checks the manifest first (a truncated
 # or changed file, another model or LoRA shape) and falls back to the newest
-# checkpoint without a problem.
+# checkpoint without a problem. No file is read as code (kit.recipe.trainer_state): JSON,
+# safetensors, DCP through an unpickler that builds only its metadata; an earlier kit's .pt files
+# with torch.load(weights_only=True).
 
 
 def find_resume(resume: str, output_dir, cfg=None, world_size: int | None = None
@@ -161,31 +167,6 @@ def find_resume(resume: str, output_dir, cfg=None, world_size: int | None = None
         return Path(resume), []
     folder, _, notes = manifest.newest_valid(output_dir, config, world_size)
     return folder, notes
-
-
-def _load(path: Path):
-    try:
-        return torch.load(path, weights_only=False)
-    except Exception as e:
-        raise CheckpointError(f"{path}: cannot be read ({first_line(e)})") from e
-
-
-def _rng_state(device) -> dict:
-    import random
-
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict, device) -> None:
-    import random
-
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _trainable_only(wrapped, state: dict) -> dict:
@@ -288,22 +269,21 @@ def _write_training_state(*, wrapped, engine, optimizer, scheduler, batches, ste
         if env.is_main:
             to_cpu = lambda t: t.cpu() if isinstance(t, torch.Tensor) else t  # noqa: E731
             state = torch.utils._pytree.tree_map(to_cpu, {"model": model_state, "optim": optim_state})
-            torch.save(state, tmp / "full.pt")
+            trainer_state.write(tmp, trainer_state.FULL, state)
     else:
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / "dcp"))
-    torch.save(_rng_state(env.device), tmp / f"rng-rank{env.rank}.pt")
+    trainer_state.write(tmp, trainer_state.rng_name(env.rank), trainer_state.rng_state(env.device))
     adapter_state = gather_trainable(wrapped)
     faults.maybe_fail_in_save(step, env.rank)
     faults.maybe_slow_save()
     dist.barrier()  # every rank's files exist from here on
     if env.is_main:
         save_adapter(layout, adapter_state, tmp / RunFolder.ADAPTER, tokenizer)
-        torch.save(
-            {"step": step, "scheduler": scheduler.state_dict(), "batches": batches.state_dict(),
-             "format": fmt, "world_size": env.world_size},
-            tmp / "trainer.pt",
-        )
-        missing = [f"rng-rank{r}.pt" for r in range(env.world_size) if not (tmp / f"rng-rank{r}.pt").is_file()]
+        trainer_state.write(tmp, trainer_state.TRAINER, {
+            "step": step, "scheduler": scheduler.state_dict(), "batches": batches.state_dict(),
+            "format": fmt, "world_size": env.world_size})
+        missing = [f"{trainer_state.rng_name(r)}.json" for r in range(env.world_size)
+                   if not (tmp / f"{trainer_state.rng_name(r)}.json").is_file()]
         if missing:
             raise CheckpointError(f"{tmp}: {', '.join(missing)} not written")
         seconds = round(time.perf_counter() - started, 3)
@@ -325,39 +305,41 @@ def prune(output_dir, keep_last: int) -> list[Path]:
     return doomed
 
 
+def read_trainer(folder) -> dict:
+    """A checkpoint's trainer state (step, scheduler, batches, format, world_size), read as data
+    (kit.recipe.trainer_state), from this kit's trainer.json or an earlier kit's trainer.pt."""
+    path = Path(folder) / f"{trainer_state.TRAINER}.json"
+    trainer = trainer_state.read_either(Path(folder), trainer_state.TRAINER)
+    if not isinstance(trainer, dict) or not {"step", "format", "world_size"} <= set(trainer):
+        raise CheckpointError(f"{path if path.is_file() else path.with_suffix('.pt')}: holds no "
+                              f"step, format and world size (damaged); {trainer_state.AFTER}")
+    return trainer
+
+
 def load_training_state(folder, *, wrapped, optimizer, scheduler, batches, env) -> int:
     """Restore a checkpoint written by save_training_state (collective); returns its step. Resume
     checks the manifest first; a file that still cannot be read, or weights that do not fit this
-    model, raise CheckpointError naming the file."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
+    model, raise CheckpointError naming the file. Every file is read before anything is restored,
+    none as code (kit.recipe.trainer_state)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
     folder = Path(folder)
-    trainer = _load(folder / "trainer.pt")
+    trainer = read_trainer(folder)
+    rng = None
+    if trainer["world_size"] == env.world_size:  # another world size: new per-rank streams
+        rng = trainer_state.read_either(folder, trainer_state.rng_name(env.rank), required=False)
     full = trainer["format"] == "full"
     # strict=False: the checkpoint holds only the trainable weights, not the frozen 4-bit base.
     options = StateDictOptions(full_state_dict=full, ignore_frozen_params=True, strict=False)
     if full:
-        saved = _load(folder / "full.pt")
+        saved = trainer_state.read_either(folder, trainer_state.FULL)
         model_state, optim_state = saved["model"], saved["optim"]
     else:
-        model_state = _trainable_only(wrapped, get_model_state_dict(wrapped, options=options))
-        optim_state = get_optimizer_state_dict(wrapped, optimizer, options=options)
-        state = {"model": model_state, "optim": optim_state}
-        try:
-            dcp.load(state, checkpoint_id=str(folder / "dcp"))
-        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-            # The manifest, when there is one, names the damaged shard; DCP's error names none.
-            why = manifest.problem(folder) if manifest.read(folder) else None
-            raise CheckpointError(why or f"{folder / 'dcp'}: cannot be loaded ({first_line(e)})") from e
-        model_state, optim_state = state["model"], state["optim"]
+        model_state, optim_state = _read_sharded(folder, wrapped, optimizer, options)
     try:
         set_model_state_dict(wrapped, model_state, options=options)
         set_optimizer_state_dict(wrapped, optimizer, optim_state, options=options)
@@ -366,10 +348,33 @@ def load_training_state(folder, *, wrapped, optimizer, scheduler, batches, env) 
                               f"model or LoRA shape? ({first_line(e)})") from e
     scheduler.load_state_dict(trainer["scheduler"])
     batches.load_state_dict(trainer["batches"])
-    rng = folder / f"rng-rank{env.rank}.pt"
-    if rng.is_file() and trainer["world_size"] == env.world_size:
-        _set_rng_state(_load(rng), env.device)
+    if rng is not None:
+        trainer_state.set_rng_state(rng, env.device)
     return trainer["step"]
+
+
+def _read_sharded(folder: Path, wrapped, optimizer, options) -> tuple[dict, dict]:
+    """(model state, optimizer state) from folder/dcp, in this run's sharding (collective)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    model_state = _trainable_only(wrapped, get_model_state_dict(wrapped, options=options))
+    optim_state = get_optimizer_state_dict(wrapped, optimizer, options=options)
+    state = {"model": model_state, "optim": optim_state}
+    try:
+        trainer_state.dcp_metadata(folder / "dcp")  # a crafted one refused before DCP opens it
+        trainer_state.load_dcp(state, folder / "dcp")
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        # The manifest, when there is one, names the damaged shard; DCP's error names none.
+        why = manifest.problem(folder) if manifest.read(folder) else None
+        refused = trainer_state.refusal(e)
+        if why is None and refused is not None:
+            raise CheckpointError(str(refused)) from None
+        raise CheckpointError(why or f"{folder / 'dcp'}: cannot be loaded ({first_line(e)})") from e
+    return state["model"], state["optim"]
 
 
 if __name__ == "__main__":
