@@ -7,8 +7,12 @@
 #          768, bf16, 16,384 tokens, NF4 stacks, LoRA r16 fp32 on both stacks, dropout 0.05),
 #          forward + backward: grouped, the per-expert loop, and the bf16 stack without LoRA
 #   bench: kit:qwen3-30b-a3b (48 layers, initialised at load) through kit.bench, kit defaults
-#          (batch planned) at an 80 GiB cap, 1 warm-up + 9 measured steps: tokens/s, MFU
-#   bash benchmarks/gpu_moe_grouped.sh "$OUT" [tests] [layer] [bench]
+#          (batch planned) at an 80 GiB cap, 1 warm-up + 9 measured steps: tokens/s, MFU; the
+#          weights streamed in as the earlier records did (model.loading=stream), and the
+#          distributed timeout the kit asks for a 61 GB model (run.dist_timeout_min=31)
+#   profile: as bench, with one profiled step (GPU time per kernel family), and a case without
+#          recompute (batches 5 and 8): what the planner's matmuls policy costs the experts
+#   bash benchmarks/gpu_moe_grouped.sh "$OUT" [tests] [layer] [bench] [profile]
 set -uo pipefail
 OUT=${1:-/tmp/moe-grouped}; shift || true
 SETS=${*:-tests layer bench}
@@ -101,8 +105,9 @@ EOF
   echo "layer rc=$?"; cat "$OUT/layer.jsonl"; tail -3 "$OUT/layer.log"
 fi
 
-if [[ " $SETS " == *" bench "* ]]; then
-  cat > "$OUT/matrix.yaml" <<'EOF'
+for set in bench profile; do
+  [[ " $SETS " == *" $set "* ]] || continue
+  if [[ $set == bench ]]; then cat > "$OUT/matrix.yaml" <<'EOF'
 # Qwen3-30B-A3B's shape, grouped experts (issue 55 item 1), kit defaults, planned batch.
 model: kit:qwen3-30b-a3b
 seq_len: 2048
@@ -113,19 +118,40 @@ warmup_steps: 1
 measure_steps: 9
 cases:
   - {name: moe-80-grouped, recipe: kit, role: kit, cap_gib: 80, batches: [auto], timeout_s: 280,
-     label: "kit, planned, one GPU, grouped experts"}
+     label: "kit, planned, one GPU, grouped experts",
+     overrides: [run.dist_timeout_min=31, model.loading=stream]}
 EOF
-  timeout 300 python3 -m kit.bench "$OUT/matrix.yaml" --out /tmp/moe-grouped-bench \
-    > "$OUT/bench.log" 2>&1
-  echo "bench rc=$?"
-  cp /tmp/moe-grouped-bench/results.jsonl "$OUT/bench-results.jsonl" 2>/dev/null
-  tail -c 4000 /tmp/moe-grouped-bench/logs/*.log > "$OUT/bench-case-tail.log" 2>/dev/null
-  cat /tmp/moe-grouped-bench/table.md 2>/dev/null | head -20
+  else cat > "$OUT/matrix.yaml" <<'EOF'
+# As bench, one profiled step each; the second case without recompute.
+model: kit:qwen3-30b-a3b
+seq_len: 2048
+nproc: 1
+device: cuda
+lr: 1.0e-3
+warmup_steps: 1
+measure_steps: 5
+cases:
+  - {name: moe-80-profile, recipe: kit, role: kit, cap_gib: 80, batches: [auto], timeout_s: 200,
+     profile: true, label: "kit, planned, one GPU, grouped experts, profiled",
+     overrides: [run.dist_timeout_min=31, model.loading=stream]}
+  - {name: moe-80-norecompute, recipe: kit, role: kit, cap_gib: 80, batches: [5, 8],
+     timeout_s: 200, profile: true, label: "as planned, recompute off",
+     overrides: [run.dist_timeout_min=31, model.loading=stream, training.recompute.enabled=false]}
+EOF
+  fi
+  b=/tmp/moe-grouped-$set; rm -rf "$b"
+  timeout 480 python3 -m kit.bench "$OUT/matrix.yaml" --out "$b" > "$OUT/$set.log" 2>&1
+  echo "$set rc=$?"
+  cp "$b/results.jsonl" "$OUT/$set-results.jsonl" 2>/dev/null
+  tail -c 3000 "$b"/logs/*.log > "$OUT/$set-case-tail.log" 2>/dev/null
   python3 -c "
 import json
-for r in map(json.loads, open('$OUT/bench-results.jsonl')):
+for r in map(json.loads, open('$OUT/$set-results.jsonl')):
     if r.get('kind') in ('batch', 'setup'):
-        print({k: r.get(k) for k in ('kind', 'batch', 'status', 'step_s', 'tokens_per_s_gpu', 'mfu',
-               'peak_alloc_gib', 'loss_first', 'loss_last', 'auto_batch')}, (r.get('plan') or {}).get('line'))
-" 2>&1 | tail -5
-fi
+        print(r['case'], {k: r.get(k) for k in ('kind', 'batch', 'status', 'step_s',
+              'tokens_per_s_gpu', 'mfu', 'peak_alloc_gib', 'loss_first', 'loss_last',
+              'auto_batch')}, (r.get('plan') or {}).get('line'))
+    if r.get('kind') == 'profile':
+        print(r['case'], json.dumps({k: v for k, v in r.items() if k not in ('case', 'label')})[:3000])
+" 2>&1 | tail -12
+done
