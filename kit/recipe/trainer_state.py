@@ -16,8 +16,8 @@ Each NAME.json holds the state as JSON with tuples and tensors tagged ({"__tuple
 Python's repr, which reads back to the same bits, so resume stays exact.
 
 torch.distributed.checkpoint unpickles its `.metadata` with plain pickle and the non-tensor values
-of a shard with `torch.load(weights_only=False)`: `load_dcp` reads the first with an unpickler that
-builds only DCP's own metadata classes, the second with `weights_only=True`.
+of a shard with `torch.load`, its weights-only check off: `load_dcp` reads the first with an
+unpickler that builds only DCP's own metadata classes, the second with `weights_only=True`.
 
 Checkpoints of earlier kits (trainer.pt, rng-rank{r}.pt, full.pt: torch.save pickles) hold only
 tensors and plain values, so they are read with `torch.load(weights_only=True)`; a file that needs
@@ -142,7 +142,7 @@ def read_legacy(path: Path):
 
 def _wanted(error: pickle.UnpicklingError) -> str:
     """What torch's weights_only unpickler refused ("Unsupported global: GLOBAL posix.system"),
-    without its advice to load the file with weights_only=False."""
+    without its advice to load the file with that check off."""
     said = re.search(r"WeightsUnpickler error: (.*?)(?: was not an allowed global|\. |$)",
                      str(error), re.MULTILINE)
     return said[1][:120] if said else "UnpicklingError"
@@ -261,7 +261,7 @@ def _dcp_classes():
                     f"{AFTER}") from None
 
     class Planner(DefaultLoadPlanner):
-        def load_bytes(self, read_item, value):  # DCP's own: torch.load(weights_only=False)
+        def load_bytes(self, read_item, value):  # DCP's own loads with the check off
             loaded = torch.load(value, weights_only=True)
             if self.flatten_state_dict:
                 from torch.distributed.checkpoint._nested_dict import set_element
