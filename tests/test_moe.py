@@ -164,16 +164,6 @@ def test_moe_trains_under_fsdp_and_reloads_with_plain_peft(tmp_path, name):
     assert diff < 0.1 * cmp["scale"] and diff < cmp["max_diff_without_adapter"] / 10, diff
 
 
-def test_stream_loading_of_a_per_expert_checkpoint_is_refused_in_one_line(tmp_path):
-    out = tmp_path / "run"
-    run = torchrun(out, "model.name=kit:tiny-olmoe", "model.loading=stream", "training.steps=2",
-                   check=False)
-    assert run.returncode != 0
-    assert ("model.loading: stream is not allowed for kit:tiny-olmoe: 4 weight(s) are stored "
-            "under other names") in run.stdout
-    assert "kit/recipe/" not in run.stdout  # the ranks' one line, no traceback of theirs
-
-
 def test_the_budget_counts_experts_total_and_active():
     """Qwen3-30B-A3B's shape: 30.5B parameters, 3.3B active; its experts counted in 4 bits."""
     from kit.budget.estimate import estimate, quantized_bytes_per_param

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from kit.config import Config
 from kit.inputs import builtin
-from kit.recipe import quantize
+from kit.recipe import expert_source, experts, quantize
 
 
 def mode_of(cfg: Config) -> str:
@@ -48,38 +48,49 @@ def load(cfg: Config, device: torch.device, attn: str | None = None):
     """(model, tokenizer) on `device`, by cfg.model.loading; with a group of one, rank0 is full.
     A model whose folder holds no weights (kit.inputs.builtin.AT_LOAD, e.g. kit:llama-70b) is
     initialised where it would be read (Source). With stream, the model is returned on the meta
-    device with its Source attached: the engine fills each unit just before sharding it. With
-    auto, a checkpoint whose tensor names differ from the model's (weights transformers renames
-    as it loads) cannot be streamed: it is loaded by rank0, and a line says so. The mode that
+    device with its Source attached: the engine fills each unit just before sharding it. Under
+    rank0, rank 0 reads a mixture of experts through a Source too: its expert stacks a chunk of
+    experts at a time (kit.recipe.expert_source), never whole on the device. Weights under other
+    names are placed by transformers' own conversion mapping (a MoE's per-expert tensors); with
+    auto, a weight it cannot place sends the load to rank0, and a line says so. The mode that
     ran: `loaded_as(model)`."""
     mode = mode_of(cfg)
     single = not dist.is_initialized() or dist.get_world_size() == 1
     init = builtin.init_at_load(builtin.resolve(cfg.model.name))
-    if mode == "stream" or init is not None:
-        model, tokenizer = quantize.load_model(cfg, torch.device("meta"), attn,
-                                               weights=init is None)
+    model = None
+    if mode == "rank0" and not single and init is None and cfg.quantization.method != "none":
+        model, tokenizer = quantize.load_model(cfg, torch.device("meta"), attn)
+        if not experts.find(model):  # a dense model: rank 0 runs from_pretrained
+            model = None
+    if mode == "stream" or init is not None or model is not None:
+        if model is None:
+            model, tokenizer = quantize.load_model(cfg, torch.device("meta"), attn,
+                                                   weights=init is None)
         source = Source(cfg, model, device, init)
-        renamed = source.missing() if mode == "stream" else []
-        if renamed and cfg.model.loading == "stream":  # e.g. a MoE's per-expert checkpoint
+        renamed = source.missing()
+        if renamed and cfg.model.loading == "stream":
             from kit.config import ConfigError
 
             raise ConfigError(f"model.loading: stream is not allowed for {cfg.model.name}: "
                               f"{len(renamed)} weight(s) are stored under other names in its "
                               f"checkpoint (e.g. {renamed[0]}); allowed: auto, full, rank0")
         if renamed:
-            mode = "full" if single else "rank0"
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                print(f"model.loading=auto: {len(renamed)} weight(s) of {cfg.model.name} are "
-                      f"stored under other names in its checkpoint (e.g. {renamed[0]}); "
-                      f"loading with {mode} instead of stream", flush=True)
+            if mode == "stream":
+                mode = "full" if single else "rank0"
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    print(f"model.loading=auto: {len(renamed)} weight(s) of {cfg.model.name} "
+                          f"are stored under other names in its checkpoint (e.g. {renamed[0]}); "
+                          f"loading with {mode} instead of stream", flush=True)
             return _tag(*load_weights(cfg, device, attn, mode, single), mode, cfg)
         if mode == "stream":
             model._kit_stream = source  # filled by the engine (kit.recipe.engines), unit by unit
             return _tag(model, tokenizer, mode, cfg)
+        stacks = expert_source.logical_shapes(model)  # before rank 0 packs its own
         if mode == "full" or single or dist.get_rank() == 0:
             source.fill(model)
         if mode == "rank0" and not single:
             receive_from_rank0(model, device)
+            expert_source.adopt(stacks)  # the packed stacks received: NF4 as rank 0's
         return _tag(model, tokenizer, mode, cfg)
     return _tag(*load_weights(cfg, device, attn, mode, single), mode, cfg)
 
@@ -95,8 +106,6 @@ def load_weights(cfg: Config, device: torch.device, attn: str | None, mode: str,
 
 def _tag(model: torch.nn.Module, tokenizer, mode: str, cfg: Config):
     if cfg.quantization.method != "none":  # MoE expert stacks: NF4 too (stream: as filled)
-        from kit.recipe import experts
-
         experts.quantize(model, quantize.params4bit_kwargs(cfg))
     model._kit_loaded_as = mode
     return model, tokenizer
@@ -112,17 +121,16 @@ class Source:
     the checkpoint's safetensors files (a tensor read when it is needed, with a plain read), or,
     for a folder without weights (`init`: {"seed", "std"}), a generator seeded by the tensor's
     name: matrices N(0, std), norms 1, biases 0. 4-bit weights are quantized on `device` as they
-    arrive, as from_pretrained does; buffers (rotary frequencies) by the model class's initialisation.
-    At most one full-precision tensor exists at a time: a 70B model needs neither its 138 GB of
-    bf16 weights on disk (init) nor in memory. Random weights are the same for the same seed on
+    arrive, as from_pretrained does (a MoE's expert stacks a chunk of experts at a time);
+    buffers (rotary frequencies) by the model class's initialisation. At most one full-precision
+    tensor (or chunk) exists at a time: a 70B model needs neither its 138 GB of bf16 weights on
+    disk (init) nor in memory. Random weights are the same for the same seed on
     the same kind of device (CPU and GPU generators differ)."""
 
     def __init__(self, cfg: Config, model: torch.nn.Module, device: torch.device,
                  init: dict | None):  # fmt: skip
         self.device, self.init = device, init
         self.quant = quantize.params4bit_kwargs(cfg)
-        from kit.recipe import experts
-
         self.quant_experts = {id(m): set(experts.weight_names(m)) for _, m in experts.find(model)
                               } if cfg.quantization.method != "none" else {}  # fmt: skip
         for _, m in experts.find(model) if self.quant_experts else ():
@@ -131,18 +139,22 @@ class Source:
         self.names = {id(m): n for n, m in model.named_modules()}
         self.config, self.model = model.config, model
         self.files = {} if init else builtin.checkpoint_files(builtin.resolve(cfg.model.name))
+        # What makes each tensor: a checkpoint tensor (its name or renamed), or several converted
+        # (a MoE's per-expert tensors): transformers' own conversion mapping decides.
+        self.made = expert_source.plan(model, self.files) if self.files else {}
         self.headers: dict = {}  # file -> (where its bytes start, its header)
         self.most_held = 0  # the most bytes the model held on this rank after a fill
 
     def missing(self) -> list[str]:
-        """Parameters of the model that its checkpoint does not hold under the same name (none
-        for a model initialised at load)."""
+        """Parameters of the model that its checkpoint does not hold, neither under the same name
+        nor under one transformers' conversion mapping reads one tensor at a time (none for a
+        model initialised at load)."""
         if self.init:
             return []
         seen, missing = set(), []
         for owner, kind, name, tensor in slots(self.model):
             key = f"{self.names[id(owner)]}.{name}".lstrip(".")
-            if kind == "_parameters" and id(tensor) not in seen and key not in self.files:
+            if kind == "_parameters" and id(tensor) not in seen and key not in self.made:
                 missing.append(key)
             seen.add(id(tensor))  # tied: the head is the embeddings, read once
         return missing
@@ -160,16 +172,13 @@ class Source:
                 getattr(owner, kind)[name] = made[id(meta)]
                 continue
             key = f"{self.names[id(owner)]}.{name}".lstrip(".")
-            if kind == "_buffers" and (self.init or key not in self.files):
+            if kind == "_buffers" and (self.init or key not in self.made):
                 fresh = rebuilt.get(id(owner))
                 if fresh is None:  # e.g. the rotary embedding's frequencies
                     fresh = rebuilt[id(owner)] = self._buffers_of(owner)
                 tensor = getattr(fresh, name).to(self.device)
             elif self.quant_experts and name in self.quant_experts.get(id(owner), ()):
-                from kit.recipe import experts  # a MoE expert stack: NF4 as it arrives
-
-                value = self._value(key, meta.shape, meta.dtype, "matrix")
-                experts.quantize_weight(owner, name, value, self.quant)
+                self._fill_stack(owner, name, key, meta)  # a MoE expert stack: NF4 as it arrives
                 made[id(meta)] = owner._parameters[name]
                 continue
             elif isinstance(owner, bnb.nn.Linear4bit) and name == "weight":
@@ -213,9 +222,26 @@ class Source:
                 "does not hold; use model.loading=full")
         return fresh
 
+    def _fill_stack(self, owner: torch.nn.Module, name: str, key: str, meta: torch.Tensor):
+        """owner.<name>, an expert stack, quantized to NF4: from the checkpoint a chunk of experts
+        at a time (kit.recipe.expert_source), or initialised whole (a model without weights)."""
+        if self.init is not None:
+            value = self._value(key, meta.shape, meta.dtype, "matrix")
+            experts.quantize_weight(owner, name, value, self.quant)
+            return
+        shape = tuple(meta.shape)
+        chunks = expert_source.stack_chunks(self, self.made[key], key, shape, meta.dtype)
+        expert_source.quantize_chunks(owner, name, chunks, shape, meta.dtype,
+                                      self.quant, self.device)  # fmt: skip
+
     def _value(self, key: str, shape, dtype, what: str) -> torch.Tensor:
         if self.init is None:
-            return self._read(key, dtype)
+            made = self.made.get(key)
+            if made is not None and made.converter is not None:  # converted on the host, whole
+                parts = {p: [self._read(k, dtype, torch.device("cpu")) for k in keys]
+                         for p, keys in made.sources.items()}  # fmt: skip
+                return expert_source.convert(made, parts, key, shape, self.config).to(self.device)
+            return self._read(made.key if made is not None else key, dtype)
         tensor = torch.empty(shape, dtype=dtype, device=self.device)
         if what == "matrix":
             seed = (self.init["seed"] * 1_000_003 + zlib.crc32(key.encode())) % 2**63
@@ -223,14 +249,11 @@ class Source:
             return tensor.normal_(0.0, self.init["std"], generator=generator)
         return tensor.zero_() if what == "bias" else tensor.fill_(1.0)
 
-    def _read(self, key: str, dtype: torch.dtype) -> torch.Tensor:
-        """One tensor, made in `dtype` on the device and filled from the file in pieces of at
-        most CHUNK bytes, each read with a plain read. Gaps filled: safetensors' safe_open
-        memory-maps the whole file, and every page a rank touches then counts in its resident
-        memory (a read leaves them in the kernel's page cache: shared, reclaimable); and a whole
-        read before the cast holds the file's copy beside the cast one (an fp32 embedding table
-        read for bf16: three times its bf16 bytes). The format: an 8-byte header length, a JSON
-        header (dtype, shape, byte range of each tensor), the bytes."""
+    def _read(self, key: str, dtype: torch.dtype, device: torch.device | None = None,
+              rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Checkpoint tensor `key` (with `rows`, only its rows first:last along its first
+        dimension), made in `dtype` on `device` (by default the Source's) with plain reads
+        (kit.recipe.expert_source.read: why not safetensors' safe_open)."""
         if key not in self.files:
             raise RuntimeError(f"model.loading: {key} is not in the checkpoint's safetensors "
                                "files (renamed weights); use model.loading=full")
@@ -238,24 +261,7 @@ class Source:
         if path not in self.headers:
             self.headers[path] = builtin.safetensors_header(path)
         start, header = self.headers[path]
-        entry = header[key]
-        begin, end = entry["data_offsets"]
-        stored = _SAFETENSORS_DTYPES[entry["dtype"]]
-        tensor = torch.empty(entry["shape"], dtype=dtype, device=self.device)
-        flat, size = tensor.view(-1), torch.empty((), dtype=stored).element_size()
-        step = max(1, CHUNK // size)
-        with open(path, "rb") as f:
-            f.seek(start + begin)
-            for first in range(0, (end - begin) // size, step):
-                data = bytearray(f.read(min(step, flat.numel() - first) * size))
-                if not data or len(data) % size:
-                    raise RuntimeError(f"model.loading: {path} ends inside {key} (a damaged "
-                                       "or partly copied file)")
-                flat[first:first + len(data) // size].copy_(torch.frombuffer(data, dtype=stored))
-        return tensor
-
-
-CHUNK = 16 * 2**20  # bytes read at a time: a 70B model's largest tensor is 1 GiB in bf16
+        return expert_source.read(path, start, header[key], key, dtype, device or self.device, rows)
 
 
 def release_freed_host_memory() -> None:
@@ -271,11 +277,6 @@ def release_freed_host_memory() -> None:
         ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
     except (OSError, AttributeError, TypeError):  # not glibc: its allocator is left as it is
         pass
-
-
-_SAFETENSORS_DTYPES = {k: getattr(torch, v) for k, v in dict(
-    BF16="bfloat16", F16="float16", F32="float32", F64="float64", I64="int64", I32="int32",
-    I16="int16", I8="int8", U8="uint8", BOOL="bool").items()}
 
 
 def held_bytes(model: torch.nn.Module) -> int:
