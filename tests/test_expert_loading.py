@@ -116,3 +116,22 @@ def test_a_per_expert_checkpoint_streams_and_every_mode_holds_the_same(tmp_path,
     assert len({r["logits_digest"] for r in rows}) == 1
     full, stream = rows[0], rows[4]
     assert stream["model_most_mib"] < full["model_most_mib"], (full, stream)
+
+
+def test_the_estimate_counts_what_loading_a_moe_checkpoint_puts_on_a_gpu():
+    """Qwen3-30B-A3B's shape read from a checkpoint (its Shape: not the kit model initialised at
+    load): full holds every expert stack in bf16 until the kit quantizes them, out of a 24 GiB
+    GPU; stream and rank0 one chunk of experts beyond the 4-bit model, within it."""
+    from kit.budget.estimate import EXPERT_CHUNK_BYTES, Setup, estimate, quantized_bytes_per_param
+    from kit.budget.shapes import shape_of
+
+    assert EXPERT_CHUNK_BYTES == expert_source.CHUNK_BYTES  # the kernel side's copy
+    shape = shape_of("kit:qwen3-30b-a3b")
+    est = {m: estimate(shape, Setup(world_size=2, loading=m)) for m in ("full", "rank0", "stream")}
+    per = quantized_bytes_per_param("nf4", True)
+    dense = 48 * 128 * (2048 * 2 * 768 + 768 * 2048) * (2 - per)
+    chunk = EXPERT_CHUNK_BYTES // 2 * (2 + per)
+    assert est["full"].load_bytes - est["rank0"].load_bytes == pytest.approx(dense - chunk)
+    assert "expert stacks in the model dtype" in est["full"].load_note
+    alone = {m: estimate(shape, Setup(world_size=1, loading=m)) for m in ("full", "stream")}
+    assert alone["stream"].load_gib < 24 < alone["full"].load_gib, alone

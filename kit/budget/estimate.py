@@ -292,6 +292,31 @@ class Estimate:
         return "\n".join(lines)
 
 
+EXPERT_CHUNK_BYTES = 256 * 2**20  # kit.recipe.expert_source.CHUNK_BYTES (the rank side's)
+
+
+def _expert_load(shape: Shape, setup: Setup, model, a: int,
+                 per_param: float) -> tuple[float, float]:  # fmt: skip
+    """(a chunk's bytes, the dense stacks' bytes beyond their 4-bit ones) that loading a mixture
+    of experts adds on a GPU. From a checkpoint, stream and rank0 (kit.recipe.expert_source) read
+    a stack onto the device a chunk of experts at a time in the model dtype and quantize it there
+    (the chunk and its 4-bit copy); full (and rank0 in a group of one) runs from_pretrained, which
+    holds every stack in the model dtype until the kit quantizes them once it has loaded. A model
+    initialised at load (kit.inputs.moe_shapes.MOE_AT_LOAD) makes each stack whole, in any mode."""
+    if not shape.experts or setup.quantization == "none":
+        return 0.0, 0.0
+    from kit.inputs.moe_shapes import MOE_AT_LOAD
+
+    stack = max(shape.experts * i * o for i, o in shape.expert_stacks().values())
+    at_load = isinstance(model, str) and model.removeprefix("kit:") in MOE_AT_LOAD
+    params = stack if at_load else min(stack, EXPERT_CHUNK_BYTES // a)
+    full = setup.loading == "full" or (setup.loading == "rank0" and setup.world_size == 1)
+    if full and not at_load:
+        per_layer = sum(i * o for i, o in shape.expert_stacks().values())
+        return 0.0, shape.layers * shape.experts * per_layer * (a - per_param)
+    return params * (a + per_param), 0.0
+
+
 def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
     """Per-GPU peak memory of one training step. `changes` override fields of `setup`."""
     shape, setup = shape_of(model), replace(setup or Setup(), **changes)
@@ -358,13 +383,20 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
     # stream only this rank's shards plus the unit being filled (a decoder layer, or the
     # embeddings table: the largest unit of a small model).
     whole = base + adapter * lb
+    chunk, dense = _expert_load(shape, setup, model, a, per_param)
     if sharded and setup.loading == "stream":
         unit = max(layer_bytes + 2 * shape.hidden * a, shape.vocab * shape.hidden * a)
-        est.load_bytes = whole / world + unit * (1 - 1 / world)  # that unit unsharded, yet
+        est.load_bytes = whole / world + unit * (1 - 1 / world) + chunk  # that unit unsharded
         est.load_note = f"model.loading=stream: 1/{world} of the model + its largest unit whole"
+    elif dense:
+        est.load_bytes = whole + dense
+        est.load_note = (f"model.loading={setup.loading}: the whole model, before sharding, its "
+                         "expert stacks in the model dtype until quantized")
     else:
-        est.load_bytes = whole
+        est.load_bytes = whole + chunk
         est.load_note = f"model.loading={setup.loading}: the whole model, before sharding"
+    if chunk and not dense:
+        est.load_note += ", and one chunk of experts in the model dtype"
 
     # Communication: FSDP all-gathers a layer before use (plus the prefetched next one) and
     # keeps the root unit (head, final norm; embeddings too unless they are a unit of their own)
