@@ -8,6 +8,7 @@
     kit merge launch/my-run launch/my-run/merged    # the adapter folded into the base, exported
     kit checkpoints list launch/my-run              # also: checkpoints verify PATH
     kit chat launch/my-run --prompt "Hi" --compare  # a run's adapter answers (and its base)
+    kit runs                                        # runs under launch/; runs NAME --follow | --stop
     kit jobs tiny-cpu --nnodes 2 --nproc-per-node 8 --out launch/big   # every way to launch; runs nothing
     kit models                                      # the built-in kit: models, built or not
     kit models path kit:smollm2-135m-instruct       # builds it if needed, prints its folder
@@ -81,6 +82,14 @@ def _parser() -> argparse.ArgumentParser:
     jobs.add_argument("--pvc", help="the PersistentVolumeClaim holding the checkout, data and "
                       "outputs (default: kit-workspace)")
     jobs.add_argument("--time", help="Slurm's time limit (default 01:00:00)")
+    runs = commands.add_parser("runs", help="the runs under launch/ (status, last step); NAME "
+                               "--follow follows one, NAME --stop stops it")
+    runs.add_argument("name", nargs="?", help="a run's name (launch/NAME) or its folder")
+    what = runs.add_mutually_exclusive_group()
+    what.add_argument("--follow", action="store_true", help="print its output until it ends "
+                      "(Ctrl-C leaves it running)")
+    what.add_argument("--stop", action="store_true", help="a stop request: the ranks save a "
+                      "checkpoint of their step and exit; whatever is left 30 s later is killed")
     models = commands.add_parser("models", help="list the built-in kit: models (shape, built or "
                                  "not, folder); 'models path NAME' builds one and prints its folder")
     models_of = models.add_subparsers(dest="action")
@@ -138,6 +147,40 @@ def _command_jobs(args) -> int:
     for file, how in jobs.USES.items():
         print(f"  {file:16} {how.format(folder=folder)}")
     return 0
+
+
+def _command_runs(args) -> int:
+    import time
+
+    from kit.run.runs import Follow, Run, runs
+
+    if args.name is None:
+        for run in runs():
+            print(f"{run.name:<28} {run.status:<10} step {run.last_step():>6}  {run.folder}")
+        return 0
+    try:
+        run = Run.attach(args.name)
+    except FileNotFoundError as e:
+        print(f"runs: {e}", file=sys.stderr)
+        return 2
+    if args.stop:
+        print(f"kit: run {run.name!r} {run.stop()}: {run.folder}")
+        return 0
+    if args.follow:
+        log = Follow(run.files.log)
+        try:
+            while run.status == "running":
+                for line in log.new_lines():
+                    print(line, flush=True)
+                time.sleep(0.2)
+        except KeyboardInterrupt:  # a detached run is stopped by --stop alone
+            print(f"kit: no longer following; run {run.name!r} goes on: kit runs "
+                  f"{args.name} --stop stops it")
+            return 130
+        for line in log.new_lines():
+            print(line)
+    print(f"kit: run {run.name!r} {run.status}: {run.folder}")
+    return (run.exit_code or 0) if args.follow else 0
 
 
 def _command_models(args) -> int:

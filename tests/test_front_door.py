@@ -44,11 +44,15 @@ def test_kit_is_one_command_that_explains_each_of_its_commands():
     proc = kit("-h", timeout=60)
     assert proc.returncode == 0, proc.stderr
     for command in ("train", "check", "doctor", "bench", "merge", "checkpoints", "chat", "jobs",
-                    "models", "tour"):
+                    "runs", "models", "tour"):
         assert f"    {command}" in proc.stdout, (command, proc.stdout)
     for command in ("train", "check", "doctor", "bench", "chat"):
         proc = kit(command, "-h", timeout=60)
         assert proc.returncode == 0 and f"usage: kit {command}" in proc.stdout, proc.stdout
+    train = " ".join(kit("train", "-h", timeout=60).stdout.split())
+    for said in ("Ctrl-C, SIGTERM or SIGHUP (a closed terminal) asks the ranks to stop",
+                 "a second one, 2 s or more later, ends them at once", "--detach"):
+        assert said in train, train
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The front door: `kit train CONFIG [key=value ...] [--nproc N] [--nnodes N]`.
+"""The front door: `kit train CONFIG [key=value ...] [--nproc N] [--nnodes N] [--detach]`.
 
     kit train tiny-cpu training.steps=20              # 2 processes on this machine
     kit train my.yaml --nproc 8                       # 8 GPUs
@@ -9,37 +9,59 @@ the model, the data rows, this machine and the run folder are checked once, here
 a mistake is one line per problem on stderr and exit code 2, before any process starts and with
 every file of the run folder as it was); then the run folder is written (kit.run.launch.prepare)
 and its run.sh started with the check's plan (KIT_CHECKED: the ranks neither check nor plan
-again), its output followed here. Ctrl-C asks the ranks to stop: they finish their step, save a
-checkpoint and exit 75 (`training.resume=auto` continues); a second Ctrl-C ends them at once.
+again), its output followed here.
+
+Signals: Ctrl-C (SIGINT), SIGTERM (a service manager, `kill`) and SIGHUP (a closed terminal) are
+one stop request: run.sh passes it on, the ranks finish their step, save a verified checkpoint
+and exit 75 (`training.resume=auto` continues). A second one, SAME_REQUEST_S or more after the
+first, ends torchrun and the ranks at once (exit 128 + its number; a checkpoint being written
+stays step-N.tmp, which no resume takes); closer together they are the same request. A signal
+ignored when the command starts stays ignored (`nohup kit train ...` keeps training after the
+terminal closes, still followed and still stopped by its own end). However this
+command ends, an exception or SIGKILL included, no process of the run outlives it
+(kit.run.tether), unless `--detach`: then it returns once the run has started, and `kit runs NAME
+--follow` (or `Run.attach(NAME)`) follows it, `kit runs NAME --stop` stops it.
 
 Exit codes: run.sh's (0 completed, 75 preempted or stopped, 1 failed), 2 refused, 0 also for a
-run that is already finished (said in one line). Kernel side: torch is imported only for the
-check's data line, in this command's own process.
+run that is already finished (said in one line) or started detached. Kernel side: torch is
+imported only for the check's data line, in this command's own process.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import signal
 import sys
 import time
 
+from kit import ROOT
 from kit.config import ConfigError, load_config
 from kit.run import check as check_step
 from kit.run.launch import checked_env, prepare, resolve, run_dir
 from kit.run.runs import Follow, Run
+from kit.run.tether import GRACE_S, end_at_once
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what a terminal or a service sends
+SAME_REQUEST_S = 2.0  # kit.recipe.preempt's window: signals closer than this are one request
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kit train", description="Check a config once, write its run folder, train it "
-        "under torchrun and follow its output here.")
+        "under torchrun and follow its output here. Ctrl-C, SIGTERM or SIGHUP (a closed "
+        "terminal) asks the ranks to stop: they finish their step, save a checkpoint and exit "
+        "75 (training.resume=auto continues); a second one, 2 s or more later, ends them at once. "
+        "However this command ends, no process of the run outlives it unless --detach.")
     p.add_argument("config", help="a kit YAML, or a bundled config's name (tiny-cpu); "
                    "key=value only starts from the defaults")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. training.steps=200")
     p.add_argument("--nproc", type=int, default=2, help="processes (GPUs) per node (default 2)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes (default 1; NODE_RANK, "
                    "MASTER_ADDR and MASTER_PORT from the environment, as run.sh reads them)")
+    p.add_argument("--detach", action="store_true", help="start the run and return at once; "
+                   "it outlives this command (kit runs NAME --follow | --stop)")
     return p
 
 
@@ -68,7 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:  # the folder's run is running now
         return _refuse([f"run.name: {e}"])
     run.start({**checked_env(plan), "NPROC_PER_NODE": str(args.nproc),
-               "NNODES": str(args.nnodes)})
+               "NNODES": str(args.nnodes)}, detach=args.detach)
+    if args.detach:
+        ref = run.name if run.folder == ROOT / "launch" / run.name else str(run.folder)
+        print(f"kit: run {run.name!r} started, detached: {run.folder}\n"
+              f"  follow it: kit runs {shlex.quote(ref)} --follow   "
+              f"(Python: Run.attach({ref!r}).wait())\n"
+              f"  stop it:   kit runs {shlex.quote(ref)} --stop     (a checkpoint of its step first)")
+        return 0
     return follow(run)
 
 
@@ -78,36 +107,133 @@ def _refuse(lines: list[str]) -> int:
     return 2
 
 
+class _Requests:
+    """Stop requests to the front door (Ctrl-C, SIGTERM, SIGHUP): the first is a stop request
+    to run.sh; one more, SAME_REQUEST_S or later after it, ends torchrun and the ranks at once.
+    Within SAME_REQUEST_S it is the same request: a closed terminal can hang the door up twice
+    (its shell's SIGHUP and the kernel's), and a service manager signals a whole group at once.
+    The handler only notes a request: acting on it (printing, psutil) waits for `act`, as a
+    handler runs between any two bytecodes, a print to the same stream among them."""
+
+    def __init__(self, run: Run, out: _Output):
+        self.run, self.out = run, out
+        self.pending: list[tuple[int, float]] = []
+        self.first: float | None = None
+        self.ended_by: int | None = None  # the signal that ended the run at once
+
+    def __call__(self, signum, frame) -> None:
+        self.pending.append((signum, time.monotonic()))
+
+    def act(self) -> None:
+        while self.pending:
+            signum, at = self.pending.pop(0)
+            name = signal.Signals(signum).name
+            if self.first is None:
+                self.first = at
+                self.out.stopping = True
+                self.out.say(f"kit: {name}: stopping: the ranks finish their step and save a "
+                             "checkpoint (Ctrl-C, SIGTERM or SIGHUP again ends them at once)")
+                self.stop_request()
+            elif at - self.first >= SAME_REQUEST_S and self.ended_by is None:
+                self.ended_by = signum
+                self.out.say(f"kit: {name} again: ending the run at once")
+                end_at_once(self.run)
+
+    def stop_request(self) -> None:
+        try:
+            self.run.send_signal(signal.SIGTERM)  # run.sh passes it on to torchrun
+        except (OSError, ValueError):  # run.sh ended already (its pid gone): nothing to stop
+            pass
+
+
 def follow(run: Run, poll_s: float = 0.2) -> int:
-    """Print the run's output (run.log) as it grows until run.sh exits; its exit code."""
-    log = Follow(run.files.log)
-    asked = []
-
-    def stop(signum, frame):
-        asked.append(time.monotonic())
-        if len(asked) == 1:
-            print("kit: stopping: the ranks finish their step and save a checkpoint "
-                  "(Ctrl-C again ends them at once)", flush=True)
-        run.send_signal(signal.SIGTERM)  # run.sh: a second request 2 s or more later kills
-
-    previous = signal.signal(signal.SIGINT, stop)
+    """Print the run's output (run.log) as it grows until run.sh exits; its exit code (128 + the
+    signal's number when a second request ended it). However this ends, no process of the run
+    is left: an exception here is a stop request and a wait for it."""
+    out = _Output()
+    requests = _Requests(run, out)
+    # One ignored already stays ignored: `nohup kit train` asked to outlive the terminal.
+    previous = {sig: signal.signal(sig, requests) for sig in SIGNALS
+                if signal.getsignal(sig) is not signal.SIG_IGN}
+    ended = False
     try:
-        while True:
-            for line in log.new_lines():
-                print(line, flush=True)
-            if run.status != "running":
-                break
+        log = Follow(run.files.log)
+        while run.status == "running":
+            out.lines(log.new_lines())
+            requests.act()
             time.sleep(poll_s)
-        for line in log.new_lines():
-            print(line, flush=True)
+        out.lines(log.new_lines())
+        out.flush()
+        requests.act()
+        ended = True
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if not ended:  # an exception: the run must not outlive this command
+            requests.stop_request()
+            deadline = time.monotonic() + GRACE_S
+            while run.processes() and time.monotonic() < deadline:
+                time.sleep(poll_s)
+            end_at_once(run)
+        if run.tether is not None:
+            run.tether.release()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if requests.ended_by is not None:
+        out.say(f"kit: run {run.name!r} ended at once; training.resume=auto continues from its "
+                f"last complete checkpoint: {run.folder}")
+        return 128 + requests.ended_by
+    return _said_end(run, out)
+
+
+def _said_end(run: Run, out: _Output) -> int:
     status, code = run.status, run.exit_code
     if status == "failed":
-        sys.stderr.write(f"kit: run {run.name!r} failed: {run.failure().args[0]}\n")
+        out.say(f"kit: run {run.name!r} failed: {run.failure().args[0]}", sys.stderr)
     elif status == "preempted":  # stopped at a step with its checkpoint: resumable
-        print(f"kit: run {run.name!r} stopped after saving a checkpoint: {run.folder}; the same "
-              "command with training.resume=auto continues it")
+        out.say(f"kit: run {run.name!r} stopped after saving a checkpoint: {run.folder}; the "
+                "same command with training.resume=auto continues it")
     else:
-        print(f"kit: run {run.name!r} {status}: {run.folder}")
+        out.say(f"kit: run {run.name!r} {status}: {run.folder}")
     return code if code is not None else 1
+
+
+class _Output:
+    """Lines to the terminal until it is gone (a hung-up terminal or a closed pipe fails every
+    write): the run is still followed to its end and its exit code returned."""
+
+    def __init__(self):
+        self.gone = False
+        self.stopping = False  # a stop request was sent: torchrun's traceback for it is noise
+        self.held: list[str] = []  # a traceback of torchrun's own, until its last line says whose
+
+    def say(self, line: str, stream=None) -> None:
+        if self.gone:
+            return
+        try:
+            print(line, file=stream or sys.stdout, flush=True)
+        except OSError:
+            self.gone = True
+            sys.stdout = open(os.devnull, "w")  # Python's own flush at exit fails no more
+
+    def lines(self, lines: list[str]) -> None:
+        """The run's lines; on a requested stop, less the traceback torchrun prints for the
+        signal it got (SignalException): the ranks' own lines carry a [defaultN]: prefix."""
+        for line in lines:
+            if self.held and line[:1].isspace():
+                self.held.append(line)
+                continue
+            if self.held:
+                block, self.held = [*self.held, line], []
+                if "SignalException" in line and self.stopping:
+                    continue
+                for held in block:
+                    self.say(held)
+            elif line.startswith("Traceback (most recent call last):"):
+                self.held = [line]
+            else:
+                self.say(line)
+
+    def flush(self) -> None:
+        """A traceback the log ended in, whole."""
+        for line in self.held:
+            self.say(line)
+        self.held = []

@@ -13,6 +13,7 @@ Kernel side: imports neither torch nor ipywidgets.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -197,6 +198,8 @@ class Run:
             psutil.wait_procs(left, timeout=5)
         if self._proc is not None:
             self._proc.wait(timeout=5)
+        if self.tether is not None:  # its watcher leaves now, not at its next look
+            self.tether.release()
         return self.status
 
     def send_signal(self, sig: int) -> None:
@@ -389,10 +392,8 @@ def _alive(p: psutil.Process) -> bool:
 
 
 def _signal(p: psutil.Process, sig: int) -> None:
-    try:
+    with contextlib.suppress(psutil.Error):
         p.send_signal(sig)
-    except psutil.Error:
-        pass
 
 
 def command(folder: Path) -> str:
