@@ -119,8 +119,8 @@ set -euo pipefail
 RUN_DIR="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd -P)"
 # The folder as a YAML string for run.output_dir=: single-quoted, quotes doubled, so a folder
 # named like YAML (': ', ' #', a leading quote or brace, yes, 123) stays the same text.
-Q="'"
-RUN_DIR_YAML="'${{RUN_DIR//$Q/$Q$Q}}'"
+Q=\\'
+RUN_DIR_YAML="$Q${{RUN_DIR//$Q/$Q$Q}}$Q"
 KIT_ROOT=${{KIT_ROOT:-{root}}}  # ranks run here: -m kit.train, relative data paths
 PYTHON=${{PYTHON:-{python}}}  # on a cluster: PYTHON=python3
 NNODES="${{NNODES:-${{PET_NNODES:-{nnodes}}}}}"  # the kit's variables win; Kubeflow's PET_* fill in
@@ -162,8 +162,9 @@ export PYTORCH_CUDA_ALLOC_CONF={PYTORCH_CUDA_ALLOC_CONF}  # fewer fragmentation 
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${{TORCH_NCCL_ASYNC_ERROR_HANDLING:-{TORCH_NCCL_ASYNC_ERROR_HANDLING}}}"
 export TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC="${{TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC:-$((DIST_TIMEOUT_MIN * 60 + 60))}}"
 
+RUN_NAME={name_word}
 ON_CPU={on_cpu}                                # config.yaml has training.device={device}
-echo "=== run "{name_word}" on $(hostname), $(date '+%F %T'): $NNODES node(s) x $NPROC_PER_NODE processes"
+echo "=== run $RUN_NAME on $(hostname), $(date '+%F %T'): $NNODES node(s) x $NPROC_PER_NODE processes"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   nvidia-smi --query-gpu=index,name,memory.total,memory.used,driver_version --format=csv,noheader
   echo "NVLink links active on GPU 0: $(nvidia-smi nvlink --status -i 0 2>/dev/null | grep -c 'GB/s' || true)"
