@@ -131,7 +131,8 @@ def as_an_earlier_kit_wrote_it(folder: Path) -> None:
 def rewrite_manifest(folder: Path) -> None:
     """What whoever changed a checkpoint can do: make its manifest match again."""
     info = manifest.read(folder)
-    manifest.write(folder, CONFIG, info["step"], info["world_size"], {"format": info["format"]})
+    manifest.write(folder, info["config"], info["step"], info["world_size"],
+                   {"format": info["format"]})
 
 
 def plant(folder: Path, rel: str, marker: Path, trainer: Trainer) -> Path:
@@ -222,3 +223,69 @@ def test_a_crafted_pickle_in_any_file_a_resume_reads_runs_nothing(group_of_one, 
     said = refused_without_running(trainer, folder, path, marker)
     if rel.endswith((".pt", ".distcp", ".metadata")):  # a pickle, read by an allow-list
         assert ": refused: " in said and "exec" in said, said
+
+
+# --------------------------------------------------------------------------- the recipe, torchrun
+
+ARGS = ["model.dtype=float32", "quantization.method=none", "training.steps=8",  # exact on CPU
+        "training.eval_every=0", "checkpointing.save_every=4", "checkpointing.keep_last=0"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """The tiny recipe on 2 ranks (FSDP2, sharded checkpoints at steps 4 and 8), never stopped."""
+    out = tmp_path_factory.mktemp("trust") / "straight"
+    torchrun(out, *ARGS)
+    return out
+
+
+def step4_copy(straight: Path, to: Path) -> Path:
+    folder = to / "step-000004"
+    shutil.copytree(straight / "checkpoints" / "step-000004", folder)
+    return folder
+
+
+def train_losses(out: Path, after: int) -> list[tuple[int, float]]:
+    return [(m["step"], m["loss"]) for m in read_run(out)[1] if m["split"] == "train"
+            and m["step"] > after]
+
+
+@pytest.mark.slow
+def test_the_recipe_resumes_an_earlier_kits_checkpoint_exactly(straight, tmp_path):
+    """The recipe's own checkpoint holds no pickle and verifies; rewritten as the earlier kit wrote
+    it (trainer.pt, rng-rank{r}.pt), a run resumed from it repeats steps 5-8 bit for bit."""
+    own = straight / "checkpoints" / "step-000004"
+    files = manifest.read(own)["files"]
+    assert {"trainer.json", "rng-rank0.json", "rng-rank1.safetensors",
+            "dcp/.metadata"} <= set(files)
+    assert not [f for f in files if f.endswith(".pt")]
+    assert checkpoint.verify_checkpoint(own)["files"] == len(files)
+    folder = step4_copy(straight, tmp_path)
+    as_an_earlier_kit_wrote_it(folder)
+    assert {"trainer.pt", "rng-rank0.pt", "rng-rank1.pt"} <= set(manifest.read(folder)["files"])
+    out = tmp_path / "resumed"
+    run = torchrun(out, *ARGS, f"training.resume={folder}")
+    assert f"resumed from {folder} at step 4" in run.stdout
+    assert train_losses(out, 4) == train_losses(straight, 4) and len(train_losses(out, 4)) == 4
+    assert read_run(out)[0]["lora_checksums"] == read_run(straight)[0]["lora_checksums"]
+
+
+@pytest.mark.slow
+def test_the_recipe_refuses_crafted_dcp_metadata_and_runs_nothing(straight, tmp_path):
+    """DCP unpickles its .metadata: a crafted one, its manifest made to match, ends the run in one
+    line naming the file, before any step, and its code never runs."""
+    folder = step4_copy(straight, tmp_path)
+    marker = tmp_path / "ran"
+    (folder / "dcp" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    rewrite_manifest(folder)
+    out = tmp_path / "crafted"
+    run = torchrun(out, *ARGS, f"training.resume={folder}", check=False)
+    assert run.returncode != 0 and not marker.exists()
+    ranks = [line for line in run.stdout.splitlines() if line.startswith("[default")]
+    said = [line for line in ranks if line.endswith(
+        f"CheckpointError: {folder / 'dcp' / '.metadata'}: refused: builtins.exec is not part of "
+        "a checkpoint's metadata, which could run code; it was not loaded: resume from another "
+        "checkpoint (training.resume=PATH) or start the run afresh")]
+    assert len(said) == 2, run.stdout[-3000:]  # one line from each rank
+    assert "Traceback" not in "\n".join(ranks), run.stdout[-3000:]  # (torchrun's own follows)
+    assert not (out / "metrics.jsonl").is_file() or not train_losses(out, 0)
