@@ -145,8 +145,8 @@ def test_grouped_mm_equals_the_fallback_on_the_gpu(family, monkeypatch):
     for fast in (True, False):
         monkeypatch.setattr(grouped_experts, "grouped_kernel", lambda *_, fast=fast: fast)
         out = run(experts.forward, ex, x, index, weights, lora, seed=3)
-        cot = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1),
-                          dtype=out.dtype)  # fmt: skip
+        seeded = torch.Generator("cuda").manual_seed(1)  # the same cotangent for both
+        cot = torch.randn(out.shape, device="cuda", generator=seeded, dtype=out.dtype)
         results.append((out, *torch.autograd.grad(out, (x, weights, *factors), cot)))
     for mine, ref in zip(*results, strict=True):  # output, input, routing weights, As and Bs
         top = ref.float().abs().max()

@@ -220,11 +220,11 @@ def _project(self, name, e, x, absmax, lora, masks, rows):
     bias = getattr(self, f"{name}_bias", None) if getattr(self, "has_bias", False) else None
     if bias is not None:
         y = y + bias[e]
-    for (down, up, scale, p), keep in zip(lora.get(name, ()), masks[name], strict=True):
+    for (down, up, scale, p), drop in zip(lora.get(name, ()), masks[name], strict=True):
         rank = down.shape[0] // self.num_experts
         a = down.reshape(self.num_experts, rank, -1)[e]  # PEFT's layout (get_delta_factors)
         b = up.reshape(up.shape[0], rank, self.num_experts)[:, :, e]
-        dropped = grouped_experts.dropped(x.to(a.dtype), None if keep is None else keep[rows], p)
+        dropped = grouped_experts.dropped(x.to(a.dtype), None if drop is None else drop[rows], p)
         y = y + (dropped @ a.t() @ b.t() * scale).to(y.dtype)
     return y
 
