@@ -151,12 +151,10 @@ def _wanted(error: pickle.UnpicklingError) -> str:
 def read_either(folder: Path, name: str, required: bool = True):
     """NAME.json (this kit) or else NAME.pt (an earlier kit); None when neither exists and not
     `required`."""
-    folder = Path(folder)
-    if (folder / f"{name}.json").is_file() or not (folder / f"{name}.pt").is_file():
-        if not required and not (folder / f"{name}.json").is_file():
-            return None
-        return read(folder, name)
-    return read_legacy(folder / f"{name}.pt")
+    new, old = Path(folder) / f"{name}.json", Path(folder) / f"{name}.pt"
+    if new.is_file() or (required and not old.is_file()):
+        return read(folder, name)  # a required file missing: read names it
+    return read_legacy(old) if old.is_file() else None
 
 
 # --------------------------------------------------------------------------- RNG states
