@@ -88,23 +88,31 @@ def permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(w.shape))
 
 
-def _encode(data: np.ndarray, kind: str):
-    """(array, raw dtype or None) as llama.cpp stores a tensor of a `kind` file: 1-D tensors
-    (norms, biases) in F32; matrices in F16, BF16 or Q8_0 (F16 where a row is not whole blocks)."""
+def _stored(shape: tuple, kind: str):
+    """The type llama.cpp stores a tensor of a `kind` file in: 1-D tensors (norms, biases) F32;
+    matrices F16, BF16 or Q8_0 (F16 where a row is not whole Q8_0 blocks, as the converter does)."""
     import gguf
 
-    data = data.astype(np.float32)
-    if data.ndim <= 1:
-        return data, None
+    q = gguf.GGMLQuantizationType
+    if len(shape) <= 1:
+        return q.F32
     if kind == "bf16":
-        return gguf.quants.quantize(data, gguf.GGMLQuantizationType.BF16), gguf.GGMLQuantizationType.BF16
-    if kind == "q8_0" and gguf.quants.Q8_0.can_quantize(data):
-        return gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
-    return data.astype(np.float16), None
+        return q.BF16
+    return q.Q8_0 if kind == "q8_0" and shape[-1] % gguf.GGML_QUANT_SIZES[q.Q8_0][0] == 0 else q.F16
 
 
-def _tensors(folder: Path, config):
-    """(GGUF name, float32 numpy array) for every tensor of the merged folder, in file order."""
+def _encode(data: np.ndarray, qtype) -> np.ndarray:
+    import gguf
+
+    q = gguf.GGMLQuantizationType
+    data = data.astype(np.float32)
+    if qtype in (q.F32, q.F16):
+        return data.astype(np.float16 if qtype == q.F16 else np.float32)
+    return gguf.quants.quantize(data, qtype)  # BF16, Q8_0: bytes
+
+
+def _entries(folder: Path, config) -> list[tuple[Path, str, str, tuple]]:
+    """(file, transformers name, GGUF name, shape) of every tensor the merged folder holds."""
     import gguf
     from safetensors import safe_open
 
@@ -115,6 +123,7 @@ def _tensors(folder: Path, config):
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder}: holds no *.safetensors (not a merged model folder)")
+    out = []
     for file in files:
         with safe_open(str(file), "pt") as f:
             for key in f.keys():
@@ -123,11 +132,39 @@ def _tensors(folder: Path, config):
                 name = names.get_name(key, try_suffixes=(".weight", ".bias"))
                 if name is None:
                     raise CheckpointError(f"{file}: tensor {key} has no GGUF name for {arch}")
-                data = f.get_tensor(key).float().numpy()
-                if arch in PERMUTED and name.endswith(("attn_q.weight", "attn_k.weight")):
-                    kv = config.num_key_value_heads if "attn_k" in name else None
-                    data = permute(data, config.num_attention_heads, kv)
-                yield name, data
+                out.append((file, key, name, tuple(f.get_slice(key).get_shape())))
+    return out
+
+
+def _read(f, key: str, name: str, config) -> np.ndarray:
+    """One tensor in float32, q/k permuted where the architecture stores them interleaved."""
+    data = f.get_tensor(key).float().numpy()
+    if ARCH[config.model_type] in PERMUTED and name.endswith(("attn_q.weight", "attn_k.weight")):
+        kv = config.num_key_value_heads if "attn_k" in name else None
+        data = permute(data, config.num_attention_heads, kv)
+    return data
+
+
+def _write_tensors(writer, folder: Path, config, kind: str) -> None:
+    """Tensor infos first, then the data one tensor at a time (a merged 8B model is 16 GB in f16:
+    GGUFWriter.add_tensor would hold every array until the file is written)."""
+    import gguf
+    from safetensors import safe_open
+
+    entries = _entries(folder, config)
+    for _, _, name, shape in entries:
+        qtype = _stored(shape, kind)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        writer.add_tensor_info(name, shape, np.float32, int(np.prod(shape)) // block * size,
+                               raw_dtype=qtype)  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    handles = {}
+    for file, key, name, shape in entries:
+        if file not in handles:
+            handles[file] = safe_open(str(file), "pt")
+        writer.write_tensor_data(_encode(_read(handles[file], key, name, config), _stored(shape, kind)))
 
 
 def _pre_tokenizer(spec: dict, where: Path) -> str:
@@ -212,12 +249,7 @@ def export(folder, out_file, kind: str = "f16") -> Path:
         _metadata(writer, config, folder.name, file_type)
         _vocab(writer, folder, config)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        for name, data in _tensors(folder, config):
-            array, raw = _encode(data, kind)
-            writer.add_tensor(name, array, raw_dtype=raw)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        _write_tensors(writer, folder, config, kind)
         writer.close()
         if out_file.exists():  # appeared while writing
             raise CheckpointError(f"gguf: '{out_file}' exists; choose a new name")
