@@ -165,7 +165,8 @@ def forward(self, hidden_states, top_k_index=None, top_k_weights=None, router_in
     stored = getattr(self, "_kit_nf4", {}).get(first)
     dtype = stored["state"].dtype if stored is not None else getattr(self, first).dtype
     # 16-byte aligned rows for the grouped kernel: every width a multiple of 8 bf16 values
-    widths = [hidden_states.shape[-1], *(s["out"] for s in getattr(self, "_kit_nf4", {}).values()),
+    widths = [hidden_states.shape[-1],
+              *(d for s in getattr(self, "_kit_nf4", {}).values() for d in s["shape"][1:]),
               *(d for p in self._parameters.values() if p is not None and p.dim() == 3
                 for d in p.shape[1:])]  # fmt: skip
     fast = grouped_kernel(hidden_states.device, dtype) and all(w % 8 == 0 for w in widths)
