@@ -230,9 +230,11 @@ SBATCH = """\
 # Slurm's SIGTERM when it preempts) makes the ranks save a checkpoint and run.sh exit 75
 # (kit.recipe.preempt); the job then requeues itself, and the requeued job (SLURM_RESTART_COUNT > 0)
 # resumes from that checkpoint with no option added. After a rank crashes, run.sh starts torchrun
-# again (KIT_MAX_RESTARTS times), whose ranks resume the same way.
+# again (KIT_MAX_RESTARTS times), whose ranks resume the same way. The SIGUSR1 goes to this
+# script only (B:), which passes it on as SIGTERM (below); a requeued job appends to its output.
 #SBATCH --requeue
-#SBATCH --signal=USR1@120
+#SBATCH --signal=B:USR1@120
+#SBATCH --open-mode=append
 set -euo pipefail
 RUN_DIR={folder_q}   # sbatch runs a copy of this script: the folder is named here
 # Node 0 is the allocation's first host: it hosts the c10d rendezvous (run.sh, NODE_RANK=0).
@@ -248,9 +250,19 @@ rc=0
 # One task per node, with all the node's CPUs (a task gets one otherwise): its torchrun starts
 # the node's {nproc} ranks. NODE_RANK is the node's SLURM_NODEID, expanded on that node (hence
 # the single quotes). A node that fails stops the others.
+# SIGUSR1 becomes the SIGTERM Slurm sends a preempted job's steps, to every process of every
+# node's step at once (torchrun passes it on, the ranks save). Slurm signals every process of a
+# step: a SIGUSR1 sent there would end torchrun, which has no handler for it, before the ranks
+# had saved. srun runs in the background so that the trap runs while it does.
+trap 'scancel --signal=TERM "$SLURM_JOB_ID" || true' USR1
 # shellcheck disable=SC2016
 srun --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=1 \\
-  bash -c 'NODE_RANK="$SLURM_NODEID" exec bash "$0" "$@"' "$RUN_DIR/{RUN_SH}" "$@" || rc=$?
+  bash -c 'NODE_RANK="$SLURM_NODEID" exec bash "$0" "$@"' "$RUN_DIR/{RUN_SH}" "$@" &
+SRUN=$!
+while :; do  # wait returns early (128 + n) when the trap runs: wait again until srun ends
+  rc=0; wait "$SRUN" || rc=$?
+  if ! kill -0 "$SRUN" 2>/dev/null; then rc=0; wait "$SRUN" || rc=$?; break; fi
+done
 if [ "$rc" = 75 ]; then  # preempted, its checkpoint saved: run again from the queue
   scontrol requeue "$SLURM_JOB_ID" || true
 fi
