@@ -74,6 +74,13 @@ def test_stream_reads_each_layout_bit_for_bit_as_a_full_load(tmp_path, monkeypat
     full, _ = loading.load(cfg["full"], torch.device("cpu"))
     assert loading.loaded_as(full) == "full"
     assert loading_rank.state_digest(model) == loading_rank.state_digest(full)
+    for (_, want), (_, got) in zip(experts.find(full), experts.find(model), strict=True):
+        # what experts.quantize_weight records, recorded alike (the forward reads it)
+        assert {k: v.keys() for k, v in got._kit_nf4.items()} == {
+            k: v.keys() for k, v in want._kit_nf4.items()}
+        assert [v["shape"] for v in got._kit_nf4.values()] == [
+            v["shape"] for v in want._kit_nf4.values()]
+        assert got.forward.__func__ is want.forward.__func__
     ids = (torch.arange(32).reshape(2, 16) * 7) % 100 + 3
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, full(input_ids=ids).logits)
