@@ -114,8 +114,10 @@ def read_back(path, merged, kind: str) -> dict:
     assert meta["general.architecture"] == arch
     assert meta[f"{arch}.block_count"] == config.num_hidden_layers
     assert meta[f"{arch}.attention.head_count_kv"] == config.num_key_value_heads
-    assert meta["tokenizer.ggml.model"] == "gpt2" and len(meta["tokenizer.ggml.tokens"]) == config.vocab_size
-    assert meta["tokenizer.ggml.merges"][0].count(" ") == 1 and len(meta["tokenizer.ggml.merges"]) > 100
+    assert meta["tokenizer.ggml.model"] == "gpt2"
+    assert len(meta["tokenizer.ggml.tokens"]) == config.vocab_size
+    merges = meta["tokenizer.ggml.merges"]
+    assert merges[0].count(" ") == 1 and len(merges) > 100
     for key in ("bos", "eos", "padding"):
         assert meta[f"tokenizer.ggml.{key}_token_id"] == getattr(tokenizer, f"{key[:3]}_token_id")
     assert meta["tokenizer.chat_template"] == tokenizer.chat_template
@@ -128,7 +130,8 @@ def load_gguf(path, meta: dict):
     llama.cpp reads), so it is passed on from there."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    extra = {"head_dim": meta["qwen3.attention.key_length"]} if "qwen3.attention.key_length" in meta else {}
+    key = "qwen3.attention.key_length"
+    extra = {"head_dim": meta[key]} if key in meta else {}
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                  dtype=torch.float32, **extra).eval()
     return model, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -160,7 +163,8 @@ def test_each_family_exports_a_gguf_that_loads_with_the_merged_logits(family, tm
         assert diff <= TOLERANCE[kind], (family, kind, diff)
 
 
-def test_other_families_and_types_are_refused_in_one_line_before_anything_is_written(tmp_path, capsys):
+def test_other_families_and_types_are_refused_in_one_line_before_anything_is_written(
+        tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
     tree = yaml.safe_load((ROOT / "kit" / "configs" / "tiny-cpu.yaml").read_text())

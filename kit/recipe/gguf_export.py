@@ -164,14 +164,15 @@ def _write_tensors(writer, folder: Path, config, kind: str) -> None:
     for file, key, name, shape in entries:
         if file not in handles:
             handles[file] = safe_open(str(file), "pt")
-        writer.write_tensor_data(_encode(_read(handles[file], key, name, config), _stored(shape, kind)))
+        data = _read(handles[file], key, name, config)
+        writer.write_tensor_data(_encode(data, _stored(shape, kind)))
 
 
 def _pre_tokenizer(spec: dict, where: Path) -> str:
     """llama.cpp's name (`tokenizer.ggml.pre`) for how this tokenizer.json splits text before BPE.
     llama.cpp recognises a tokenizer by hashing its output on a fixed text; here the split itself
     is read: GPT-2's (ByteLevel's own regex), SmolLM's (digits one by one, then GPT-2's), or a
-    Split regex that transformers' GGUF reader lists under a llama.cpp name (qwen2, llama-bpe...)."""
+    Split regex that transformers' GGUF reader lists under a llama.cpp name (qwen2, llama-bpe)."""
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
 
     steps = spec.get("pretokenizers", [spec])
@@ -220,8 +221,9 @@ def _vocab(writer, folder: Path, config) -> None:
     special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(tokens))
     # What the tokenizer does, not a default: llama.cpp adds BOS to a gpt2 vocabulary unless told.
     ids = tokenizer("a")["input_ids"]
-    special.add_special_token["bos"] = tokenizer.bos_token_id is not None and ids[0] == tokenizer.bos_token_id
-    special.add_special_token["eos"] = tokenizer.eos_token_id is not None and ids[-1] == tokenizer.eos_token_id
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    special.add_special_token["bos"] = bos is not None and ids[0] == bos
+    special.add_special_token["eos"] = eos is not None and ids[-1] == eos
     special.add_to_gguf(writer, quiet=True)
     writer.add_add_space_prefix(False)
 
@@ -234,7 +236,8 @@ def export(folder, out_file, kind: str = "f16") -> Path:
 
     folder, out_file = Path(folder), Path(out_file)
     if kind not in TYPES:
-        raise CheckpointError(f"--type: {kind!r} is not a GGUF type the kit writes; allowed: {', '.join(TYPES)}")
+        raise CheckpointError(f"--type: {kind!r} is not a GGUF type the kit writes; "
+                              f"allowed: {', '.join(TYPES)}")
     if out_file.exists():
         raise CheckpointError(f"gguf: '{out_file}' exists; choose a new name")
     config = AutoConfig.from_pretrained(folder)
@@ -278,7 +281,8 @@ def check_run(run: Path, target: Path, kind: str) -> None:
     from kit.inputs import builtin
 
     if kind not in TYPES:
-        raise CheckpointError(f"--type: {kind!r} is not a GGUF type the kit writes; allowed: {', '.join(TYPES)}")
+        raise CheckpointError(f"--type: {kind!r} is not a GGUF type the kit writes; "
+                              f"allowed: {', '.join(TYPES)}")
     if target.exists():
         raise CheckpointError(f"gguf: '{target}' exists; choose a new folder to merge into")
     name = load_config(RunFolder(run).config).model.name

@@ -1,7 +1,8 @@
 """Reading back what was trained, outside training: verify a saved adapter or checkpoint, load the
 base exactly as trained plus the adapter in one process (no FSDP), export a merged standalone
 model, generate greedily; and the command line `kit checkpoints {list,verify,merge}` (also `kit
-merge RUN OUT`), where every failure is one line on stderr and exit code 2.
+merge RUN OUT`, with `--gguf` a GGUF file next to OUT: kit.recipe.gguf_export), where every
+failure is one line on stderr and exit code 2.
 `kit.recipe.checkpoint` re-exports all of it (notebook 08 calls `checkpoint.merge_adapter`).
 
 The kit never deletes a user's files: a merge into a folder that exists is refused, and the export
@@ -191,7 +192,7 @@ def _verify(path: Path) -> list[str]:
 
 def _merge(run: Path, out: Path, adapter: str | None, gguf: str | None = None) -> list[Path]:
     """The merged folder, and with `gguf` (a type: f16, bf16, q8_0) a GGUF file next to it
-    (kit.recipe.gguf_export); everything that can be refused is refused before anything is written."""
+    (kit.recipe.gguf_export); all that can be refused is refused before anything is written."""
     if out.exists():
         raise CheckpointError(f"out: '{out}' exists; choose a new folder")
     if not RunFolder(run).config.is_file():
@@ -210,7 +211,8 @@ def _merge(run: Path, out: Path, adapter: str | None, gguf: str | None = None) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    """kit checkpoints {list,verify,merge} ... (kit merge RUN OUT: merge). A failure: one line on stderr, exit 2."""
+    """kit checkpoints {list,verify,merge} ... (kit merge RUN OUT [--gguf [--type T]]: merge).
+    A failure: one line on stderr, exit 2."""
     import argparse
     import sys
 
@@ -241,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(_verify(Path(args.path))))
         else:
             if args.type and not args.gguf:
-                raise CheckpointError(f"--type: {args.type} given without --gguf (it is the GGUF's type)")
+                raise CheckpointError(f"--type: {args.type} given without --gguf "
+                                      "(it is the GGUF's type)")
             kind = (args.type or "f16") if args.gguf else None
             print("\n".join(map(str, _merge(Path(args.run), Path(args.out), args.adapter, kind))))
     except CheckpointError as e:
