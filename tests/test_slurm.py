@@ -29,9 +29,10 @@ TIMEOUT_S = 600  # a job's whole life; a 2-core machine shared with other work i
 
 @pytest.fixture(scope="session")
 def cluster():
-    """The local cluster: started here (and stopped after) unless one is up already."""
+    """The local cluster (kit.run.slurm): started here and stopped after, or the one that
+    `python -m kit.run.slurm start` left running (kept); never another cluster."""
     why = slurm.cannot_start()
-    if why and slurm.missing():
+    if why and not slurm.running():
         pytest.skip(f"no Slurm cluster here: {why}")
     started = slurm.start() if not why else False
     yield
@@ -56,6 +57,11 @@ def submitted(folder: Path, *args: str) -> str:
 def output(folder: Path, job: str) -> str:
     path = folder / "logs" / f"slurm-{job}.out"
     return path.read_text() if path.exists() else f"({path} not written)"
+
+
+def node() -> str:
+    return subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True,
+                          text=True).stdout.strip()
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -116,7 +122,8 @@ def test_a_job_signalled_ahead_of_its_time_limit_is_requeued_and_resumes(
             output(folder, job)[-3000:]
         time.sleep(0.2)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
-    while (info := slurm.job(job)).get("Restarts") != "1" or info["JobState"] != "PENDING":
+    while ((info := slurm.job(job)).get("Restarts") != "1" or info["JobState"] != "PENDING"
+           or node() != "idle"):  # the first start's processes all gone, the node cleaned up
         assert info["JobState"] in ("RUNNING", "COMPLETING", "PENDING", "REQUEUED") and \
             time.monotonic() - began < TIMEOUT_S, (info, output(folder, job)[-3000:])
         time.sleep(0.2)
@@ -135,7 +142,7 @@ def test_a_job_signalled_ahead_of_its_time_limit_is_requeued_and_resumes(
     print(f"job {job}: preempted at step {step}, {info['JobState']} after {info['Restarts']} "
           f"restart(s), {time.monotonic() - began:.0f} s in all")
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), \
-        log[-3000:]
+        log[-3000:] + slurm.log_tail()
     assert f"preempted (SIGTERM): checkpoint {saved} at step {step}" in log  # the first start's
     assert "a restart of this run (SLURM_RESTART_COUNT=1): training.resume=auto" in log
     assert f"resumed from {saved} at step {step}" in log

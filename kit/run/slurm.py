@@ -60,6 +60,7 @@ SelectTypeParameters=CR_Core
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MpiDefault=none
+MailProg=/bin/true
 # A node that was down comes back by itself; a requeued job (the kit's exit 75) may run again.
 ReturnToService=2
 JobRequeue=1
@@ -151,9 +152,18 @@ def cpus() -> int:
 
 def _pid(path: Path) -> int | None:
     try:
-        pid = int(path.read_text().split()[0])
+        return _alive(int(path.read_text().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(pid: int) -> int | None:
+    try:
         os.kill(pid, 0)
-        return pid
+        # A daemon that ended stays a zombie where nothing reaps it (a container's first
+        # process may not): it is gone all the same.
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return None if state == "Z" else pid
     except (OSError, ValueError, IndexError):
         return None
 
@@ -201,6 +211,7 @@ def _munge() -> None:
     MUNGE_RUN.mkdir(mode=0o755, exist_ok=True)
     os.chown(MUNGE_RUN, munge.pw_uid, munge.pw_gid)
     _run("runuser", "-u", "munge", "--", _sbin("munged"))  # it daemonizes once its socket is up
+    (STATE / "munged.ours").touch()  # stop() ends it; one that was running is left alone
 
 
 def start(timeout: float = 60) -> bool:
@@ -233,21 +244,34 @@ def start(timeout: float = 60) -> bool:
     raise SlurmError(f"the node did not become idle in {timeout:.0f} s (sinfo); {log.strip()}")
 
 
+def log_tail(lines: int = 15) -> str:
+    """The local cluster's daemons' last log lines (what a failed job's output cannot say)."""
+    out = []
+    for daemon in ("slurmctld", "slurmd"):
+        path = STATE / f"{daemon}.log"
+        if path.exists():
+            out += [f"{path}:", *path.read_text(errors="replace").splitlines()[-lines:]]
+    return "\n".join(out)
+
+
 def stop() -> None:
     """Cancel every job of the local cluster, end its daemons, remove its configuration link
-    and its state. munged is left running (other services may use it)."""
+    and its state; munged too where start() started it."""
     if running():
         _run("scancel", f"--partition={PARTITION}", check=False)
     for daemon in ("slurmd", "slurmctld"):
         pid = _pid(STATE / f"{daemon}.pid")
         if pid:
             os.kill(pid, signal.SIGTERM)
-            for _ in range(100):
-                if _pid(STATE / f"{daemon}.pid") != pid:
+            for _ in range(100):  # the process itself: a daemon removes its pid file first
+                if not _alive(pid):
                     break
                 time.sleep(0.1)
             else:
                 os.kill(pid, signal.SIGKILL)
+    munged = _pid(MUNGE_RUN / "munged.pid")
+    if munged and (STATE / "munged.ours").exists():
+        os.kill(munged, signal.SIGTERM)
     if _ours(SYSTEM_CONF):
         SYSTEM_CONF.unlink()
     shutil.rmtree(STATE, ignore_errors=True)
