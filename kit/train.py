@@ -23,6 +23,7 @@ from kit.config import Config, load_config
 from kit.folder import runfolder
 from kit.folder.layout import RunFolder
 from kit.inputs import builtin
+from kit.inputs import checks as inputs
 from kit.recipe import (
     checkpoint,
     checks,
@@ -40,7 +41,6 @@ from kit.recipe import (
     recompute,
 )
 from kit.recipe import dist as kdist
-from kit.run import check as check_step
 
 
 class Recipe:
@@ -129,10 +129,10 @@ class Recipe:
         cfg, env = self.cfg, self.env
         self.engine.check(cfg, env.world_size)
         folder = runfolder.checked()  # a start checked before the ranks (kit.run.launch)
-        if folder is None:  # bare torchrun: the check step's own refusals, before any planning
+        if folder is None:  # bare torchrun: the check step itself, as run.sh runs it
             per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or env.world_size)
-            folder = check_step.check(cfg, per_node, max(1, env.world_size // per_node),
-                                      ranks=True)
+            inputs.step(cfg, per_node, max(1, env.world_size // per_node))
+            folder = runfolder.plan(cfg, env.world_size, ranks=True)
         if folder.start is None:
             return folder, None
         builtin.resolve(cfg.model.name)  # a kit model is built once, here, for its tokenizer

@@ -50,6 +50,8 @@ KERNEL_SIDE = [
     "kit.doctor.*",
     "kit.pitfalls",  # the package __init__ only: the registry of records
     "kit.inputs", "kit.inputs.sources", "kit.inputs.datafile",  # known before any process starts
+    "kit.inputs.model_folder", "kit.inputs.checks",  # a model folder's files; transformers'
+    # view only inside a function (the check step's child process, or a rank's own)
     "kit.inputs.families",  # what each family allows; transformers only inside a function
     "kit.inputs.moe_shapes",  # MoE shapes of the kit models (a dict; the budget reads it)
     "kit.bench", "kit.bench.__main__", "kit.bench.runner", "kit.bench.matrix", "kit.bench.report",

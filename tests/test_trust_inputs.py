@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -208,24 +207,34 @@ def kit_lines(stderr: str) -> list[str]:
 
 
 def test_every_refusal_of_the_check_is_one_line_from_bare_python_m_kit_train(tmp_path):
-    """No front door: rank 0 checks before it plans (kit.run.check.check, ranks=True) and says
-    the check's own line; nothing is written to the run folder."""
-    def one(name):
-        make, says = REFUSALS[name]
+    """No front door: rank 0 checks before it plans (kit.inputs.checks, as the check step) and says
+    the check's own line; nothing is written to the run folder. Every refusal, each its own
+    `python -m kit.train` (forked from one interpreter that imported the libraries once:
+    tests/bare_train.py)."""
+    cases, expect = [], []
+    for name, (make, says) in REFUSALS.items():
         tmp = tmp_path / name
         tmp.mkdir()
-        return name, says, tmp, bare(tmp, make(tmp))
-
-    with ThreadPoolExecutor(3) as pool:
-        done = list(pool.map(one, REFUSALS))
+        cases.append({"argv": [str(TINY), f"run.output_dir={tmp / 'run'}", *SHORT,
+                               *make(tmp)], "out": str(tmp / "out"), "err": str(tmp / "err")})
+        expect.append((name, says, tmp))
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "bare_train.py"),
+                           str(tmp_path / "cases.json")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
     wrong = []
-    for name, says, tmp, proc in done:
-        lines = kit_lines(proc.stderr)
-        if not (proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr
+    for (name, says, tmp), code in zip(expect, json.loads(proc.stdout.splitlines()[-1]),
+                                       strict=True):
+        stderr = (tmp / "err").read_text()
+        lines = kit_lines(stderr)
+        if not (code == 2 and len(lines) == 1 and "Traceback" not in stderr
                 and lines[0].startswith("[rank 0] ConfigError: ") and says in lines[0]
                 and not (tmp / "run").exists()):
-            wrong.append(f"{name}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
-    assert not wrong, "\n\n".join(wrong)
+            wrong.append(f"{name}: exit {code}\n{stderr[-3000:]}")
+    assert len(expect) == len(REFUSALS) > 20 and not wrong, "\n\n".join(wrong)
 
 
 def test_bare_torchrun_gives_the_checks_line_for_a_mistake_it_used_to_trace_back(tmp_path):
@@ -250,8 +259,8 @@ def test_bare_torchrun_gives_the_checks_line_for_a_mistake_it_used_to_trace_back
 # --------------------------------------------------------------------------- kit chat
 
 def test_a_damaged_adapter_is_named_by_its_file_in_kit_chat(tmp_path, capsys):
-    from safetensors.numpy import save_file
     import numpy as np
+    from safetensors.numpy import save_file
 
     from kit.recipe import chat
 

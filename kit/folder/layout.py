@@ -32,6 +32,7 @@ class RunFolder:
     PID = "pid"
     EXIT_CODE = "exit_code"
     STOP_REQUESTED = "stop_requested"
+    CLAIM = ".claim"  # the start writing the folder now (runfolder.claim), until run.sh runs
     LOG = "run.log"  # every rank's output (lines prefixed [defaultN]:), torchrun's, run.sh's
     LOGS = "logs"  # torchrun's per-rank logs; node N's pid, exit_code and run.log in node-N/
     # Out: what rank 0 writes.
@@ -55,7 +56,7 @@ class RunFolder:
     def names(cls) -> set[str]:
         """Every name the folder may hold directly (LAUNCHERS included)."""
         return {cls.CONFIG, cls.RUN_SH, *cls.LAUNCHERS, cls.PID, cls.EXIT_CODE, cls.STOP_REQUESTED,
-                cls.LOG, cls.LOGS, cls.METRICS, cls.RESULT, cls.ADAPTER, cls.PROBE,
+                cls.CLAIM, cls.LOG, cls.LOGS, cls.METRICS, cls.RESULT, cls.ADAPTER, cls.PROBE,
                 cls.CHECKPOINTS, cls.EARLIER, cls.TRAINER}
 
     @staticmethod

@@ -105,7 +105,7 @@ def _config_changed(folder: Path, cfg: Config) -> bool:
 # What kit.run.jobs writes beside run.sh: the other ways to start this run, not a record of one.
 LAUNCHERS = set(RunFolder.LAUNCHERS)
 # The claim of the start writing the folder now (claim below): hidden, never moved.
-CLAIM = ".claim"
+CLAIM = RunFolder.CLAIM
 # Files every start writes anew (kit.run.launch.prepare, run.sh), and the launchers: never moved.
 PLUMBING = {RunFolder.RUN_SH, RunFolder.PID, RunFolder.EXIT_CODE,
             RunFolder.STOP_REQUESTED, CLAIM} | LAUNCHERS

@@ -4,9 +4,6 @@
     check_config(path, name)      # config.json parses, as a JSON object (no transformers)
     check_weights(name)           # the weights exist; every safetensors header parses and its
                                   # data offsets end where the file does (no torch)
-    read(name, trust_remote_code) # transformers' view: AutoConfig loads, the tokenizer loads,
-                                  # and sources.model_facts (imports torch: a rank, or the
-                                  # check step's child process, kit.run.check.model_read)
     check_adapter(folder)         # adapter_config.json and adapter_model.safetensors, by file
 
 Why read the safetensors header here: safetensors refuses a truncated file only when the whole
@@ -125,11 +122,9 @@ def check_weights(name: str) -> None:
     """The weights of a local model folder exist, and every safetensors file among them has a
     header that parses and the size it describes; an index's every shard exists and holds the
     tensors the index puts there. A kit model or a hub id: nothing to check here."""
-    from kit.inputs import sources
-
-    if sources.kind(name) != "local":
-        return
     path, where = Path(name).expanduser(), f"{FIELD}: {name!r}"
+    if not path.is_dir():  # a kit model or a hub id (kit.inputs.sources.kind): not a folder here
+        return
     if (path / SAFETENSORS).is_file():
         check_safetensors(path / SAFETENSORS, where)
     elif (path / INDEX).is_file():
@@ -164,25 +159,7 @@ def _check_index(path: Path, index: str, where: str, safetensors: bool) -> None:
                                   "shards are of different saves")
 
 
-def read(name: str, trust_remote_code: bool = False) -> dict:
-    """transformers' view of model.name: {"facts": sources.model_facts (None: unreadable),
-    "config": a refusal of config.json or None, "tokenizer": a refusal of the tokenizer or None}.
-    The refusals are for a local folder only (a kit model is built by the kit; a hub id's cache
-    is the hub's). Imports transformers and torch."""
-    from kit.inputs import sources
-
-    found = {"facts": None, "config": None, "tokenizer": None}
-    if sources.kind(name) == "local":
-        path = str(Path(name).expanduser())
-        found["config"] = _config_refusal(name, path, trust_remote_code)
-        if found["config"] is None:
-            found["tokenizer"] = _tokenizer_refusal(name, path, trust_remote_code)
-    if found["config"] is None:
-        found["facts"] = sources.model_facts(name, trust_remote_code)
-    return found
-
-
-def _config_refusal(name: str, path: str, trust_remote_code: bool) -> str | None:
+def config_refusal(name: str, path: str, trust_remote_code: bool) -> str | None:
     import transformers
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -206,7 +183,7 @@ def _config_refusal(name: str, path: str, trust_remote_code: bool) -> str | None
     return None
 
 
-def _tokenizer_refusal(name: str, path: str, trust_remote_code: bool) -> str | None:
+def tokenizer_refusal(name: str, path: str, trust_remote_code: bool) -> str | None:
     from transformers import AutoTokenizer
     from transformers.utils import logging
 

@@ -29,7 +29,7 @@ import sys
 from kit import pitfalls
 from kit.config import Config, ConfigError, load_config
 from kit.folder import runfolder
-from kit.inputs import datafile, model_folder, sources
+from kit.inputs import checks, sources
 
 NOTHING_TO_DO = 3
 
@@ -43,19 +43,9 @@ class Refused(ConfigError):
 
 
 def inputs(cfg: Config, in_process: bool = False) -> None:
-    """What the config points at: the model (kit.inputs.sources, kit.inputs.model_folder: its
-    config.json, what transformers makes of it, its weights' headers and sizes, its tokenizer)
-    and the data, row by row (kit.inputs.datafile). in_process: transformers read here (a rank,
-    which has imported torch), not in a child process."""
-    sources.check_model(cfg.model.name)
-    found = model_read(cfg, in_process)
-    if found["config"]:
-        raise ConfigError(found["config"])
-    sources.check_with_model(cfg, found["facts"])  # what the model allows, against the config
-    model_folder.check_weights(cfg.model.name)
-    if found["tokenizer"]:
-        raise ConfigError(found["tokenizer"])
-    datafile.check_file(cfg.data, stdlib=True)
+    """What the config points at, the model and the data (kit.inputs.checks). in_process:
+    transformers read here (a process that has imported torch), not in a child process."""
+    checks.check(cfg, lambda: model_read(cfg, in_process))
 
 
 FACTS_VERSION = 2  # part of the cache key: a change to what model_read reads reads again
@@ -63,7 +53,7 @@ NOTHING_READ = {"facts": None, "config": None, "tokenizer": None}
 
 
 def model_read(cfg: Config, in_process: bool = False) -> dict:
-    """kit.inputs.model_folder.read for cfg's model, read in a child process (transformers
+    """kit.inputs.checks.read for cfg's model, read in a child process (transformers
     imports torch; this process must not), kept under $KIT_HOME/facts by the model's config, its
     folder's files (names, sizes, times) and the transformers version: a few seconds once,
     nothing after. NOTHING_READ when no config is at hand or the child fails (the ranks then say
@@ -77,7 +67,7 @@ def model_read(cfg: Config, in_process: bool = False) -> dict:
 
     name, trust = cfg.model.name, cfg.model.trust_remote_code
     if in_process:
-        return model_folder.read(name, trust)
+        return checks.read(name, trust)
     config = sources.model_config(name)
     if config is None:
         return NOTHING_READ
@@ -90,7 +80,7 @@ def model_read(cfg: Config, in_process: bool = False) -> dict:
     except (OSError, ValueError):
         pass
     try:
-        found = child.call("kit.inputs.model_folder:read", timeout=300, name=name,
+        found = child.call("kit.inputs.checks:read", timeout=300, name=name,
                            trust_remote_code=trust)
     except (child.ChildFailed, TimeoutError):
         return NOTHING_READ
@@ -115,12 +105,12 @@ def _stamp(name: str) -> list:
 
 
 def check(cfg: Config, nproc_per_node: int = 2, nnodes: int = 1,
-          env_vars: dict | None = None, ranks: bool = False) -> runfolder.Plan:
+          env_vars: dict | None = None) -> runfolder.Plan:
     """Raise ConfigError/Refused for a start that cannot run; else return its run-folder plan
-    (plan.start None: finished, nothing to do). Touches no file. ranks: called by rank 0 of a
-    start nobody checked before (bare torchrun, python -m kit.train), before it plans: the same
-    refusals, transformers read in that process, the run folder planned as ranks plan it."""
-    inputs(cfg, in_process=ranks)
+    (plan.start None: finished, nothing to do). Touches no file. Rank 0 of a start nobody
+    checked (bare torchrun, python -m kit.train) makes the same checks of the config and its
+    inputs (kit.inputs.checks) before it plans; the machine's it learns as it starts."""
+    inputs(cfg)
     from kit import doctor  # the pre-flight: pitfalls with this machine, GPUs, memory
 
     machine = doctor.detect_env(vars=env_vars, nproc_per_node=nproc_per_node)
@@ -138,7 +128,7 @@ def check(cfg: Config, nproc_per_node: int = 2, nnodes: int = 1,
                          + (f" (fix: {f.fix})" if f.fix else ""))
     if lines:
         raise Refused(lines)
-    return runfolder.plan(cfg, nproc_per_node * nnodes, ranks=ranks)
+    return runfolder.plan(cfg, nproc_per_node * nnodes)
 
 
 def data_line(cfg: Config, world_size: int, plan: runfolder.Plan) -> str:
@@ -160,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value")
     parser.add_argument("--nproc", type=int, default=2, help="processes per node")
     parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--refusals-only", action="store_true",
+                        help="no success line (rank 0 of a bare start: kit.inputs.checks.step)")
     args = parser.parse_intermixed_args(argv)
     path, overrides = args.config, list(args.overrides)
     if path and "=" in path:
@@ -167,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(path, overrides)
         plan = check(cfg, args.nproc, args.nnodes)
-        if plan.start is not None:
+        if plan.start is not None and not args.refusals_only:
             line = data_line(cfg, args.nproc * args.nnodes, plan)
     except ConfigError as e:
         for line in str(e).splitlines():
@@ -176,9 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     if plan.start is None:
         print(plan.message)
         return NOTHING_TO_DO
-    for note in plan.notes:
-        print(note)
-    print(line)
+    if not args.refusals_only:
+        for note in plan.notes:
+            print(note)
+        print(line)
     return 0
 
 

@@ -39,6 +39,7 @@ import time
 from kit import ROOT
 from kit.config import ConfigError, load_config
 from kit.run import check as check_step
+from kit.run import tether
 from kit.run.launch import checked_env, prepare, resolve, run_dir
 from kit.run.runs import Follow, Run
 from kit.run.tether import GRACE_S, end_at_once
@@ -87,10 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         return _refuse(str(e).splitlines())
     try:
         run = Run(prepare(cfg, nproc=args.nproc, plan=plan, nnodes=args.nnodes))
+    except ConfigError as e:  # another start holds the folder, or it cannot be written
+        return _refuse([str(e)])
     except RuntimeError as e:  # the folder's run is running now
         return _refuse([f"run.name: {e}"])
-    run.start({**checked_env(plan), "NPROC_PER_NODE": str(args.nproc),
-               "NNODES": str(args.nnodes)}, detach=args.detach)
+    tether.start(run, {**checked_env(plan), "NPROC_PER_NODE": str(args.nproc),
+                       "NNODES": str(args.nnodes)}, detach=args.detach)
     if args.detach:
         ref = run.name if run.folder == ROOT / "launch" / run.name else str(run.folder)
         print(f"kit: run {run.name!r} started, detached: {run.folder}\n"

@@ -30,7 +30,6 @@ import re
 from datetime import datetime
 from pathlib import Path
 
-
 from kit import ROOT, pitfalls
 from kit.config import Config, ConfigError
 from kit.folder import runfolder
@@ -288,9 +287,10 @@ def _resources(cfg: Config, nproc: int) -> dict:
     per rank and no GPU (a CPU cluster refuses a job asking GPUs: an invalid gres)."""
     if cfg.training.device == "cpu":
         return {"unit": "CPU processes", "resources": f"--cpus-per-task={int(nproc)}"}
-    return {"unit": "GPUs", "resources": "--gpus-per-node={}\n# (training.device=auto or cuda; "
-            "training.device=cpu asks a CPU per rank instead, for a cluster without GPUs)"
-            .format(int(nproc))}
+    return {"unit": "GPUs",
+            "resources": f"--gpus-per-node={int(nproc)}\n# (training.device=auto or cuda; "
+                         "training.device=cpu asks a CPU per rank instead, for a cluster without "
+                         "GPUs)"}
 
 
 # --------------------------------------------------------------------------- Kubernetes

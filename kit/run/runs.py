@@ -29,6 +29,7 @@ import psutil
 
 from kit import ROOT
 from kit.config import Config, load_config
+from kit.folder import runfolder
 from kit.folder.layout import RunFolder
 
 DONE = ("completed", "failed", "stopped", "preempted")
@@ -76,9 +77,9 @@ class Run:
     def config(self) -> Config:
         return load_config(self.files.config)
 
-    def start(self, env: dict | None = None, detach: bool = False) -> Run:
-        """Start run.sh in its own session, output into run.log; returns at once. The run ends
-        with this process (kit.run.tether: a stop request when it ends, however) unless detach."""
+    def start(self, env: dict | None = None) -> Run:
+        """Start run.sh in its own session, output into run.log; returns at once. The starters
+        (kit.run.tether.start) tie the run to their own process unless detached."""
         env = {**os.environ, **{k: str(v) for k, v in (env or {}).items()}}
         with open(self.files.log, "wb") as log:
             self._proc = subprocess.Popen(
@@ -87,10 +88,7 @@ class Run:
                 start_new_session=True,  # its own process group: stop() signals it as one
             )
         self.files.pid.write_text(f"{self._proc.pid}\n")  # run.sh writes the same
-        if not detach:
-            from kit.run.tether import tie  # it imports this module
-
-            self.tether = tie(self)
+        runfolder.release(self.folder / runfolder.CLAIM)  # from here the running run refuses
         return self
 
     # ------------------------------------------------------------------ state

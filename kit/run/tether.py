@@ -1,6 +1,7 @@
 """A run tied to the process that started it (`kit train`, a notebook kernel, a script).
 
-    tether = tie(run)       # after run.start(): the run now ends with its starter
+    start(run, env)         # run.start(env), then tie(run): the run now ends with its starter
+    tether = tie(run)       # after run.start()
     tether.release()        # the run has ended (or goes on detached): the watcher leaves
 
 Why: run.sh starts in a session of its own, so that a terminal's Ctrl-C or a process-group
@@ -56,6 +57,14 @@ class Tether:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             pass
+
+
+def start(run: Run, env: dict | None = None, detach: bool = False) -> Run:
+    """Start run.sh (Run.start) and, unless detach, tie the run to this process (run.tether)."""
+    run.start(env)
+    if not detach:
+        run.tether = tie(run)
+    return run
 
 
 def tie(run: Run) -> Tether:
