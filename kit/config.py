@@ -417,6 +417,9 @@ def _set_override(tree: dict, item: str) -> None:
     if "=" not in item:
         raise ConfigError(f"override {item!r}: expected key=value, e.g. training.lr=2e-4")
     key, raw = item.split("=", 1)
+    if not key.isprintable():  # a newline or control character: one line, naming it as written
+        raise ConfigError(f"override {item!r}: the key {key!r} is not allowed; expected a "
+                          "dotted name, e.g. training.lr")
     parts = key.strip().split(".")
     node = tree
     for part in parts[:-1]:

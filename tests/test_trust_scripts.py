@@ -118,6 +118,15 @@ def test_control_characters_are_refused_in_every_string_field():
             assert one_line(e.value).startswith(field) and repr(value) in str(e.value)
 
 
+def test_a_control_character_in_an_override_is_one_line():
+    from kit.config import load_config
+
+    for item in ("training.st\neps=1", "training.steps=1\n2", "run.name=a\x1bb"):
+        with pytest.raises(ConfigError) as e:
+            load_config("tiny-cpu", [item])
+        assert "\n" not in str(e.value), item  # one line, the key or value as written (repr)
+
+
 def run_sh(folder: Path, tmp: Path) -> list[list[str]]:
     """Execute the folder's run.sh with a stand-in python that records its arguments and exits
     0: every line of run.sh runs (check step, environment, torchrun's command), nothing more."""
