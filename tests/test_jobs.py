@@ -526,3 +526,14 @@ def test_notebook_10_runs_under_papermill(tmp_path):
     row = next(line for line in text.splitlines() if line.startswith("NCCL_TIMEOUT "))
     assert row.split()[3:] == ["0", "0", "0"], row
     assert "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC: Control the watchdog heartbeat" in text
+
+
+def test_notebook_10s_launch_table_finds_every_line_of_run_sh(tmp_path):
+    """Notebook 10 sets the article's launch script beside run.sh's lines (kit.lab.second_article):
+    each row's pattern finds its line in a generated two-node run.sh (a '-' there is a pattern
+    that went stale, as `-m kit.check` did when the check step moved to kit.run.check)."""
+    from kit.lab import second_article
+
+    script = (make(tmp_path, nnodes=2, nproc=1) / "run.sh").read_text()
+    rows = second_article.launch_table(script)
+    assert rows and [r["what"] for r in rows if r["run.sh"] == "-"] == []
