@@ -215,9 +215,12 @@ def test_the_check_step_says_what_the_run_will_see_before_it_starts(tmp_path):
     checked = one_line("\n".join(line for line in log if line.startswith("data: ")))
     ranks = [line.split(":", 1)[1] for line in log if line.startswith("[default0]:data: ")]
     planned = [line.split(":", 1)[1] for line in log if line.startswith("[default0]:plan: ")]
-    assert checked.startswith("data: 432 training rows (216 per rank), ")
-    # The check's line: rank 0's data line, its plan line (kit.budget.plan), the run folder.
-    assert [f"{ranks[0]}; {planned[0]}; run: {folder}: starting at step 0"] == [checked], (
+    named = "data: kit:sample, model kit:tiny-llama: "
+    assert checked.startswith(f"{named}432 training rows (216 per rank), ")
+    # The check's line: the file and the model, rank 0's data line, its plan line
+    # (kit.budget.plan), the run folder.
+    rows = ranks[0].removeprefix("data: ")
+    assert [f"{named}{rows}; {planned[0]}; run: {folder}: starting at step 0"] == [checked], (
         checked, ranks, planned)
     assert log.index(checked) < next(i for i, line in enumerate(log) if line.startswith("["))
 
@@ -234,6 +237,29 @@ def test_a_training_split_too_small_for_the_ranks_is_refused_by_the_check(tmp_pa
         "rows, which cannot fill 2 ranks x 1; use more rows in data.path, data.packing=false "
         "(one row per sample), or fewer processes"), proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_the_success_line_names_the_data_file_the_model_and_a_forgotten_data_path(tmp_path,
+                                                                                   capsys):
+    """The check step's line names the data file and the model; when key=value overrides changed
+    other values but left data.path at the recipe's shipped sample (a user who forgot it), the
+    line says so; a data.path of one's own, or no overrides (run.sh's check of a written config),
+    says nothing of it."""
+    from kit.run import check as check_step
+
+    out = f"run.output_dir={tmp_path / 'run'}"
+    assert check_step.main([str(TINY), out, "training.steps=2"]) == 0
+    line = one_line(capsys.readouterr().out)
+    assert line.startswith("data: kit:sample, model kit:tiny-llama (the recipe's own sample: "
+                           "your overrides left data.path as it was; data.path=FILE trains on "
+                           "yours): 432 training rows"), line
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text("".join(json.dumps({"text": f"my row {i}"}) + "\n" for i in range(40)))
+    cfg = load_config(TINY, [out, f"data.path={mine}", "training.batch_size=2"])
+    line = check_step.data_line(cfg, 2, runfolder.plan(cfg, 2), [out, f"data.path={mine}"])
+    assert line.startswith(f"data: {mine}, model kit:tiny-llama: 36 training rows"), line
+    assert "recipe's own" not in line
+    assert check_step.source(load_config(TINY, [out]), []) == "kit:sample, model kit:tiny-llama"
 
 
 # --------------------------------------------------------------------------- ranks

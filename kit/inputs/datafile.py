@@ -46,6 +46,14 @@ def resolve_path(path: str, field: str = "data.path") -> Path:
     raise ConfigError(f"{field}: {path!r} does not exist")
 
 
+def shipped(path: str) -> bool:
+    """data.path is one of the kit's own files (kit:sample, kit/data/...): a recipe's sample."""
+    try:
+        return resolve_path(path).resolve().parent == (Path(__file__).parents[1] / "data").resolve()
+    except ConfigError:
+        return False
+
+
 class Unreadable(ConfigError):
     """datasets failed on a file whose every line parses: `rows`, read by the standard library,
     may still show which row is bad (e.g. a number where the texts are strings)."""

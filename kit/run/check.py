@@ -9,9 +9,10 @@ model.name points (kit.inputs.sources), the data file row by row (kit.inputs.dat
 error-level findings for this machine (kit.doctor: pitfalls, GPUs, memory), and what the start
 would do to its run folder (kit.folder.runfolder: a refused start, a finished run).
 
-On success it prints one line: what the run will see of its data, as the ranks will print it (the
-model's tokenizer, the rows tokenized: training and validation rows, per rank, tokens, what the
-loss covers, steps and epochs), the plan of the values left at auto (kit.budget.plan: a plan that
+On success it prints one line: the data file and the model (and, when key=value overrides left
+data.path at the recipe's shipped sample, that they did), what the run will see of its data, as
+the ranks will print it (the model's tokenizer, the rows tokenized: training and validation rows,
+per rank, tokens, what the loss covers, steps and epochs), the plan of the values left at auto (kit.budget.plan: a plan that
 cannot fit is refused here), and what the start does to its run folder (new, resumed).
 That line is the one step here that imports torch (kit.recipe.data.plan), and only in this command's own
 process: `check()`, which the notebook kernel calls, does not make it.
@@ -29,7 +30,7 @@ import sys
 from kit import pitfalls
 from kit.config import Config, ConfigError, load_config
 from kit.folder import runfolder
-from kit.inputs import checks, sources
+from kit.inputs import checks, datafile, sources
 
 NOTHING_TO_DO = 3
 
@@ -131,9 +132,11 @@ def check(cfg: Config, nproc_per_node: int = 2, nnodes: int = 1,
     return runfolder.plan(cfg, nproc_per_node * nnodes)
 
 
-def data_line(cfg: Config, world_size: int, plan: runfolder.Plan) -> str:
-    """The success line: the data as rank 0 will print it, and what the start does to its run
-    folder. Imports torch and transformers: for a command's own process, not a notebook's."""
+def data_line(cfg: Config, world_size: int, plan: runfolder.Plan,
+              overrides: list[str] | None = None) -> str:
+    """The success line: the data file and the model (`source`), the data as rank 0 will print
+    it, and what the start does to its run folder. Imports torch and transformers: for a
+    command's own process, not a notebook's."""
     import torch
 
     from kit.recipe import data, planning  # torch, transformers: this process only (see above)
@@ -141,7 +144,19 @@ def data_line(cfg: Config, world_size: int, plan: runfolder.Plan) -> str:
     gpu = torch.cuda.is_available() and cfg.training.device != "cpu"
     planned = planning.resolve(cfg, torch.device("cuda", 0) if gpu else torch.device("cpu"),
                                world_size)  # values left at auto: as rank 0 will choose them
-    return f"{data.plan(planned.cfg, world_size)}; {planned.line()}; run: {plan.message}"
+    rows = data.plan(planned.cfg, world_size).removeprefix("data: ")
+    return f"data: {source(cfg, overrides)}: {rows}; {planned.line()}; run: {plan.message}"
+
+
+def source(cfg: Config, overrides: list[str] | None = None) -> str:
+    """The data file and the model, and, when key=value overrides changed other values but not
+    data.path and it is still the recipe's shipped sample, that it is (a forgotten data.path
+    trains on the kit's own rows without a word otherwise)."""
+    keys = {item.split("=", 1)[0].strip() for item in overrides or []}
+    forgot = bool(keys) and "data.path" not in keys and datafile.shipped(cfg.data.path)
+    return f"{cfg.data.path}, model {cfg.model.name}" + (
+        " (the recipe's own sample: your overrides left data.path as it was; "
+        "data.path=FILE trains on yours)" if forgot else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(path, overrides)
         plan = check(cfg, args.nproc, args.nnodes)
         if plan.start is not None and not args.refusals_only:
-            line = data_line(cfg, args.nproc * args.nnodes, plan)
+            line = data_line(cfg, args.nproc * args.nnodes, plan, overrides)
     except ConfigError as e:
         for line in str(e).splitlines():
             sys.stderr.write(f"ConfigError: {line}\n")

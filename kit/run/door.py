@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         for note in plan.notes:
             print(note)
-        print(check_step.data_line(cfg, args.nproc * args.nnodes, plan))
+        print(check_step.data_line(cfg, args.nproc * args.nnodes, plan, overrides))
     except ConfigError as e:
         return _refuse(str(e).splitlines())
     try:
