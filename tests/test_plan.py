@@ -327,3 +327,49 @@ def test_half_a_million_tokens_within_80_gib_where_the_host_holds_the_inputs():
         kplan.plan(cfg, replace(_gpu(1, 78), host_gib=128), 524288)
     assert "128.0 GiB of host memory per process" in str(e.value)
     assert str(e.value).endswith("the smallest change that fits: data.max_seq_len=131072")
+
+
+def test_kit_plan_refuses_a_hub_id_offline_in_the_check_steps_one_line(monkeypatch, capsys):
+    """A hub id neither cached nor reachable: kit.inputs.sources.check_model's line (the check
+    step's), at once, where the planner used to retry the hub for ~56 s and end in a traceback."""
+    import time
+
+    from kit.inputs import sources
+    from kit.run import plan as plan_cmd
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    name = "kit-tests/no-such-model"
+    with pytest.raises(ConfigError) as refused:
+        sources.check_model(name)
+    start = time.monotonic()
+    assert plan_cmd.main(["tiny-cpu", f"model.name={name}", "--gpus", "1", "--gpu-mem", "80"]) == 2
+    assert time.monotonic() - start < 5
+    out = capsys.readouterr()
+    assert out.err == f"ConfigError: {refused.value}\n" and out.out == ""
+
+
+def test_kit_plan_says_the_length_it_planned_for_and_how_long_the_run_takes(capsys):
+    """data.max_seq_len=N: the plan is for rows of N tokens, said; the step time is the step
+    model's (batch x grad_accum rows of N tokens per GPU at its tokens/s), the run's time that
+    times training.steps. Left at auto (no data named), the line names the recipe's sample."""
+    from kit.run import plan as plan_cmd
+
+    gpu = ["--gpus", "1", "--gpu-mem", "80", "--gpu", "H100"]
+    args = ["model.name=kit:llama-8b", "data.max_seq_len=4096", "training.steps=500", *gpu]
+    assert plan_cmd.main(args) == 0
+    printed = capsys.readouterr().out.splitlines()
+    cfg = load_config(None, args[:3])
+    planned = kplan.plan(cfg, _gpu(1, 80, "H100"), 4096)
+    step_s, total_s = plan_cmd.run_time(planned)
+    t = planned.cfg.training
+    assert step_s == pytest.approx(t.batch_size * t.grad_accum * 4096 / planned.tokens_per_s)
+    assert total_s == pytest.approx(500 * step_s) and 0.1 < step_s < 100
+    assert printed[-2:] == ["sequence: 4,096 tokens a row (data.max_seq_len, set)",
+                            plan_cmd.time_line(planned)]
+    assert printed[-1].startswith(f"time: ~{step_s:.2f} s a step (") and "500 steps" in printed[-1]
+    assert plan_cmd.main(["model.name=kit:tiny-llama"]) == 0  # this machine
+    auto = capsys.readouterr().out.splitlines()
+    assert auto[-2].startswith("sequence: ") and auto[-2].endswith(
+        "tokens a row: the longest row of kit:sample (the recipe's own sample) "
+        "(data.max_seq_len=auto); data.max_seq_len=N plans for rows of N tokens"), auto
+    assert auto[-1].startswith("time: ")
