@@ -114,6 +114,29 @@ def test_70b_on_two_24gib_gpus_offloads_activations_only_because_nothing_else_fi
     assert on_80.offload_activations is False and on_80.compile is True
 
 
+def test_llama3_70b_is_planned_with_its_larger_embedding_beside_llama2s():
+    """kit:llama3-70b (Llama-3-70B's shape: a 128,256-token vocabulary, 8 key/value heads, RoPE
+    base 500,000, 131,072 positions; initialised at load) beside kit:llama-70b (Llama-2's: 32,000):
+    the estimate counts its extra embedding and head rows (sharded, and the head gathered), and
+    on 2 x 24 GiB, where Llama-2's shape fits, Llama-3's is refused naming 4 GPUs."""
+    from kit.inputs.builtin import AT_LOAD, SPECS
+
+    two, three = shape_of("kit:llama-70b"), shape_of("kit:llama3-70b")
+    assert (three.vocab, three.kv_heads, three.intermediate, three.layers, three.hidden) == (
+        128256, 8, 28672, 80, 8192) and replace(three, vocab=32000) == two
+    spec = SPECS["llama3-70b"]
+    assert (spec["rope_theta"], spec["max_position_embeddings"]) == (500000.0, 131072)
+    assert "llama3-70b" in AT_LOAD
+    extra_rows = (three.vocab - two.vocab) * three.hidden * 2  # bf16 bytes, one matrix
+    grown = estimate("kit:llama3-70b", Setup()).total - estimate("kit:llama-70b", Setup()).total
+    assert grown >= 2 * extra_rows  # embedding + head over 2 ranks, and the head gathered
+    cfg = load_config(None, ["model.name=kit:llama-70b", "lora.r=16"])
+    assert kplan.plan(cfg, _gpu(2, 24, "NVIDIA H200"), 2048).needed_gib <= 24
+    cfg.model.name = "kit:llama3-70b"
+    with pytest.raises(ConfigError, match="the smallest change that fits: 4 GPUs"):
+        kplan.plan(cfg, _gpu(2, 24, "NVIDIA H200"), 2048)
+
+
 def test_a_mixture_of_experts_plan_states_no_speed_the_step_model_cannot_know():
     """The step model counts matmuls; a routed experts loop is bound by its launches (measured
     69 tokens/s per GPU on Qwen3-235B-A22B's shape where the step model said ~1,570): the plan

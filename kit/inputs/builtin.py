@@ -161,6 +161,15 @@ SPECS["llama31-8b"] = dict(
     rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=8192))
 
+# Llama-3-70B's shape beside Llama-2's (70.55B params): its 128,256-token vocabulary makes the
+# embedding and the head 2.1B parameters each instead of 0.26B, kept in the model dtype (not 4-bit)
+# on every plan; 131,072 positions with Llama-3.1's RoPE scaling (its long-context config).
+# Initialised at load like kit:llama-70b.
+SPECS["llama3-70b"] = dict(
+    SPECS["llama-70b"], vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192))
+
 # Llama-3-8B's weights' shape with the positions of Gradient's 1048k extension of it: 1,048,576
 # positions and RoPE base 2.8e9 (its model card's last stage). Issue 35's 512k rows.
 SPECS["llama3-8b-1048k"] = dict(SPECS["llama-8b"], max_position_embeddings=1048576,
@@ -174,7 +183,7 @@ CONVERTER = 2  # part of a converted model's folder name: a change to _convert_g
 
 # Shapes whose weights are initialised at load (kit.recipe.loading.initialise) instead of written: their
 # folder's INIT_FILE says how. Tiny ones too, so that path runs on a CPU.
-AT_LOAD = {"llama-70b": 0, "tiny-llama-at-load": 0}  # name -> seed
+AT_LOAD = {"llama-70b": 0, "llama3-70b": 0, "tiny-llama-at-load": 0}  # name -> seed
 SPECS["tiny-llama-at-load"] = dict(SPECS["tiny-llama"])
 SPECS.update(MOE_SPECS)  # mixture-of-experts shapes (kit.inputs.moe_shapes)
 AT_LOAD.update(MOE_AT_LOAD)
