@@ -268,10 +268,10 @@ class Recipe:
             tokenizer=self.tokenizer)
 
     def _check(self, row: dict, step: int, lora_start: dict) -> None:
-        """In-run checks (kit.recipe.checks): NaN/inf, a slow rank, adapters that do not move."""
+        """In-run checks (kit.recipe.checks): NaN/inf, slow ranks, rising val loss, still adapters."""
         for finding in checks.check_step(row):
             raise FloatingPointError(str(finding))
-        for finding in checks.check_rank_times(row["step_s_per_rank"], step):
+        for finding in checks.step_warnings(row, step, self.history):
             self.say(f"[doctor] {finding}")
         if step == self.start_step + 3:  # adapters that have not moved by now never will
             problems = checks.check_lora_changed(lora_start, checks.trainable_snapshot(self.model), 3)

@@ -441,6 +441,38 @@ def test_check_rank_times_names_the_slow_rank():
     assert "rank 3 " in doctor.check_rank_times([1.0, 1.1, 0.9, 3.0])[0].message
 
 
+def test_rising_held_out_loss_is_said_once_by_the_recipe_with_its_steps_and_values():
+    """kit.train's in-run checks after each step (Recipe._check, driven here with a stand-in for
+    the recipe's state: no model needed): held-out loss above the evaluation before it three
+    times in a row is one warning, at the evaluation that made the third rise, with the steps
+    and values; rising on, or rising three times again later, says nothing more; an equal loss
+    is no rise."""
+    from types import SimpleNamespace
+
+    from kit.recipe import checks
+    from kit.train import Recipe
+
+    said: list[tuple[int, str]] = []
+    recipe = SimpleNamespace(history=[], start_step=10**6)  # never the 3-step adapter check
+    losses = [2.0, 1.5, 1.6, 1.7, 1.8, 1.9, 1.2, 1.3, 1.4, 1.5]  # evaluations at steps 10..100
+    for step in range(1, 101):
+        recipe.say = lambda line, step=step: said.append((step, line))
+        row = {"split": "train", "step": step, "loss": 1.0, "step_s_per_rank": [0.1, 0.1]}
+        recipe.history.append(row)
+        if step % 10 == 0:
+            recipe.history.append({"split": "val", "step": step, "loss": losses[step // 10 - 1]})
+        Recipe._check(recipe, row, step, {})
+    assert said == [(50, "[doctor] WARNING val_loss_rising: held-out loss rose at 3 evaluations "
+                         "in a row: step 20 1.5000, step 30 1.6000, step 40 1.7000, step 50 "
+                         "1.8000 (lowest 1.5000 at step 20) | fix: the adapter is fitting its "
+                         "training rows: fewer steps (training.steps=20), a lower training.lr or "
+                         "more rows; checkpoints/ keeps earlier steps (checkpointing.save_every)")]
+    flat = [{"split": "val", "step": s, "loss": v} for s, v in ((1, 1.0), (2, 1.1), (3, 1.1),
+                                                                (4, 1.2), (5, 1.3))]
+    assert checks.check_val_rising(flat, 5) == []
+    assert checks.check_val_rising(flat, 5, evals=2)[0].code == "val_loss_rising"
+
+
 def test_check_checkpointing_active_in_eval_mode_only():
     model = tiny_peft_model()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -4,6 +4,7 @@ doctor's `diagnose_run` reads the same checks' verdicts back from a finished run
 
     check_step({"step": 3, "loss": float("nan")})   # -> [Finding(error, loss_nonfinite, ...)]
     check_rank_times([0.2, 0.9], step=5)             # -> [Finding(warning, slow_rank, ...)]
+    check_val_rising(history, step=40)               # -> [Finding(warning, val_loss_rising, ...)]
     check_checkpointing_active(model)                # recompute switched on in eval mode
     check_adapter("launch/tiny-cpu/adapter")         # saved, complete, finite and trained
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from kit.findings import Finding
 
+RISING_EVALS = 3  # held-out loss above the evaluation before it, this many in a row: warn
 SLOW_RANK_RATIO = 1.5  # a rank this much slower than the median holds every collective back
 # Smallest change that counts as training: real learning rates move LoRA weights by >= ~1e-7 per
 # step; a weight that moved less (lr=1e-30, frozen, not in the optimizer) is not learning.
@@ -106,6 +108,35 @@ def check_rank_times(
             "check that GPU's clocks/thermals (nvidia-smi), CPU pinning, and uneven batch lengths",
         )
     ]
+
+
+def step_warnings(row: dict, step: int, history: list[dict]) -> list[Finding]:
+    """What kit.train says after a step and goes on: a slow rank, held-out loss rising."""
+    return check_rank_times(row["step_s_per_rank"], step) + check_val_rising(history, step)
+
+
+def check_val_rising(history: list[dict], step: int, evals: int = RISING_EVALS) -> list[Finding]:
+    """Held-out loss that rose at `evals` evaluations in a row (the adapter learns its training
+    rows, not the task), said once a run: at the step whose evaluation first made such a run of
+    rises, with the steps and values. `history`: the run's metrics rows (rank 0's holds a resumed
+    run's earlier rows too, so a resumed run does not say it again)."""
+    val = [(r["step"], r["loss"]) for r in history if r.get("split") == "val"]
+    rises, first = 0, None
+    for i in range(1, len(val)):
+        rises = rises + 1 if val[i][1] > val[i - 1][1] else 0
+        if rises == evals:
+            first = i
+            break
+    if first is None or first != len(val) - 1 or val[first][0] != step:
+        return []
+    best_step, best = min(val[: first + 1], key=lambda sv: sv[1])
+    seen = ", ".join(f"step {s} {loss:.4f}" for s, loss in val[first - evals: first + 1])
+    return [Finding("warning", "val_loss_rising",
+                    f"held-out loss rose at {evals} evaluations in a row: {seen} (lowest "
+                    f"{best:.4f} at step {best_step})",
+                    f"the adapter is fitting its training rows: fewer steps (training.steps="
+                    f"{best_step}), a lower training.lr or more rows; checkpoints/ keeps "
+                    "earlier steps (checkpointing.save_every)", "training.steps")]
 
 
 def check_checkpointing_active(model) -> list[Finding]:
