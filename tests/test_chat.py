@@ -53,3 +53,33 @@ def test_chat_names_what_it_cannot_chat_with(tmp_path):
     proc = kit_chat(tmp_path / "nothing")
     assert proc.returncode == 2 and proc.stderr.startswith("chat: RUN_OR_ADAPTER:")
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_chat_prompts_file_loads_the_model_once_and_replies_a_line_each(tiny_run, tmp_path,
+                                                                        monkeypatch, capsys):
+    """`kit chat RUN --prompts FILE --compare --out FILE`: the base and adapter loaded once for
+    every prompt (the issue's 20 prompts took ~10 minutes as 20 --prompt calls, each reloading);
+    one JSON line a prompt (blank lines skipped) holding kit.recipe.chat.replies' answers; a
+    reply printed a line each. A missing prompts file is one line, before any model loads."""
+    import json
+
+    from kit.recipe import merge
+
+    loads = []
+    real = merge.load_for_inference
+    monkeypatch.setattr(merge, "load_for_inference",
+                        lambda *a, **k: loads.append(a) or real(*a, **k))
+    asked = ["Add 2 and 3.", "Capital of Peru?", "Say hi."]
+    prompts, out = tmp_path / "prompts.txt", tmp_path / "replies.jsonl"
+    prompts.write_text(f"{asked[0]}\n\n{asked[1]}\n  {asked[2]}  \n")
+    args = [str(tiny_run), "--prompts", str(prompts), "--compare", "--out", str(out),
+            "--max-new-tokens", "4"]
+    assert chat.main(args) == 0 and len(loads) == 1
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    model, tokenizer = real(tiny_run)
+    assert rows == [{"prompt": p, **chat.replies(model, tokenizer, p, True, 4)} for p in asked]
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == f"[1/3] {asked[0]}" and len(printed) == 3 * 3
+    assert printed[1] == "adapter: " + rows[0]["adapter"].replace("\n", "\\n")
+    assert chat.main([str(tiny_run), "--prompts", str(tmp_path / "none.txt")]) == 2
+    assert len(loads) == 1 and capsys.readouterr().err.startswith("chat: --prompts: ")
