@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_moe import FAMILIES, built, outermost_wrapper
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def chain_of(wrapper):
@@ -90,8 +91,9 @@ def test_the_fallback_is_chosen_off_hopper_and_keeps_no_dequantized_stack():
     assert x.grad is not None and x.grad.abs().max() > 0
 
 
-def _experts_on_gpu(family: str, hidden: int, inner: int, count: int, k: int):
-    """One transformers experts module of `family`'s class, bf16 on the GPU, stacks in NF4 as
+def _experts_on(device: str, family: str, hidden: int, inner: int, count: int, k: int,
+                ranks=(16, 4)):
+    """One transformers experts module of `family`'s class, bf16 on `device`, stacks in NF4 as
     the kit stores them, and LoRA factors (r 16 and r 4: the padded rank) in fp32."""
     import importlib
 
@@ -106,7 +108,7 @@ def _experts_on_gpu(family: str, hidden: int, inner: int, count: int, k: int):
     modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     cls = next(getattr(modeling, n) for n in dir(modeling) if n.endswith("Experts"))
     torch.manual_seed(0)
-    ex = cls(cfg).to("cuda", torch.bfloat16)
+    ex = cls(cfg).to(device, torch.bfloat16)
     for p in ex.parameters():
         torch.nn.init.normal_(p, std=0.05)
         p.requires_grad_(False)
@@ -117,9 +119,9 @@ def _experts_on_gpu(family: str, hidden: int, inner: int, count: int, k: int):
         experts.quantize_weight(ex, name, ex._parameters[name].data, kwargs)
         out = ex._kit_nf4[name]["out"]
         inn = ex._kit_nf4[name]["shape"][1] * ex._kit_nf4[name]["shape"][2] // out
-        lora[name] = [(torch.randn(count * r, inn, device="cuda") * 0.05,
-                       torch.randn(out, r * count, device="cuda") * 0.05, 2.0, 0.1)
-                      for r in (16, 4)]  # fmt: skip
+        lora[name] = [(torch.randn(count * r, inn, device=device) * 0.05,
+                       torch.randn(out, r * count, device=device) * 0.05, 2.0, 0.1)
+                      for r in ranks]  # fmt: skip
     for branches in lora.values():
         for a, b, _, _ in branches:
             a.requires_grad_(), b.requires_grad_()
@@ -135,7 +137,7 @@ def test_grouped_mm_equals_the_fallback_on_the_gpu(family, monkeypatch):
     stack, same masks), forward and backward, within bf16's rounding of the largest value."""
     from kit.recipe import experts, grouped_experts
 
-    ex, lora = _experts_on_gpu(family, hidden=512, inner=256, count=16, k=4)
+    ex, lora = _experts_on("cuda", family, hidden=512, inner=256, count=16, k=4)
     assert grouped_experts.grouped_kernel(torch.device("cuda"), torch.bfloat16)
     index, weights = routed(1000, 16, 4, unused=3, device="cuda")
     weights = weights.to(torch.bfloat16).requires_grad_()
@@ -151,3 +153,66 @@ def test_grouped_mm_equals_the_fallback_on_the_gpu(family, monkeypatch):
     for mine, ref in zip(*results, strict=True):  # output, input, routing weights, As and Bs
         top = ref.float().abs().max()
         assert top > 0 and (mine.float() - ref.float()).abs().max() < 0.02 * top
+
+
+class _GroupedGemms(TorchDispatchMode):
+    """Counts the `aten._grouped_mm` calls that reach the kernels (a result a recompute policy
+    kept is handed back by torch's checkpoint above this mode, and never reaches it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._grouped_mm.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_recompute_keeps_the_grouped_gemms(monkeypatch):
+    """Under training.recompute.keeps=matmuls a MoE layer's grouped GEMMs are kept like any
+    matmul: backward runs the grouped GEMMs of a layer run once (its input's gradient and the
+    adapters') and again only the adapters' up-projections (r-wide inputs, as for linear
+    layers); attention_matmuls also recomputes gate_up's base GEMM.
+    Gradients equal those of the layer run once (the same dropout masks: the RNG state is
+    restored). `torch._grouped_mm` runs on the CPU in bf16 (torch >= 2.9), so the grouped path
+    is forced here."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from kit.recipe import experts, grouped_experts
+    from kit.recipe.recompute import save_policy
+
+    monkeypatch.setattr(grouped_experts, "grouped_kernel", lambda *_: True)
+    ex, lora = _experts_on("cpu", "qwen3_moe", hidden=64, inner=48, count=8, k=2, ranks=(16,))
+    index, weights = routed(40, 8, 2, unused=3)
+    weights = weights.to(torch.bfloat16)
+    x0 = torch.randn(40, 64, dtype=torch.bfloat16)
+    factors = [t for branches in lora.values() for a, b, _, _ in branches for t in (a, b)]
+    cot = torch.randn(40, 64, dtype=torch.bfloat16)
+
+    def layer(x, w):
+        return experts.forward(ex, x, index, w, lora=lora)
+
+    results, counts = {}, {}
+    for keeps in ("none", "matmuls", "attention_matmuls"):
+        x, w = x0.clone().requires_grad_(), weights.clone().requires_grad_()
+        torch.manual_seed(5)
+        forward, backward = _GroupedGemms(), _GroupedGemms()
+        with forward:
+            if keeps == "none":
+                out = layer(x, w)
+            else:
+                context = functools.partial(create_selective_checkpoint_contexts,
+                                            save_policy(keeps, rank=16, mlp_width=48))
+                out = checkpoint(layer, x, w, use_reentrant=False, context_fn=context)
+        with backward:
+            grads = torch.autograd.grad(out, (x, w, *factors), cot)
+        results[keeps], counts[keeps] = (out, *grads), (forward.count, backward.count)
+    assert counts["none"][0] == 2 * 3  # gate_up and down: base, LoRA A, LoRA B
+    forward, backward = counts["none"]
+    assert counts["matmuls"] == (forward, backward + 2), counts  # the two LoRA B GEMMs
+    assert counts["attention_matmuls"] == (forward, backward + 3), counts  # and gate_up's base
+    for keeps in ("matmuls", "attention_matmuls"):
+        for mine, ref in zip(results[keeps], results["none"], strict=True):
+            assert torch.equal(mine, ref), keeps

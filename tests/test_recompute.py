@@ -153,6 +153,18 @@ def test_policies_tell_the_matmuls_apart_4bit_included():
         assert decide("mlp_matmuls", op, 128, 32) == redo  # k / v projection
     assert decide("attention_matmuls", mm, 128, 8) == save  # adapter down-projection: kept
     assert decide("matmuls", mm, 8, 128) == redo  # adapter up-projection: recomputed
+    # a MoE layer's grouped GEMMs (kit.recipe.grouped_experts): _grouped_mm(rows, (E, in, out)),
+    # told apart as the linear layers are; r=4 runs padded to 8 there
+    grouped = torch.ops.aten._grouped_mm.default
+    for keeps, inner, out, want in (("matmuls", 128, 2 * 448, save), ("matmuls", 448, 128, save),
+                                    ("attention_matmuls", 128, 2 * 448, redo),
+                                    ("attention_matmuls", 448, 128, save),
+                                    ("mlp_matmuls", 448, 128, redo)):
+        args = (x(shape=(32, inner)), x(shape=(16, inner, out)))
+        assert save_policy(keeps, rank=8, mlp_width=448)(None, grouped, *args) == want
+    padded = save_policy("attention_matmuls", rank=4, mlp_width=448)
+    assert padded(None, grouped, x(shape=(32, 128)), x(shape=(16, 128, 8))) == save
+    assert padded(None, grouped, x(shape=(32, 8)), x(shape=(16, 8, 128))) == redo
     policy = save_policy("matmuls", rank=8, mlp_width=448)
     assert policy(None, torch.ops.aten.add.Tensor, x(shape=(1,)), x(shape=(1,))) == redo
 

@@ -13,7 +13,11 @@ Per layer and pass, for the rows (token, k-th choice) of the top-k routing:
   back in token order and summed over the k choices (a deterministic reduction, no atomics).
 
 Backward: `_FrozenBase` keeps nothing of the dequantized stack; it dequantizes the stack again for
-the input's gradient (the base is frozen: no weight gradient). The LoRA GEMMs go through autograd
+the input's gradient (the base is frozen: no weight gradient). Under a recompute policy
+(kit.recipe.recompute) the grouped GEMMs are matmuls like any other: `matmuls` keeps the base
+projections' and the adapters' r-wide results, and the layer's recompute runs again only the
+element-wise work, the adapters' up-projections and the stacks' dequantize (whose result the
+kept GEMM no longer reads: a next lever). The LoRA GEMMs go through autograd
 (their factors are small). Expert ids must lie in [0, E): the kit runs no expert parallelism of
 transformers' kind (its sentinel id E for another rank's expert).
 
@@ -117,21 +121,24 @@ def dropped(x: torch.Tensor, drop: torch.Tensor | None, p: float) -> torch.Tenso
 def _lora(x, down, up, scale, drop, p, experts, groups):
     """One LoRA branch on sorted rows: (drop(x) @ A_g^T) @ B_g^T * scale, two grouped GEMMs.
     PEFT's ParamWrapper layout: A (E*r, in) expert-major, B (out, r*E) rank-major. Dropout's
-    1/(1-p) and the branch's scale are folded into the factors (E*r*(in+out) values), not
+    1/(1-p) and the branch's scale are folded into B (E*r*out values, one multiply), not
     applied to the (rows, width) activations: two passes over them fewer, each way."""
     rank = down.shape[0] // experts
     a = down.reshape(experts, rank, -1)
     b = up.reshape(up.shape[0], rank, experts).permute(2, 1, 0)  # (E, r, out)
     dtype = x.dtype if groups.fast else a.dtype  # the grouped kernel computes in bf16
-    a = (a * (1 / (1 - p)) if drop is not None else a).to(dtype)
-    b = (b * scale).to(dtype)
-    if groups.fast:
-        # _grouped_mm wants one unit stride in each operand's last two dims and 16-byte aligned
-        # rows: B copied contiguous (E*r*out values), the rank padded to a multiple of 8 with
-        # zero rows (lora.r=4 would give 8-byte rows), which adds nothing to the product.
+    a = a.to(dtype)
+    # _grouped_mm wants one unit stride in each operand's last two dims: B made contiguous by
+    # its cast (E*r*out values; .contiguous() is then no op, and copies where no cast ran)
+    b = (b * (scale / (1 - p) if drop is not None else scale)).to(
+        dtype, memory_format=torch.contiguous_format).contiguous()
+    if groups.fast and rank % 8:
+        # and 16-byte aligned rows: the rank padded to a multiple of 8 with zero rows (lora.r=4
+        # would give 8-byte rows), which adds nothing to the product. Each op is a launch per
+        # layer and pass on a host-bound step: none where the rank needs none.
         pad = -rank % 8
         a = torch.nn.functional.pad(a, (0, 0, 0, pad))
-        b = torch.nn.functional.pad(b, (0, 0, 0, pad)).contiguous()
+        b = torch.nn.functional.pad(b, (0, 0, 0, pad))
     h = x.to(dtype)
     # masked_fill, not a product with the mask: one dtype, so CUDA's vectorized kernel (a bf16 x
     # bool product casts per element: 113 of 974 GPU ms of the 30B-A3B step); autograd keeps
@@ -150,7 +157,9 @@ def _project(module, name, x, lora, drops, groups):
         y = y + bias[groups.ids]
     for (down, up, scale, p), drop in zip(lora.get(name, ()), drops, strict=True):
         drop = drop[groups.order] if drop is not None else None
-        y = y.add_(_lora(x, down, up, scale, drop, p, module.num_experts, groups).to(y.dtype))
+        # out of place: under training.recompute.keeps the base GEMM's result is kept for
+        # backward as it is (kit.recipe.recompute), and torch refuses a kept tensor changed in place
+        y = y + _lora(x, down, up, scale, drop, p, module.num_experts, groups).to(y.dtype)
     return y
 
 

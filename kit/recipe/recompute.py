@@ -44,6 +44,8 @@ from kit.recipe.norms import lean_norms
 
 KEEPS = ("inputs", "matmuls", "mlp_matmuls", "attention_matmuls")
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+_TWO_OPERANDS = {getattr(torch.ops.aten, name).default for name in ("_scaled_mm", "_grouped_mm")
+                 if hasattr(torch.ops.aten, name)}  # fmt: skip
 _ATTENTION = {getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
@@ -80,7 +82,8 @@ def _matmul_shape(op, args) -> tuple[int, int] | None:
     if op in _MATMULS:
         a, b = args[-2], args[-1]  # addmm(bias, a, b), mm(a, b)
         return a.shape[-1], b.shape[-1]
-    if op is torch.ops.aten._scaled_mm.default:  # kit.recipe.fp8: _scaled_mm(a, b, scale_a, scale_b)
+    if op in _TWO_OPERANDS:  # kit.recipe.fp8's _scaled_mm(a, b, scale_a, scale_b); the grouped
+        # experts' _grouped_mm(a (rows, in), b (E, in, out), offs=...): one op for every expert
         return args[0].shape[-1], args[1].shape[-1]
     if getattr(op, "namespace", None) == "bitsandbytes" and "gemm" in op.__name__:
         out, inner = args[2][0], args[2][1]
@@ -91,14 +94,19 @@ def _matmul_shape(op, args) -> tuple[int, int] | None:
 def save_policy(keeps: str, rank: int, mlp_width: int):
     """The policy for `keeps` ('matmuls', 'mlp_matmuls' or 'attention_matmuls'): which results of a decoder layer's
     forward backward gets from memory. Matmuls are told apart by shape: an adapter's
-    down-projection has `rank` outputs, its up-projection `rank` inputs; the MLP's gate and up
-    projections have `mlp_width` outputs (2 x that when fused). Everything not saved is
-    recomputed."""
+    down-projection has `rank` outputs, its up-projection `rank` inputs (the grouped experts pad
+    the rank to a multiple of 8: that width too); the MLP's gate and up projections have
+    `mlp_width` outputs (2 x that when fused). A MoE layer's grouped GEMMs (kit.recipe.
+    grouped_experts: one `aten._grouped_mm` per projection for every expert) are told apart the
+    same way: gate_up is the MLP's, down (hidden-wide) is kept with attention's. Everything not
+    saved is recomputed."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     if keeps not in KEEPS[1:]:
         raise ValueError(f"training.recompute.keeps: {keeps!r} has no policy; expected "
                          f"one of {KEEPS[1:]}")
+
+    ranks = (rank, rank + -rank % 8)
 
     def policy(ctx, op, *args, **kwargs):
         if op in _ATTENTION:
@@ -107,9 +115,9 @@ def save_policy(keeps: str, rank: int, mlp_width: int):
         if shape is None:
             return CheckpointPolicy.PREFER_RECOMPUTE
         inner, out = shape
-        if out == rank:  # adapter down-projection: rank numbers per token, cheap to keep
+        if out in ranks:  # adapter down-projection: rank numbers per token, cheap to keep
             return CheckpointPolicy.MUST_SAVE
-        if inner == rank:  # adapter up-projection: recomputing it costs next to nothing
+        if inner in ranks:  # adapter up-projection: recomputing it costs next to nothing
             return CheckpointPolicy.PREFER_RECOMPUTE
         in_mlp = out in (mlp_width, 2 * mlp_width)
         if (keeps == "attention_matmuls" and in_mlp) or (keeps == "mlp_matmuls" and not in_mlp):
