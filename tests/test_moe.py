@@ -187,8 +187,8 @@ def test_the_budget_counts_experts_total_and_active():
 
 def test_the_planner_counts_what_active_experts_keep_and_names_a_smaller_rank():
     """Each token passes its active experts: their adapters' inputs and their down-projections'
-    outputs are kept once per active expert (measured on 1 H200: 74.45 GiB against 75.0 predicted
-    then, 76.7 now that the experts' fp32 scales count, benchmarks/results/moe-30b-a3b-2xh200.md);
+    outputs are kept once per active expert (measured on 1 H200 with the per-expert loop: 74.45
+    GiB against 75.0 predicted then, benchmarks/results/moe-30b-a3b-2xh200.md);
     the routed loop is not compiled; one GPU
     at 24 GiB cannot hold r16 adapters on 128 experts x 48 layers, and the refusal says lora.r=4."""
     from kit.budget import plan as kplan
@@ -247,8 +247,8 @@ def test_a_forward_keeps_no_expert_scales_until_backward(keeps):
     bitsandbytes' 4-bit matmul kept them to backward (4 B per 64-value block of every stack of
     every layer: 13.2 GiB on Qwen3-235B-A22B's shape on 4 GPUs). The grouped experts dequantize
     each stack by one call and again in backward, keeping only the stored packed stack and its
-    state: no scales made in forward stay for backward. (kit.budget.estimate still counts an
-    "expert scales kept in fp32" part: issue 55, item 3, the planner's MoE model, drops it.)"""
+    state: no scales made in forward stay for backward (kit.budget.estimate counts none, only
+    the one stack dequantized at a time)."""
     from kit.config import load_config
     from kit.recipe import experts, model
 

@@ -198,7 +198,10 @@ def selective_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
     stacks = shape.expert_stacks()  # a MoE: per active expert, its adapters' and down's outputs
     adapters = sum(shape.active_experts if n in stacks else 1
                    for n in lora_targets(shape, setup.lora_targets)) * setup.adapter_bytes * r
-    experts_out = max(shape.active_experts - 1, 0) * h
+    # down's grouped GEMM (hidden-wide, one row per active expert) is kept with attention's
+    # matmuls, recomputed under mlp_matmuls (kit.recipe.recompute)
+    down_kept = setup.recompute_keeps != "mlp_matmuls"
+    experts_out = max(shape.active_experts - 1, 0) * h * down_kept
     return DTYPE_BYTES[setup.dtype] * (3 * h + q + kept + experts_out) + adapters
 
 
@@ -365,19 +368,18 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
     if shape.experts and setup.quantization != "none":
         # kit.recipe.experts keeps each expert stack's quantization state beside its module, not
         # as a parameter (so on the GPU under cpu_offload too): FSDP shards the packed 4-bit
-        # values, every rank holds all the scales. Each forward restores a stack's
-        # double-quantized scales to fp32 (experts._absmax), and bitsandbytes' matmul keeps them
-        # in its autograd context until backward, outside any recompute policy: 4 B per block of
-        # every stack of every layer (counted on the graph of kit:tiny-qwen3-moe,
-        # tests/test_moe.py; Qwen3-235B-A22B's shape on 4 GPUs ran out of memory without this,
-        # benchmarks/results/issue36-4xh100.md).
+        # values, every rank holds all the scales.
         stacked = shape.layers * shape.experts * sum(a * b for a, b in shape.expert_stacks().values())
         scales = stacked * (quantized_bytes_per_param(setup.quantization, setup.double_quant) - 0.5)
         parts["expert scales"] = scales * (1 - 1 / world) if sharded else 0.0
         notes["expert scales"] = "the experts' 4-bit scales, whole on every rank (beyond their share above)"
-        if setup.double_quant:
-            parts["expert scales kept in fp32"] = stacked * 4 / BLOCKSIZE
-            notes["expert scales kept in fp32"] = "restored in forward, kept by the 4-bit matmul to backward"
+        # The grouped experts (kit.recipe.grouped_experts) dequantize one stack at a time into
+        # the compute dtype for its grouped GEMM, forward and backward, and keep none of it (nor
+        # its fp32 scales, which the per-expert loop kept to backward: 1.7 GiB on Qwen3-30B-A3B's
+        # shape, never measured by the grouped ones).
+        widest = max(i * o for i, o in shape.expert_stacks().values())
+        parts["dequantized expert stack"] = shape.experts * widest * a
+        notes["dequantized expert stack"] = "one layer's widest stack in the compute dtype, for its GEMM"
 
     # Loading (kit.recipe.loading): full and rank0 put the whole model on every GPU before sharding;
     # stream only this rank's shards plus the unit being filled (a decoder layer, or the
