@@ -11,7 +11,11 @@
 #          weights streamed in as the earlier records did (model.loading=stream), and the
 #          distributed timeout the kit asks for a 61 GB model (run.dist_timeout_min=31)
 #   profile: as bench, with one profiled step after the measured ones (GPU time per kernel family)
-#   bash benchmarks/gpu_moe_grouped.sh "$OUT" [tests] [layer] [bench] [profile]
+#   policies: as profile, three cases of one matrix (issue 55's next levers): the plan's own choice
+#          (recompute keeping the grouped GEMMs now), keeps=inputs at batch 24 (whole-layer
+#          recompute: more GPU work, no selective policy in Python per op, a larger batch over the
+#          same host time), and keeps=mlp_matmuls with the batch planned for it
+#   bash benchmarks/gpu_moe_grouped.sh "$OUT" [tests] [layer] [bench] [profile] [policies]
 set -uo pipefail
 OUT=${1:-/tmp/moe-grouped}; shift || true
 SETS=${*:-tests layer bench}
@@ -104,9 +108,31 @@ EOF
   echo "layer rc=$?"; cat "$OUT/layer.jsonl"; tail -3 "$OUT/layer.log"
 fi
 
-for set in bench profile; do
+for set in bench profile policies; do
   [[ " $SETS " == *" $set "* ]] || continue
-  if [[ $set == bench ]]; then cat > "$OUT/matrix.yaml" <<'EOF'
+  if [[ $set == policies ]]; then cat > "$OUT/matrix.yaml" <<'EOF'
+# Qwen3-30B-A3B's shape at an 80 GiB cap: what the recompute policy keeps against the batch it
+# leaves room for, each case with one profiled step (GPU busy against the step's wall time).
+model: kit:qwen3-30b-a3b
+seq_len: 2048
+nproc: 1
+device: cuda
+lr: 1.0e-3
+warmup_steps: 1
+measure_steps: 9
+cases:
+  - {name: moe-80-planned, recipe: kit, role: kit, cap_gib: 80, batches: [auto], timeout_s: 200,
+     profile: true, label: "kit, planned, grouped GEMMs kept by the recompute policy",
+     overrides: [run.dist_timeout_min=31, model.loading=stream]}
+  - {name: moe-80-inputs-b24, recipe: kit, role: kit, cap_gib: 80, batches: [24], timeout_s: 240,
+     profile: true, label: "kit, whole-layer recompute (keeps=inputs), batch 24",
+     overrides: [run.dist_timeout_min=31, model.loading=stream, training.recompute.keeps=inputs]}
+  - {name: moe-80-mlp, recipe: kit, role: kit, cap_gib: 80, batches: [auto], timeout_s: 200,
+     profile: true, label: "kit, keeps=mlp_matmuls, planned batch",
+     overrides: [run.dist_timeout_min=31, model.loading=stream,
+                 training.recompute.keeps=mlp_matmuls]}
+EOF
+  elif [[ $set == bench ]]; then cat > "$OUT/matrix.yaml" <<'EOF'
 # Qwen3-30B-A3B's shape, grouped experts (issue 55 item 1), kit defaults, planned batch.
 model: kit:qwen3-30b-a3b
 seq_len: 2048
@@ -137,7 +163,8 @@ cases:
 EOF
   fi
   b=/tmp/moe-grouped-$set; rm -rf "$b"
-  timeout 480 python3 -m kit.bench "$OUT/matrix.yaml" --out "$b" > "$OUT/$set.log" 2>&1
+  timeout "$([[ $set == policies ]] && echo 560 || echo 480)" \
+    python3 -m kit.bench "$OUT/matrix.yaml" --out "$b" > "$OUT/$set.log" 2>&1
   echo "$set rc=$?"
   cp "$b/results.jsonl" "$OUT/$set-results.jsonl" 2>/dev/null
   tail -c 3000 "$b"/logs/*.log > "$OUT/$set-case-tail.log" 2>/dev/null
