@@ -259,7 +259,10 @@ def test_the_success_line_names_the_data_file_the_model_and_a_forgotten_data_pat
     line = check_step.data_line(cfg, 2, runfolder.plan(cfg, 2), [out, f"data.path={mine}"])
     assert line.startswith(f"data: {mine}, model kit:tiny-llama: 36 training rows"), line
     assert "recipe's own" not in line
-    assert check_step.source(load_config(TINY, [out]), []) == "kit:sample, model kit:tiny-llama"
+    plain = "kit:sample, model kit:tiny-llama"
+    assert check_step.source(load_config(TINY, [out]), []) == plain
+    # run.sh's check of the folder's config.yaml, with the overrides the kit's script passes
+    assert check_step.source(load_config(TINY), [out, "run.dist_timeout_min=30"]) == plain
 
 
 # --------------------------------------------------------------------------- ranks

@@ -31,6 +31,7 @@ from kit import pitfalls
 from kit.config import Config, ConfigError, load_config
 from kit.folder import runfolder
 from kit.inputs import checks, datafile, sources
+from kit.run import script
 
 NOTHING_TO_DO = 3
 
@@ -148,11 +149,15 @@ def data_line(cfg: Config, world_size: int, plan: runfolder.Plan,
     return f"data: {source(cfg, overrides)}: {rows}; {planned.line()}; run: {plan.message}"
 
 
+# What run.sh's check step passes (kit.run.script.TRAIN_ARGS): the kit's own, not the person's.
+SCRIPT_KEYS = {arg.split("=", 1)[0] for arg in script.TRAIN_ARGS if "=" in arg}
+
+
 def source(cfg: Config, overrides: list[str] | None = None) -> str:
     """The data file and the model, and, when key=value overrides changed other values but not
     data.path and it is still the recipe's shipped sample, that it is (a forgotten data.path
     trains on the kit's own rows without a word otherwise)."""
-    keys = {item.split("=", 1)[0].strip() for item in overrides or []}
+    keys = {item.split("=", 1)[0].strip() for item in overrides or []} - SCRIPT_KEYS
     forgot = bool(keys) and "data.path" not in keys and datafile.shipped(cfg.data.path)
     return f"{cfg.data.path}, model {cfg.model.name}" + (
         " (the recipe's own sample: your overrides left data.path as it was; "
