@@ -570,6 +570,15 @@ def test_diagnose_diverged_ranks_slow_rank_and_a_crash(tmp_path):
     assert doctor.codes(doctor.diagnose_run(run)) == ["run_incomplete"]
 
 
+def test_diagnose_held_out_loss_that_rose_during_the_run(tmp_path):
+    run = crafted_run(tmp_path / "rising", [6.9, 6.5, 6.2, 6.0, 5.8], adapter=TRAINED)
+    with (run / "metrics.jsonl").open("a") as f:
+        for step, loss in enumerate([6.0, 6.1, 6.2, 6.3, 6.1], 1):
+            f.write(json.dumps({"split": "val", "step": step, "loss": loss}) + "\n")
+    found = doctor.diagnose_run(run)
+    assert doctor.codes(found) == ["val_loss_rising"] and "step 4 6.3000" in found[0].message
+
+
 @pytest.mark.slow
 def test_diagnose_a_real_tiny_run_finds_nothing_wrong(tiny_run):
     out = tiny_run  # the session's shared run (conftest): read, not changed

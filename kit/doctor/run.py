@@ -14,7 +14,7 @@ from pathlib import Path
 from kit.doctor.explain import explain
 from kit.findings import Finding, errors, ordered
 from kit.folder.layout import RunFolder
-from kit.recipe.checks import check_adapter, check_rank_times, check_step
+from kit.recipe.checks import check_adapter, check_rank_times, check_step, check_val_rising
 
 
 def diagnose_run(run_dir: str | Path) -> list[Finding]:
@@ -56,6 +56,7 @@ def diagnose_run(run_dir: str | Path) -> list[Finding]:
     if per_rank:  # median over steps of each rank's time (needs the recipe hook)
         cols = list(zip(*per_rank, strict=False))
         out += check_rank_times([sorted(c)[len(c) // 2] for c in cols])
+    out += check_val_rising(rows)  # what rank 0 said during the run, read back
     result = None
     if folder.result.is_file():
         result = json.loads(folder.result.read_text())

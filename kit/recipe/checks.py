@@ -115,11 +115,13 @@ def step_warnings(row: dict, step: int, history: list[dict]) -> list[Finding]:
     return check_rank_times(row["step_s_per_rank"], step) + check_val_rising(history, step)
 
 
-def check_val_rising(history: list[dict], step: int, evals: int = RISING_EVALS) -> list[Finding]:
+def check_val_rising(history: list[dict], step: int | None = None,
+                     evals: int = RISING_EVALS) -> list[Finding]:
     """Held-out loss that rose at `evals` evaluations in a row (the adapter learns its training
     rows, not the task), said once a run: at the step whose evaluation first made such a run of
     rises, with the steps and values. `history`: the run's metrics rows (rank 0's holds a resumed
-    run's earlier rows too, so a resumed run does not say it again)."""
+    run's earlier rows too, so a resumed run does not say it again); step None: wherever it
+    happened (the doctor, reading a finished run's metrics.jsonl)."""
     val = [(r["step"], r["loss"]) for r in history if r.get("split") == "val"]
     rises, first = 0, None
     for i in range(1, len(val)):
@@ -127,7 +129,7 @@ def check_val_rising(history: list[dict], step: int, evals: int = RISING_EVALS) 
         if rises == evals:
             first = i
             break
-    if first is None or first != len(val) - 1 or val[first][0] != step:
+    if first is None or step is not None and (first != len(val) - 1 or val[first][0] != step):
         return []
     best_step, best = min(val[: first + 1], key=lambda sv: sv[1])
     seen = ", ".join(f"step {s} {loss:.4f}" for s, loss in val[first - evals: first + 1])
