@@ -8,6 +8,7 @@
     kit merge launch/my-run launch/my-run/merged    # the adapter folded into the base, exported
     kit checkpoints list launch/my-run              # also: checkpoints verify PATH
     kit chat launch/my-run --prompt "Hi" --compare  # a run's adapter answers (and its base)
+    kit chat launch/my-run --prompts qs.txt --out replies.jsonl   # a reply a line, loaded once
     kit runs                                        # runs under launch/; runs NAME --follow | --stop
     kit jobs tiny-cpu --nnodes 2 --nproc-per-node 8 --out launch/big   # every way to launch; runs nothing
     kit models                                      # the built-in kit: models, built or not
@@ -36,7 +37,8 @@ PASS_THROUGH = {
     "check": ("kit.run.check", [], "the check step alone: config, model, data rows, this machine, "
               "the run folder; one line on success (kit check -h)"),
     "plan": ("kit.run.plan", [], "what the planner chooses for a config on this machine or on "
-             "stated GPUs: each value, who chose it and why (kit plan -h)"),
+             "stated GPUs: each value, who chose it and why, the step's and the run's time "
+             "(kit plan -h)"),
     "doctor": ("kit.doctor.__main__", [], "known QLoRA + FSDP pitfalls of a config, a script or a "
                "run folder (kit doctor -h)"),
     "bench": ("kit.bench.runner", [], "a matrix of training configurations, side by side, in one "
