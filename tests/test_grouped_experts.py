@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ROOT
 from test_moe import FAMILIES, built, outermost_wrapper
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -216,3 +217,48 @@ def test_recompute_keeps_the_grouped_gemms(monkeypatch):
     for keeps in ("matmuls", "attention_matmuls"):
         for mine, ref in zip(results[keeps], results["none"], strict=True):
             assert torch.equal(mine, ref), keeps
+
+
+def _model_gradients(device: str, keeps: str):
+    """kit:tiny-qwen3-moe as the recipe builds it (NF4, LoRA on attention and every expert,
+    dropout 0.05), bf16 on `device`, adapters made non-zero; one forward and backward under
+    `keeps` ("none": no recompute, "inputs": whole layers): (loss, {name: gradient})."""
+    from kit.config import load_config
+    from kit.recipe import model as kmodel
+    from kit.recipe.recompute import enable_activation_checkpointing, selective_checkpointing
+
+    cfg = load_config(ROOT / "kit/configs/tiny-cpu.yaml",
+                      ["model.name=kit:tiny-qwen3-moe", "model.loading=full", "model.dtype=bfloat16",
+                       "lora.dropout=0.05", "training.seed=0"])  # fmt: skip
+    peft_model = kmodel.build(cfg, torch.device(device), train=False).model
+    torch.manual_seed(0)
+    for name, p in peft_model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    if keeps == "inputs":
+        enable_activation_checkpointing(peft_model)
+    elif keeps != "none":
+        selective_checkpointing(peft_model, keeps, cfg.lora.r)
+    peft_model.train()
+    ids = torch.randint(3, 1000, (2, 64), generator=torch.Generator().manual_seed(1)).to(device)
+    torch.manual_seed(7)
+    loss = peft_model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.float() for n, p in peft_model.named_parameters()
+                         if p.requires_grad}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a CUDA GPU of compute capability 9.0+ (torch._grouped_mm)")
+def test_every_recompute_policy_gives_the_gradients_of_no_recompute_on_the_gpu():
+    """A whole MoE model on `torch._grouped_mm`: each recompute policy (the grouped GEMMs kept,
+    or run again) gives the loss of the model run once, and its gradients within bf16's
+    rounding (attention's backward may add in another order)."""
+    loss0, grads0 = _model_gradients("cuda", "none")
+    for keeps in ("matmuls", "mlp_matmuls", "attention_matmuls", "inputs"):
+        loss, grads = _model_gradients("cuda", keeps)
+        assert loss == pytest.approx(loss0, abs=1e-6), keeps
+        for name, g in grads.items():
+            top = grads0[name].abs().max()
+            assert top > 0 and (g - grads0[name]).abs().max() <= 0.01 * top, (keeps, name)
