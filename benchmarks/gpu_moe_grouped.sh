@@ -15,7 +15,9 @@
 #          (recompute keeping the grouped GEMMs now), keeps=inputs at batch 24 (whole-layer
 #          recompute: more GPU work, no selective policy in Python per op, a larger batch over the
 #          same host time), and keeps=mlp_matmuls with the batch planned for it
-#   bash benchmarks/gpu_moe_grouped.sh "$OUT" [tests] [layer] [bench] [profile] [policies]
+#   host: the plan's own case, 1 warm-up + 3 measured steps and one profiled step, for where the
+#          host's time goes (the profile row's `host`: launches, waits on the GPU, ops' CPU time)
+#   bash benchmarks/gpu_moe_grouped.sh "$OUT" [tests] [layer] [bench] [profile] [policies] [host]
 set -uo pipefail
 OUT=${1:-/tmp/moe-grouped}; shift || true
 SETS=${*:-tests layer bench}
@@ -108,9 +110,23 @@ EOF
   echo "layer rc=$?"; cat "$OUT/layer.jsonl"; tail -3 "$OUT/layer.log"
 fi
 
-for set in bench profile policies; do
+for set in bench profile policies host; do
   [[ " $SETS " == *" $set "* ]] || continue
-  if [[ $set == policies ]]; then cat > "$OUT/matrix.yaml" <<'EOF'
+  if [[ $set == host ]]; then cat > "$OUT/matrix.yaml" <<'EOF'
+# Qwen3-30B-A3B's shape, the plan's own choice at 80 GiB, a short run and one profiled step.
+model: kit:qwen3-30b-a3b
+seq_len: 2048
+nproc: 1
+device: cuda
+lr: 1.0e-3
+warmup_steps: 1
+measure_steps: 3
+cases:
+  - {name: moe-80-host, recipe: kit, role: kit, cap_gib: 80, batches: [auto], timeout_s: 150,
+     profile: true, label: "kit, planned, host profile",
+     overrides: [run.dist_timeout_min=31, model.loading=stream]}
+EOF
+  elif [[ $set == policies ]]; then cat > "$OUT/matrix.yaml" <<'EOF'
 # Qwen3-30B-A3B's shape at an 80 GiB cap: what the recompute policy keeps against the batch it
 # leaves room for, each case with one profiled step (GPU busy against the step's wall time).
 model: kit:qwen3-30b-a3b

@@ -33,3 +33,21 @@ def test_profile_sorts_kernels_into_families_and_skips_annotations():
                  "FullyShardedDataParallel.forward"):
         assert bench_worker._is_annotation(span)
     assert not bench_worker._is_annotation("nvjet_sm90_tst_16x64_64x16_1x2_h_bz_TNN")
+
+
+def test_profile_tells_launches_and_waits_on_the_gpu_from_the_ops():
+    """host_side: CUDA runtime calls apart from the ops (launches counted, synchronizing calls
+    summed as waits), the ops' own CPU time, the costliest ops first."""
+    from types import SimpleNamespace as A
+
+    got = bench_worker.host_side([
+        A(key="cudaLaunchKernel", count=900, self_cpu_time_total=4500.0),
+        A(key="cudaLaunchKernelExC", count=100, self_cpu_time_total=800.0),
+        A(key="cudaStreamSynchronize", count=3, self_cpu_time_total=250000.0),
+        A(key="cudaMemcpyAsync", count=4, self_cpu_time_total=100.0),
+        A(key="aten::index", count=96, self_cpu_time_total=9000.0),
+        A(key="aten::mm", count=200, self_cpu_time_total=3000.0),
+        A(key="cutlass::grouped_gemm", count=10, self_cpu_time_total=50.0)])
+    assert got["launches"] == 1000 and got["waits_ms"] == 250.0
+    assert list(got["runtime_ms"])[0] == "cudaStreamSynchronize"
+    assert got["ops_self_ms"] == 12.1 and got["top_ops_ms"][0] == ["aten::index", 96, 9.0]

@@ -314,7 +314,8 @@ def kernel_family(name: str) -> str:
 
 def profile_step(run: _Run, batch: dict) -> dict:
     """One more step under torch.profiler: GPU time per kernel family and the 20 costliest
-    kernels, plus the share of the step the GPU sat idle (launch overhead, host syncs)."""
+    kernels, plus the share of the step the GPU sat idle (launch overhead, host syncs), and
+    where the host's time went (host_side)."""
     from torch.profiler import ProfilerActivity, profile
 
     _sync(run.env.device)
@@ -340,7 +341,31 @@ def profile_step(run: _Run, batch: dict) -> dict:
     return {"wall_ms": round(wall_ms, 1), "gpu_busy_ms": round(busy / 1e3, 1),
             "families_ms": {k: round(v / 1e3, 1) for k, v in
                             sorted(by_family.items(), key=lambda kv: -kv[1])},
-            "top_kernels_ms": [[n[:90], round(v / 1e3, 2)] for n, v in top]}
+            "top_kernels_ms": [[n[:90], round(v / 1e3, 2)] for n, v in top],
+            "host": host_side(prof.key_averages())}
+
+
+def host_side(averages) -> dict:
+    """Where the host's time of a profiled step goes (torch.profiler's key_averages: key, count,
+    self_cpu_time_total in us): the CUDA runtime calls (launches; waits on the GPU, which
+    synchronize or copy to pageable memory), the ops' own CPU time, and the 15 costliest ops.
+    The step's wall time less `ops_self_ms` is Python between the ops."""
+    runtime, ops = {}, []
+    for a in averages:
+        if a.key.startswith(("cuda", "cu")) and not a.key.startswith("cutlass"):
+            runtime[a.key] = (a.count, a.self_cpu_time_total)
+        else:
+            ops.append(a)
+    launches = sum(c for k, (c, _) in runtime.items() if "Launch" in k)
+    waits = sum(t for k, (_, t) in runtime.items()
+                if "Synchronize" in k or k in ("cudaMemcpy", "cuMemcpy"))  # fmt: skip
+    top = sorted(ops, key=lambda a: -a.self_cpu_time_total)[:15]
+    return {"launches": launches, "waits_ms": round(waits / 1e3, 1),
+            "runtime_ms": {k: [c, round(t / 1e3, 1)] for k, (c, t) in
+                           sorted(runtime.items(), key=lambda kv: -kv[1][1])[:8]},
+            "ops_self_ms": round(sum(a.self_cpu_time_total for a in ops) / 1e3, 1),
+            "top_ops_ms": [[a.key[:60], a.count, round(a.self_cpu_time_total / 1e3, 1)]
+                           for a in top]}  # fmt: skip
 
 
 # Any case of the matrix, by name: its rows are its own (a JSON line per setup, batch, curve,
