@@ -392,13 +392,13 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
     planned.tokens_per_s = (speed(shape, seq_len, batch, rc.keeps if rc.enabled else None, hw,
                                   rc.matmul_layers, 0 < rc.attention_tile_tokens < seq_len)
                             if hw.peak_flops and not shape.experts else None)
-    if shape.experts and hw.peak_flops:  # the step model counts matmuls, not the loop's launches
+    if shape.experts and hw.peak_flops:  # the step model counts matmuls, not the host's share
         planned.notes.append(
-            "expected speed: not predicted for a mixture of experts (kit.recipe.experts runs "
-            "each expert on its own, so kernel launches bound the step, which the step model "
-            "does not count); measured: 480-906 tokens/s per GPU on Qwen3-30B-A3B's shape "
-            "(H200s, benchmarks/results/moe-30b-a3b-2xh200.md), 69 on Qwen3-235B-A22B's (4x "
-            "H100, benchmarks/results/issue36-4xh100.md)")
+            "expected speed: not predicted for a mixture of experts (the grouped experts' step "
+            "is bound by the host, which the step model does not count); measured: 7,226-7,848 "
+            "tokens/s on Qwen3-30B-A3B's shape on one H200 at 80 GiB, by recompute policy "
+            "(benchmarks/results/moe-grouped-1xh200.md), 69 per GPU on Qwen3-235B-A22B's with "
+            "the per-expert loop (4x H100, benchmarks/results/issue36-4xh100.md)")
     if hw.fp8 and not out.quantization.fp8_matmul and out.quantization.method != "none":
         planned.notes.append(
             "not chosen: quantization.fp8_matmul=true (this GPU has FP8 tensor cores; measured "
