@@ -31,6 +31,7 @@ import yaml
 from kit import pitfalls
 
 DType = Literal["bfloat16", "float16", "float32"]
+Tracker = Literal["jsonl", "tensorboard", "trackio"]  # run.report_to (kit.recipe.trackers)
 AUTO = "auto"  # a value the planner chooses (kit.budget.plan)
 
 
@@ -273,6 +274,10 @@ class RunConfig:
     start_over: bool = False
     # Collective timeout (NCCL/gloo). Raise it when gathering or saving a large model takes long.
     dist_timeout_min: int = 30
+    # Where rank 0's metrics go besides metrics.jsonl (always written; kit.recipe.trackers):
+    # tensorboard (event files in <output_dir>/tensorboard/), trackio (a local project in
+    # <output_dir>/trackio/, needs `pip install trackio`). One name or a list.
+    report_to: list[Tracker] = field(default_factory=lambda: ["jsonl"])
 
 
 @dataclass
@@ -332,6 +337,8 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
             except ConfigError:
                 pass
     elif origin is list:
+        if isinstance(value, str) and get_origin(get_args(tp)[0]) is Literal:
+            value = [value]  # run.report_to=tensorboard: a list of one name
         if isinstance(value, (list, tuple)):
             return [_coerce(f"{name}[{i}]", v, get_args(tp)[0]) for i, v in enumerate(value)]
     elif tp is bool:

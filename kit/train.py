@@ -39,6 +39,7 @@ from kit.recipe import (
     planning,
     preempt,
     recompute,
+    trackers,
 )
 from kit.recipe import dist as kdist
 
@@ -50,6 +51,7 @@ class Recipe:
         self.cfg = cfg
         self.out = cfg.output_dir
         self.folder = RunFolder(self.out)  # what rank 0 writes there, by name
+        self.report = trackers.Report(cfg, self.folder)  # metrics.jsonl + run.report_to
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -114,7 +116,7 @@ class Recipe:
                 if t.activation_memory_budget < 1 else ""))
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = optim.ShardAdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)
-        self.scheduler = self._scheduler()
+        self.scheduler = optim.scheduler(self.optimizer, t)
         torch.manual_seed(t.seed + env.rank)  # dropout differs per rank, as data does
         one_row = cfg.data.packing and built.attention.startswith("flash_attention")
         self.train_batches = data.Batches(data.loader(
@@ -166,14 +168,6 @@ class Recipe:
                 raise checkpoint.CheckpointError(
                     f"the adapter cannot be saved: {key} gathers as {tuple(t.shape)}, expected "
                     f"{tuple(want)} (checked after the first step, before training on)")
-
-    def _scheduler(self):
-        from transformers import get_scheduler
-
-        t = self.cfg.training
-        name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
-        return get_scheduler(name[t.scheduler], self.optimizer, num_warmup_steps=t.warmup_steps,
-                             num_training_steps=t.steps)
 
     # ------------------------------------------------------------------ train
     def _to_device(self, batch: dict) -> dict:
@@ -328,7 +322,7 @@ class Recipe:
         }
         self.history.append(row)
         if self.env.is_main:
-            self.folder.append_metrics(row)
+            self.report.write(row)
 
     def finish(self, saved: dict) -> dict:
         train = [r["loss"] for r in self.history if r["split"] == "train"] or [None]
@@ -349,6 +343,7 @@ class Recipe:
         }
         if self.env.is_main:
             self.folder.write_result(result)
+            self.report.close()
             def f(x):
                 return "-" if x is None else f"{x:.4f}"
 

@@ -43,6 +43,9 @@ class RunFolder:
     CHECKPOINTS = "checkpoints"  # step-NNNNNN/ each (kit.folder.manifest)
     EARLIER = "earlier"  # what a later start replaced, byte for byte (kit.folder.runfolder)
     TRAINER = "trainer"  # kit.recipe.sft: the Trainer's own output_dir (its checkpoints)
+    # run.report_to's trackers (kit.recipe.trackers): TensorBoard's event files, trackio's project.
+    TENSORBOARD = "tensorboard"
+    TRACKIO = "trackio"
     # A checkpoint's folder: step-N, or step-N.tmp while it is written.
     STEP_FOLDER = re.compile(r"step-(\d+)(\.tmp)?")
 
@@ -57,7 +60,7 @@ class RunFolder:
         """Every name the folder may hold directly (LAUNCHERS included)."""
         return {cls.CONFIG, cls.RUN_SH, *cls.LAUNCHERS, cls.PID, cls.EXIT_CODE, cls.STOP_REQUESTED,
                 cls.CLAIM, cls.LOG, cls.LOGS, cls.METRICS, cls.RESULT, cls.ADAPTER, cls.PROBE,
-                cls.CHECKPOINTS, cls.EARLIER, cls.TRAINER}
+                cls.CHECKPOINTS, cls.EARLIER, cls.TRAINER, cls.TENSORBOARD, cls.TRACKIO}
 
     @staticmethod
     def step_name(step: int) -> str:

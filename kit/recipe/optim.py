@@ -102,3 +102,12 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_(local, scale.to(local[0].dtype))
     return norm
+
+
+def scheduler(optimizer, t):
+    """transformers' learning-rate schedule for training config `t` (warmup, then t.scheduler)."""
+    from transformers import get_scheduler
+
+    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
+    return get_scheduler(name[t.scheduler], optimizer, num_warmup_steps=t.warmup_steps,
+                         num_training_steps=t.steps)

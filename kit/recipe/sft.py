@@ -44,7 +44,6 @@ import copy
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -54,7 +53,7 @@ from kit.config import Config, ConfigError, load_config
 from kit.folder import runfolder
 from kit.folder.layout import RunFolder
 from kit.inputs import builtin
-from kit.recipe import checkpoint, checks, data, engines, lora, meters, model, planning
+from kit.recipe import checkpoint, checks, data, engines, lora, meters, model, planning, trackers
 from kit.recipe import dist as kdist
 from kit.recipe.sft_setup import (  # noqa: F401 - the names tests and callers use here
     SCHEDULERS,
@@ -196,9 +195,11 @@ class Recorder:
     """A TrainerCallback (built by `recorder`): metrics.jsonl rows as kit.train writes them, the
     in-run checks, and the adapter gathered and checked after step 1."""
 
-    def __init__(self, out: Path, device, is_main: bool, world: int, layout):
-        self.out, self.device, self.is_main, self.world, self.layout = out, device, is_main, world, layout
-        self.folder = RunFolder(out)
+    def __init__(self, cfg: Config, device, is_main: bool, world: int, layout):
+        self.out, self.device, self.is_main, self.world, self.layout = (
+            cfg.output_dir, device, is_main, world, layout)
+        self.folder = RunFolder(self.out)
+        self.report = trackers.Report(cfg, self.folder)  # metrics.jsonl + run.report_to
         self.history: list[dict] = []
         self.trainer = None
         self.started = self._last = time.perf_counter()
@@ -234,7 +235,7 @@ class Recorder:
             raise FloatingPointError(str(finding))
         self.history.append(row)
         if self.is_main:
-            self.folder.append_metrics(row)
+            self.report.write(row)
 
 
 def recorder(*a, **kw):
@@ -294,7 +295,7 @@ def run(cfg: Config) -> dict:
     layout = checkpoint.AdapterLayout(peft_model, base=cfg.model.name)  # before the trainer wraps it
     params = lora.trainable_summary(peft_model)
     train_ds, eval_ds = text_datasets(cfg, tokenizer, world)
-    rec = recorder(out, device, is_main, world, layout)
+    rec = recorder(given, device, is_main, world, layout)
     trainer = SFTTrainer(model=peft_model, args=args, train_dataset=train_ds,
                          eval_dataset=eval_ds, processing_class=tokenizer, callbacks=[rec])
     rec.trainer = trainer
@@ -335,6 +336,7 @@ def run(cfg: Config) -> dict:
               "loading": cfg.model.loading, **result}
     if is_main:
         RunFolder(out).write_result(result)
+        rec.report.close()
         say(f"{result['status']} at step {steps}: loss {train[0]} -> {train[-1]} (val {val[-1]})")
     state.wait_for_everyone()
     return result
