@@ -81,6 +81,9 @@ def test_trackio_holds_what_metrics_jsonl_holds_or_is_one_line(tracked):
     assert got.keys() == want.keys()
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-9), key
+    config = trackers.hyperparameters(yaml.safe_load((tracked / RunFolder.CONFIG).read_text()))
+    stored = SQLiteStorage.get_run_config(name, name)
+    assert {k: stored[k] for k in config} == config
 
 
 def test_a_tracker_that_fails_is_one_line_and_metrics_go_on(tmp_path, monkeypatch):

@@ -14,6 +14,8 @@ and metrics.jsonl go on. kit.train and kit.recipe.sft write through here. Rank s
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 
 from kit.folder.layout import RunFolder
@@ -62,20 +64,27 @@ class TensorBoard:
 
 class Trackio:
     """trackio's init / log / finish, its database under the run folder (TRACKIO_DIR, set before
-    trackio is imported); no dashboard is started (`trackio show` starts one, by hand)."""
+    trackio is imported), local only: no Space, server or dataset to sync to, no dashboard
+    (`trackio show` starts one, by hand), no system metrics of its own (the rows are the kit's).
+    Its own lines ("View dashboard by running ...", "Uploading logs ...") are kept out of run.log."""
 
     def __init__(self, folder, cfg, params: dict):
         os.environ["TRACKIO_DIR"] = str((folder.path / TRACKIO).resolve())
+        for remote in ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL", "TRACKIO_DATASET_ID"):
+            os.environ.pop(remote, None)
         import trackio
 
         self.trackio = trackio
-        trackio.init(project=cfg.run.name, name=cfg.run.name, config=params, resume="allow")
+        with contextlib.redirect_stdout(io.StringIO()):
+            trackio.init(project=cfg.run.name, name=cfg.run.name, config=params, resume="allow",
+                         embed=False, auto_log_gpu=False, auto_log_cpu=False)
 
     def log(self, step: int, values: dict) -> None:
         self.trackio.log(values, step=step)
 
     def close(self) -> None:
-        self.trackio.finish()
+        with contextlib.redirect_stdout(io.StringIO()):
+            self.trackio.finish()
 
 
 TRACKERS = {TENSORBOARD: TensorBoard, TRACKIO: Trackio}
