@@ -88,7 +88,7 @@ def test_trackio_holds_what_metrics_jsonl_holds_or_is_one_line(tracked):
 
 def test_a_tracker_that_fails_is_one_line_and_metrics_go_on(tmp_path, monkeypatch):
     class Broken:
-        def __init__(self, folder, cfg, params):
+        def __init__(self, folder, cfg, params, first_step):
             pass
 
         def log(self, step, values):
@@ -117,3 +117,21 @@ def test_report_to_names_only_known_trackers():
         load_config("tiny-cpu", ["run.report_to=[tensorboard,wandb]"])
     assert str(e.value) == ("run.report_to[1]: 'wandb' is not allowed; expected one of 'jsonl', "
                             "'tensorboard', 'trackio'")
+
+
+def test_a_resumed_run_hides_what_an_earlier_start_wrote_past_its_checkpoint(tmp_path):
+    """metrics.jsonl keeps rows up to the checkpoint on a resume; TensorBoard then shows the
+    resumed steps only (SummaryWriter's purge_step), not two values at one step."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg, folder = load_config("tiny-cpu", ["run.report_to=tensorboard"]), RunFolder(tmp_path)
+    for steps, loss in ((range(1, 5), 1.0), (range(3, 5), 2.0)):  # a start, then a resume at 2
+        report = trackers.Report(cfg, folder, pytest.fail)
+        for step in steps:
+            report.write({"split": "train", "step": step, "loss": loss})
+        report.close()
+    events = EventAccumulator(str(tmp_path / RunFolder.TENSORBOARD))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0)]

@@ -44,11 +44,14 @@ def hyperparameters(tree: dict, prefix: str = "") -> dict:
 class TensorBoard:
     """torch.utils.tensorboard's SummaryWriter; the config through the hparams plugin."""
 
-    def __init__(self, folder, cfg, params: dict):
+    def __init__(self, folder, cfg, params: dict, first_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
-        self.writer = SummaryWriter(log_dir=str(folder.path / TENSORBOARD))
+        # A resumed run hides what an earlier start wrote from its first step on, as metrics.jsonl
+        # keeps rows only up to the checkpoint (kit.folder.runfolder).
+        self.writer = SummaryWriter(log_dir=str(folder.path / TENSORBOARD),
+                                    purge_step=first_step or None)
         # add_hparams would open a second run beside this one; its three summaries go here instead
         for summary in hparams(params, {}):
             self.writer.file_writer.add_summary(summary)
@@ -68,7 +71,7 @@ class Trackio:
     (`trackio show` starts one, by hand), no system metrics of its own (the rows are the kit's).
     Its own lines ("View dashboard by running ...", "Uploading logs ...") are kept out of run.log."""
 
-    def __init__(self, folder, cfg, params: dict):
+    def __init__(self, folder, cfg, params: dict, first_step: int = 0):
         os.environ["TRACKIO_DIR"] = str((folder.path / TRACKIO).resolve())
         for remote in ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL", "TRACKIO_DATASET_ID"):
             os.environ.pop(remote, None)
@@ -98,12 +101,12 @@ class Report:
         self.cfg, self.folder, self.say = cfg, folder, say
         self.trackers: dict | None = None
 
-    def _open(self) -> dict:
+    def _open(self, first_step: int) -> dict:
         opened, params = {}, hyperparameters(self.cfg.to_dict())
         for name in dict.fromkeys(self.cfg.run.report_to):
             if name in TRACKERS:
                 opened[name] = self._try(name, "could not start", TRACKERS[name], self.folder,
-                                         self.cfg, params)
+                                         self.cfg, params, first_step)
         return {name: t for name, t in opened.items() if t is not None}
 
     def _try(self, name: str, what: str, fn, *args):
@@ -120,7 +123,7 @@ class Report:
     def write(self, row: dict) -> None:
         self.folder.append_metrics(row)
         if self.trackers is None:
-            self.trackers = self._open()
+            self.trackers = self._open(row.get("step", 0))
         values = scalars(row)
         for name, tracker in list(self.trackers.items()):
             self._try(name, f"failed at step {row.get('step')}", tracker.log, row.get("step", 0), values)
