@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kit.config import Config, ConfigError, DataConfig, load_config
-from kit.inputs import builtin, datafile, model_folder, sources
+from kit.inputs import builtin, checks, datafile, model_folder, sources
 
 FUZZ = settings(max_examples=120, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -224,7 +224,7 @@ def good_model() -> Path:
     """kit:tiny-llama's folder, read once before any recording: the libraries' imports make
     their own caches (torch's inductor folder), which are not the checks' writes."""
     folder = builtin.resolve("kit:tiny-llama")
-    assert model_folder.read(str(folder)) == {**model_folder.read(str(folder)), "config": None,
+    assert checks.read(str(folder)) == {**checks.read(str(folder)), "config": None,
                                               "tokenizer": None}
     return folder
 
@@ -233,7 +233,7 @@ def good_model() -> Path:
        where=st.floats(min_value=0, max_value=1), text=CONFIG_TEXT)
 @settings(FUZZ, max_examples=80)
 def test_a_broken_model_folder_is_one_line_or_loads(tmp_path, good_model, how, where, text):
-    """The check's own steps on it: sources.check_model (config.json), model_folder.read
+    """The check's own steps on it: sources.check_model (config.json), checks.read
     (AutoConfig and the tokenizer, as the ranks read them) and check_weights (headers, sizes)."""
     folder = tmp_path / "model"
     shutil.rmtree(folder, ignore_errors=True)
@@ -242,7 +242,7 @@ def test_a_broken_model_folder_is_one_line_or_loads(tmp_path, good_model, how, w
     with writes_only_under(tmp_path):
         if _refused(sources.check_model, str(folder)):  # config.json missing or not JSON
             return
-        found = model_folder.read(str(folder))
+        found = checks.read(str(folder))
         for refusal in (found["config"], found["tokenizer"]):
             assert refusal is None or (refusal and "\n" not in refusal), refusal
         one_line_or_nothing(model_folder.check_weights, str(folder))
