@@ -230,7 +230,8 @@ class TrainingConfig:
 
 @dataclass
 class DataConfig:
-    # A local .json/.jsonl/.csv/.parquet file, or "kit:sample" (ships with the kit).
+    # A local .json/.jsonl/.parquet file (text, messages or ShareGPT rows), a .csv (text rows
+    # only: its cells are strings), or "kit:sample" (ships with the kit).
     path: str = "kit:sample"
     format: Literal["auto", "text", "messages"] = "auto"  # auto: messages if that field exists
     text_field: str = "text"

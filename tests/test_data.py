@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from conftest import ROOT
 
 from kit.config import ConfigError, DataConfig
 from kit.inputs import builtin
@@ -50,6 +51,14 @@ def test_missing_text_field_names_the_columns(tmp_path, tokenizer):
     cfg = DataConfig(path=str(write(tmp_path, "jsonl")), text_field="text")
     with pytest.raises(ConfigError, match=r"data.text_field: 'text' is not a column of .*; columns: body"):
         data.build_datasets(cfg, tokenizer, seed=0)
+    pairs = tmp_path / "pairs.jsonl"  # prompt/completion rows: not a shape the kit reads
+    pairs.write_text('{"prompt": "2+2?", "completion": "4"}\n' * 4)
+    with pytest.raises(ConfigError) as refused:
+        data.build_datasets(DataConfig(path=str(pairs)), tokenizer, seed=0)
+    assert str(refused.value) == (
+        f"data.text_field: 'text' is not a column of {pairs}; columns: prompt, completion; "
+        "prompt/completion rows are not read: write each as messages, the prompt the user's "
+        "turn and the completion the assistant's")
 
 
 GOOD = '{"text": "fine"}\n'
@@ -80,6 +89,12 @@ BAD_FILES = [
      "non-empty list"),
     ("chat-item.jsonl", CHAT * 3 + '{"messages": [{"role": "user"}]}\n',
      "row 4 (line 4): 'messages' message 1 is {'role': 'user'"),
+    ("chat.csv", 'messages\n"[{""role"": ""user"", ""content"": ""hi""}]"\n',
+     "is a CSV file with chat rows ('messages'); a CSV holds text rows only (a string column, "
+     "data.text_field, data.format=text): chat rows (messages, ShareGPT conversations) need a "
+     ".jsonl, .json or .parquet file"),
+    ("sharegpt.csv", 'conversations,text\n"[]",fine\n', "is a CSV file with chat rows "
+     "('conversations'); a CSV holds text rows only"),
 ]  # fmt: skip
 
 
@@ -104,6 +119,51 @@ def test_bad_files_are_refused_in_one_line(tmp_path, tokenizer, name, text, says
     with pytest.raises(ConfigError, match=r"^data\.val_path: ") as checked:
         datafile.check_file(val)
     assert says in str(checked.value)
+
+
+CHAT_ROW = {"messages": [{"role": "user", "content": "Capital of Peru?"},
+                         {"role": "assistant", "content": "Lima"}]}
+SHAREGPT_ROW = {"conversations": [{"from": "human", "value": "Capital of Peru?"},
+                                  {"from": "gpt", "value": "Lima"}]}
+SHAPES = {"text": {"text": "row 1 says hello"}, "messages": CHAT_ROW, "sharegpt": SHAREGPT_ROW}
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "csv", "parquet"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_each_format_holds_the_row_shapes_the_docs_name(tmp_path, kind, shape):
+    """What README.md and docs/recipe.md say of data files, held: .jsonl, .json and .parquet hold
+    text, chat (messages) and ShareGPT rows; .csv holds text rows only (its cells are strings), and
+    chat rows in a CSV are one line naming the file and what is allowed."""
+    import pandas as pd
+
+    from kit.inputs import datafile
+
+    rows = [SHAPES[shape]] * 4
+    path = tmp_path / f"rows.{kind}"
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif kind == "json":
+        path.write_text(json.dumps(rows))
+    elif kind == "csv":  # a chat column as JSON text: the one way a CSV could carry one
+        pd.DataFrame([{k: v if isinstance(v, str) else json.dumps(v) for k, v in r.items()}
+                      for r in rows]).to_csv(path, index=False)
+    else:
+        pd.DataFrame(rows).to_parquet(path)
+    cfg = DataConfig(path=str(path))
+    if kind == "csv" and shape != "text":
+        with pytest.raises(ConfigError) as refused:
+            datafile.check_file(cfg)
+        assert str(refused.value).startswith(f"data.path: {str(path)!r} is a CSV file with chat "
+                                             "rows"), refused.value
+        assert "need a .jsonl, .json or .parquet file" in str(refused.value)
+        return
+    datafile.check_file(cfg)
+    column = datafile.texts_column(datafile.read_rows(path), cfg, str(path))
+    assert column == ("text", "text") if shape == "text" else column[0] == "messages"
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "`.csv` holds plain-text rows only" in readme
+    recipe = " ".join((ROOT / "docs" / "recipe.md").read_text().split())
+    assert "`.csv` holds text rows only" in recipe
 
 
 @pytest.mark.parametrize("path, message", [("x.txt", "expected a file ending in"), ("/no/such.jsonl", "does not exist")])

@@ -231,21 +231,30 @@ def as_messages(value) -> list:
             if isinstance(m, dict) and "from" in m and "value" in m else m for m in value]
 
 
-def texts_column(rows: list[dict], cfg: DataConfig, name: str) -> tuple[str, str]:
+def texts_column(rows: list[dict], cfg: DataConfig, name: str,
+                 field: str = "data.path") -> tuple[str, str]:
     """(format, column) the texts come from: data.format (auto: messages if that column exists,
     or a ShareGPT `conversations` column, read as messages) and its field, which must be a column
-    of the file `name`."""
+    of the file `name` (data.path or data.val_path: `field`). A CSV's cells are strings: it holds
+    text rows only, and chat rows in it are refused in one line."""
     columns = columns_of(rows)
     fmt = cfg.format
     sharegpt = cfg.messages_field not in columns and SHAREGPT in columns
     if fmt == "auto":
         fmt = "messages" if cfg.messages_field in columns or sharegpt else "text"
     column = (SHAREGPT if sharegpt else cfg.messages_field) if fmt == "messages" else cfg.text_field
+    if fmt == "messages" and str(name).endswith(".csv"):
+        raise ConfigError(
+            f"{field}: {name!r} is a CSV file with chat rows ({column!r}); a CSV holds text rows "
+            f"only (a string column, data.text_field, data.format=text): chat rows (messages, "
+            f"ShareGPT conversations) need a .jsonl, .json or .parquet file")
     if column not in columns:
         field = "data.messages_field" if fmt == "messages" else "data.text_field"
+        pairs = {"prompt", "completion"} <= set(columns)
         raise ConfigError(
-            f"{field}: {column!r} is not a column of {name}; columns: {', '.join(columns)}"
-        )
+            f"{field}: {column!r} is not a column of {name}; columns: {', '.join(columns)}" + (
+                "; prompt/completion rows are not read: write each as messages, the prompt the "
+                "user's turn and the completion the assistant's" if pairs else ""))
     return fmt, column
 
 
@@ -256,7 +265,7 @@ def check_rows(name: str, rows: list[dict], cfg: DataConfig, field: str = "data.
     where = f"{field}: {name!r}"
     if not rows:
         raise ConfigError(f"{where} holds no rows")
-    fmt, column = texts_column(rows, cfg, name)
+    fmt, column = texts_column(rows, cfg, name, field)
     trains = fmt == "messages" and cfg.train_on == "assistant"
     bad = [(i, p) for i, r in enumerate(rows) if (p := _problem(r.get(column), fmt, trains))]
     allowed = (
@@ -304,7 +313,7 @@ def render_chats(rows: list[dict], cfg: DataConfig, tokenizer, name: str,
     in one line naming the row, the message and its role. Needs no torch: the tokenizer is given."""
     from jinja2 import TemplateError
 
-    column = texts_column(rows, cfg, name)[1]
+    column = texts_column(rows, cfg, name, field)[1]
     texts, bad = [], []
     for i, row in enumerate(rows):
         chat = as_messages(row[column])

@@ -47,7 +47,7 @@ def _chats(rows: list[dict], cfg: DataConfig, tokenizer, name: str, field: str =
     """(texts, spans): each row's text (chat rows rendered by the chat template, each row checked
     against it: kit.inputs.datafile.render_chats) and, where only the assistant's turns train (chat
     rows, data.train_on=assistant), their character spans in it; spans None: every token trains."""
-    fmt, column = texts_column(rows, cfg, name)
+    fmt, column = texts_column(rows, cfg, name, field)
     if fmt == "text":
         return [r[column] for r in rows], None
     if not tokenizer.chat_template:
