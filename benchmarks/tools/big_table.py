@@ -1,7 +1,7 @@
 """One row per finished recipe run (RUN folders): what loading cost, the steady step's speed and
 memory, and the memory estimator's prediction for the same setup (kit.budget.estimate), as Markdown.
 
-    python3 benchmarks/big_table.py RUN [RUN ...]
+    python3 benchmarks/tools/big_table.py RUN [RUN ...]
 """
 
 import json
@@ -9,7 +9,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kit.budget.estimate import Setup, estimate  # noqa: E402
 from kit.config import load_config  # noqa: E402
 from kit.folder import jsonl  # noqa: E402

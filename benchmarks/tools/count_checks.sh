@@ -2,7 +2,7 @@
 # How many times one notebook launch (kit.run.launch.launch, 2 CPU processes, 2 steps) checks its
 # start, per process: the config's validation (config._check), the doctor's pre-flight, the run
 # folder's plan, the pitfalls' machine rules, the engine's check. Any checkout:
-#   bash benchmarks/count_checks.sh [CHECKOUT]      (a checkout before the packages: kit.launch)
+#   bash benchmarks/tools/count_checks.sh [CHECKOUT]      (a checkout before the packages: kit.launch)
 set -euo pipefail
 TREE=$(cd "${1:-.}" && pwd); HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=$(mktemp -d); MOD=kit.run.launch; [ -f "$TREE/kit/launch.py" ] && MOD=kit.launch

@@ -3,7 +3,7 @@ outweigh the libraries' (default kit:llama-1b: Llama-3.2-1B's shape, 2.5 GB of b
 written once under $KIT_HOME). One torchrun per mode (kit.lab.loading_report.measure), so each row's
 peaks are its own; prints a markdown table per rank and the ratio of what each load added.
 
-    python3 benchmarks/cpu_loading.py [MODEL] > benchmarks/results/loading-1b-cpu.md
+    python3 benchmarks/tools/cpu_loading.py [MODEL] > report.md   # as in benchmarks/records/2026-11-24-loading-1b-cpu
 """
 
 import sys

@@ -1,7 +1,7 @@
 """The second article's claim B15: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces
 out-of-memory errors from fragmentation. One GPU, measured side by side:
 
-    python benchmarks/expandable_segments.py OUT.jsonl [--model kit:llama-1b] [--steps 60]
+    python benchmarks/tools/expandable_segments.py OUT.jsonl [--model kit:llama-1b] [--steps 60]
 
 The same QLoRA training steps (the kit's model build: NF4 base, LoRA, recomputation) on batches
 whose sequence length changes every step, as unpacked data gives them (seeded, 128 to 4,096
@@ -11,7 +11,7 @@ the gap), the allocator's retries (torch.cuda.memory_stats: a cudaMalloc that fa
 freed, tried again); then the same steps again under memory caps of `--caps` x the free runs'
 peak allocated (set_per_process_memory_fraction), without emptying the cache between steps:
 the steps that ran out of memory. The kit sets the variable in every run.sh (kit/run/launch.py);
-the rows, recorded under benchmarks/results/, are for the cell that settles claim B15.
+the rows, recorded under benchmarks/records/, are for the cell that settles claim B15.
 
 `--device cpu` runs 2 steps of each setting on the tiny model with no memory figures: a check
 of the script itself, not a measurement.

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Fill .whl/gpu (ignored by git) with what the GPU machines lack, for Python 3.12 / x86_64, small
 # enough to travel (64 MiB): bitsandbytes with only its CUDA 13 libraries, the notebook stack,
-# kit.recipe.sft's trl + datasets (benchmarks/gpu_sft_check.sh), and the peer stack's liger-kernel.
+# kit.recipe.sft's trl + datasets (benchmarks/tools/gpu_sft_check.sh), and the peer stack's liger-kernel.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 dest=$PWD/.whl/gpu; tmp=$(mktemp -d); mkdir -p "$dest"
 plat="--only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64"
 pip download -q --no-deps $plat bitsandbytes==0.50.2 -d "$tmp/bnb"
@@ -19,7 +19,7 @@ pip download -q $plat papermill ipykernel ipywidgets nbformat nbclient matplotli
 # (gpu_sft_check.sh records pip check's word on them). kit.run.jobs' jsonschema (with
 # jsonschema-specifications, referencing, rpds-py) comes with nbformat above.
 pip download -q --no-deps $plat trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 -d "$dest"
-# SmolLM2 (benchmarks/carry_smollm2.sh): transformers reads its GGUF file with gguf (its numpy,
+# SmolLM2 (benchmarks/tools/carry_smollm2.sh): transformers reads its GGUF file with gguf (its numpy,
 # pyyaml, tqdm are the image's; requests is imported only by its scripts).
 pip download -q --no-deps $plat gguf==0.19.0 -d "$dest"
 # The peer stack (kit.bench.peer): liger-kernel 0.8.5, pure Python (one py3-none-any wheel, 0.9 MB),

@@ -1,8 +1,8 @@
 """Where a kit.bench case's GPU sits idle between kernels, in one profiled training step (issue 35).
 
-    torchrun --nproc_per_node=1 benchmarks/gaps.py MATRIX CASE [OUT.json]
+    torchrun --nproc_per_node=1 benchmarks/tools/gaps.py MATRIX CASE [OUT.json]
 
-Builds the case as benchmarks/host_lead.py does, runs 3 steps, then one more under torch.profiler
+Builds the case as benchmarks/tools/host_lead.py does, runs 3 steps, then one more under torch.profiler
 with CUDA activity only (the least host cost the profiler has). From the trace: every kernel and
 copy on every stream, the union of their intervals, and each gap in that union (no stream busy).
 A gap is "host" when the next kernel was launched after the GPU had gone idle (the host was

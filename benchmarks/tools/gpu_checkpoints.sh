@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Save + resume + merge of the 1.24B Llama (NF4) under FSDP2 and FSDP1 on 2 GPUs (issue 5):
-# times and sizes of each checkpoint kind. Run from the repo root: bash benchmarks/gpu_checkpoints.sh OUT
+# times and sizes of each checkpoint kind.
+# Run through benchmarks/run.sh (it sets the machine up, detaches and polls):
+#   bash benchmarks/run.sh benchmarks/tools/gpu_checkpoints.sh OUT
 # Per engine: run A stops at step 10 with a sharded (DCP) checkpoint every 5 steps; run B resumes
 # from it (resume=auto) and saves `full` checkpoints at 15 and 20; then the adapter is merged into
 # the dequantized base and exported; an uninterrupted run of each engine is the reference.
 set -uo pipefail
 OUT=${1:-/tmp/gpu_checkpoints}; mkdir -p "$OUT"
-bash benchmarks/gpu_setup.sh
 export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 CFG=kit/configs/llama-1b-gpu.yaml
 common="training.steps=20 training.eval_every=0"

@@ -5,12 +5,10 @@
 # process is refused in one line by design), the same FSDP2 run through the front door
 # (`kit train`), notebook 04's per-rank report on the GPU, then the 8B pair of
 # benchmarks/matrices/bench-8b-1gpu-house.yaml.
-# Longer than one device call: started detached and polled:
-#   setsid nohup bash benchmarks/gpu_house_check.sh /tmp/house > /tmp/house.log 2>&1 &
-#   bash benchmarks/poll.sh /tmp/house 570 DONE
+# Longer than one device call: run through benchmarks/run.sh (it sets the machine up, detaches and polls):
+#   bash benchmarks/run.sh benchmarks/tools/gpu_house_check.sh /tmp/house   # then --poll /tmp/house
 set -uo pipefail
 OUT=${1:-/tmp/house}; mkdir -p "$OUT"
-bash benchmarks/gpu_setup.sh
 export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 PYTHONPATH=$PWD  # the kit is not installed here
 python3 - <<'PY' | tee "$OUT/versions.txt"
 import torch, transformers, peft, bitsandbytes

@@ -5,11 +5,10 @@
 # own. With one process rank0 is full (nobody to receive), so the modes are full and stream.
 # table.md: seconds, peak host memory and its file-backed part, device memory after sharding and
 # its peak while loading, the model's own bytes, and the digests (equal: the same model).
-#   setsid nohup bash benchmarks/gpu_loading.sh /tmp/load > /tmp/load.log 2>&1 &   # there
+# Run through benchmarks/run.sh (it sets the machine up, detaches and polls):
+#   bash benchmarks/run.sh benchmarks/tools/gpu_loading.sh /tmp/load
 set -uo pipefail
 OUT=${1:-/tmp/load}; mkdir -p "$OUT"
-# shellcheck source=benchmarks/gpu_env.sh
-source benchmarks/gpu_env.sh
 start=$(date +%s)
 python3 -c "from kit.inputs import builtin; print(builtin.build('llama-8b'))" > "$OUT/build.log" 2>&1
 echo "build: rc=$? in $(( $(date +%s) - start ))s" | tee -a "$OUT/progress.txt"

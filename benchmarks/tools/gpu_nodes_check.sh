@@ -6,14 +6,13 @@
 # The losses of every logged step side by side, and what NCCL says it used between the ranks.
 # Each folder is written by `python -m kit jobs` (a new folder); nodes are started exactly as the
 # README's by-hand lines say: NNODES=2 NODE_RANK=<n> MASTER_ADDR=<node 0> bash <folder>/run.sh.
-#   bash benchmarks/gpu_nodes_check.sh "$OUT" /tmp/nodes-runs     # on a machine with 2 GPUs
+#   bash benchmarks/run.sh benchmarks/tools/gpu_nodes_check.sh /tmp/nodes /tmp/nodes-runs   # 2 GPUs
 # The same on a CPU (gloo; how the script itself was checked):
 #   CONFIG=kit/configs/tiny-cpu.yaml OVERRIDES="training.steps=6 training.eval_every=3" \
-#     bash benchmarks/gpu_nodes_check.sh /tmp/nodes-check /tmp/nodes-runs
+#     bash benchmarks/tools/gpu_nodes_check.sh /tmp/nodes-check /tmp/nodes-runs
 set -uo pipefail
 OUT=${1:-/tmp/nodes-check}; RUNS=${2:-/tmp/nodes-runs}; mkdir -p "$OUT"
 if [ -e "$RUNS" ]; then echo "$RUNS exists: the run folders must be new"; exit 2; fi
-bash benchmarks/gpu_setup.sh
 export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 CONFIG=${CONFIG:-kit/configs/llama-1b-gpu.yaml}

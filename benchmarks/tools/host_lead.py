@@ -1,6 +1,6 @@
 """Where the GPU waits for the host in one training step of a kit.bench case (issue 35).
 
-    torchrun --nproc_per_node=1 benchmarks/host_lead.py MATRIX CASE [STEPS]
+    torchrun --nproc_per_node=1 benchmarks/tools/host_lead.py MATRIX CASE [STEPS]
 
 Builds the case's recipe (kit.bench.runner.case_config, its memory cap as kit.bench sets it),
 then runs steps with a CUDA event and a host clock reading at each point of the step: after

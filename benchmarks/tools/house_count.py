@@ -1,6 +1,6 @@
 """Count what issue 29 measures about the house, on any checkout (flat or in packages):
 
-    python benchmarks/house_count.py [ROOT]
+    python benchmarks/tools/house_count.py [ROOT]
 
 - files directly in kit/ (modules, not packages);
 - modules spelling a run folder's file names as string literals ("metrics.jsonl", "result.json",

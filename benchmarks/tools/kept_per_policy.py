@@ -1,8 +1,8 @@
 """What a compiled NF4 + LoRA decoder layer keeps for backward under each training.recompute.keeps,
 per token and layer, in units of hidden-size values (CPU, float32, a few seconds per policy).
 
-    python3 benchmarks/kept_per_policy.py                       # every policy, and none
-    python3 benchmarks/kept_per_policy.py matmuls inputs        # some
+    python3 benchmarks/tools/kept_per_policy.py                       # every policy, and none
+    python3 benchmarks/tools/kept_per_policy.py matmuls inputs        # some
 
 The kit model `kit:tiny-llama-8b-ratios` (2 layers, hidden 128, the 8B shape's ratios), built as
 the recipe builds it (kit.recipe.model.build: load in NF4 -> LoRA -> recompute per the policy -> loss ->
@@ -10,7 +10,7 @@ train mode), then compiled per layer (kit.recipe.recompute.compile_layers). "non
 training.recompute.enabled=false. Bytes are counted with saved-tensor hooks
 (kit.lab.memory.measure_saved_activations) at two sequence lengths; the difference removes what does
 not grow with tokens (weights included), and the logits' share (vocabulary / hidden per token,
-spread over the layers) is subtracted. Results: benchmarks/results/profile-8b-1xh100.md.
+spread over the layers) is subtracted. Results: benchmarks/records/2026-11-23-profile-8b-1xh100.
 """
 
 import sys

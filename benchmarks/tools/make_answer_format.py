@@ -3,8 +3,8 @@
 line, `ANSWER: <answer>`. A pretrained chat model answers them in sentences; a few dozen LoRA
 steps teach it the form, which a person sees and a regular expression counts.
 
-    python3 benchmarks/make_answer_format.py            # rewrites both files (deterministic)
-    python3 benchmarks/make_answer_format.py --out DIR  # elsewhere (the test compares the bytes)
+    python3 benchmarks/tools/make_answer_format.py            # rewrites both files (deterministic)
+    python3 benchmarks/tools/make_answer_format.py --out DIR  # elsewhere (the test compares the bytes)
 
 Every question is written here from small tables (capitals, opposites, colours, counts, sums and
 products); the held-out prompts use items that no training row mentions.
@@ -212,7 +212,7 @@ def build(seed: int = 0) -> tuple[list[dict], list[dict]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "kit" / "data")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parents[2] / "kit" / "data")
     out = parser.parse_args(argv).out
     train, held = build()
     for name, rows in (("answer-format.jsonl", train), ("answer-format-heldout.jsonl", held)):

@@ -4,9 +4,10 @@ One process, the recipe's build (kit.recipe.model: load, quantize, LoRA, recompu
 plain AdamW loop. NF4 passes when its mean held-out loss is within the spread of the two seeds
 (of either side) of bf16's.
 
-    python benchmarks/moe_nf4_vs_bf16.py [MODEL] [STEPS]     # kit:tiny-qwen3-moe 40
+    python benchmarks/tools/moe_nf4_vs_bf16.py [MODEL] [STEPS] [OUT.json]   # kit:tiny-qwen3-moe 40
 
-Recorded in benchmarks/results/moe_nf4_vs_bf16.json (too slow for the test suite: 4 trainings).
+Recorded in benchmarks/records/2026-11-25-moe-nf4-vs-bf16-cpu (too slow for the test suite: 4
+trainings). Prints the result as one JSON line; OUT.json gets it too.
 """
 
 import json
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from kit.config import load_config  # noqa: E402
 from kit.recipe import model as kmodel  # noqa: E402
 from kit.recipe.lora import sample_rows  # noqa: E402
@@ -28,7 +29,7 @@ train, val = sample_rows(name)
 
 
 def held_out_loss(quant: str, seed: int) -> float:
-    cfg = load_config(Path(__file__).parents[1] / "kit/configs/tiny-cpu.yaml",
+    cfg = load_config(Path(__file__).parents[2] / "kit/configs/tiny-cpu.yaml",
                       [f"model.name={name}", f"quantization.method={quant}",
                        "model.loading=full", f"training.seed={seed}"])
     peft_model = kmodel.build(cfg, torch.device("cpu")).model
@@ -54,5 +55,5 @@ result = {"model": name, "steps": steps, "held_out_loss": losses, "seed_spread":
           "nf4_vs_bf16_gap": gap, "within_seed_noise": gap <= spread,
           "seconds": round(time.time() - started, 1)}
 print(json.dumps(result))
-out = Path(__file__).parent / "results" / "moe_nf4_vs_bf16.json"
-out.write_text(json.dumps(result, indent=1) + "\n")
+if len(sys.argv) > 3:
+    Path(sys.argv[3]).write_text(json.dumps(result, indent=1) + "\n")

@@ -1,6 +1,6 @@
 """Run a notebook in a real JupyterLab in headless Chromium and take a screenshot (live widgets).
 
-    python3 benchmarks/render_notebook.py notebooks/07-launch-multi-gpu.ipynb /tmp/nb07.png
+    python3 benchmarks/tools/render_notebook.py notebooks/07-launch-multi-gpu.ipynb /tmp/nb07.png
 
 A look at the widgets as a person sees them, which papermill and nbval cannot give: it copies the
 notebook into launch/render/ (ignored by git, so the committed file never gains outputs), starts
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import websocket
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAB_PORT, CDP_PORT, TOKEN = 8899, 9222, "kit-render"
 VIEW = 3600  # pixels scrolled per section screenshot (the window is 4,200 tall)
 

@@ -1,6 +1,6 @@
 """Attention tiles' kernels on a GPU (kit.recipe.tile_kernels against round 5's SDPA path).
 
-    python benchmarks/tile_attention_bench.py [--lengths 131072 262144] [--paths sdpa:flash ...]
+    python benchmarks/tools/tile_attention_bench.py [--lengths 131072 262144] [--paths sdpa:flash ...]
         [--skip-check] [--out FILE.jsonl]
 
 1. Correctness: a tile of 64 queries at 192 over 256 keys (grouped heads 8/2, bf16), forward and

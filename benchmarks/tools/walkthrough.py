@@ -1,8 +1,8 @@
 """The course as a new learner walks it: JupyterLab in headless Chromium, every notebook of the
 start page run with Run > Run All Cells, then each exercise answered wrong and right, screenshots.
 
-    bash benchmarks/walkthrough.sh           # the whole thing from scratch (fresh clone, venv, setup)
-    python benchmarks/walkthrough.py --root CLONE [--only 00-setup 03] [--out benchmarks/results]
+    bash benchmarks/tools/walkthrough.sh     # the whole thing from scratch (fresh clone, venv, setup)
+    python benchmarks/tools/walkthrough.py --root CLONE [--only 00-setup 03] [--out RECORD]
 
 Run with the clone's venv Python (the one `bash setup.sh` installed into, with `playwright` added):
 it starts `jupyter lab` from the clone root (the kit has no command that opens JupyterLab; the start
@@ -12,7 +12,8 @@ kernel is idle and no cell shows [*], saves (Ctrl+S) and reads the saved file fo
 (JupyterLab renders an error as stderr text, so the page alone does not tell an error from a
 warning), then types each exercise's answer into its cell (the likely wrong answer first, then the
 solution, both computed here with the clone's kit.lab.exercises) and runs it and its check cell
-with Shift+Enter. Writes OUT/walkthrough-cpu.md (+ .json) and OUT/walkthrough/*.jpg.
+with Shift+Enter. Writes a record (benchmarks/README.md): OUT/report.md, OUT/walkthrough.json and
+OUT/screenshots/*.jpg; OUT by default benchmarks/records/<today>-course-walkthrough-cpu/.
 Needs chromium at /usr/bin/chromium (apt-get install chromium); Playwright drives it, with no
 `playwright install`.
 """
@@ -407,9 +408,9 @@ def write_report(out: Path, res: dict) -> None:
           f"- total: {res['total_s']:.0f} s in the browser for {len(res['notebooks'])} notebooks",
           f"- result: {summary(res)}",
           ""]
-    L += ["How: `benchmarks/walkthrough.sh` clones the repository into a temp folder, makes a venv, runs",
+    L += ["How: `benchmarks/tools/walkthrough.sh` clones the repository into a temp folder, makes a venv, runs",
           "`bash setup.sh` there, sets a fresh `KIT_HOME`, adds `playwright` to that venv (Debian's",
-          "`chromium` drives it; no `playwright install`) and runs `benchmarks/walkthrough.py`, which",
+          "`chromium` drives it; no `playwright install`) and runs `benchmarks/tools/walkthrough.py`, which",
           "starts `jupyter lab` from the clone root (the kit has no command that opens JupyterLab), opens",
           "`notebooks/README.md` as a Markdown preview, then for each notebook of its map, in order:",
           "clicks the notebook's link on that page, waits for the kernel, clicks Run > Run All Cells, polls",
@@ -428,8 +429,8 @@ def write_report(out: Path, res: dict) -> None:
         L += ["The `end` screenshots were taken again after the walk (`" + res["reshoot_end"] + "`): the walk's",
               "own were blank (the driver scrolled past what JupyterLab had painted; fixed in the driver). They",
               "show each notebook as the walk saved it: the outputs of its Run All, the exercises answered right.", ""]
-    L += [f"Start page: [screenshot](walkthrough/{res['start_page_shot']}), "
-          f"[without the file browser](walkthrough/{res.get('start_page_shot_wide', '')})", ""]
+    L += [f"Start page: [screenshot](screenshots/{res['start_page_shot']}), "
+          f"[without the file browser](screenshots/{res.get('start_page_shot_wide', '')})", ""]
     L += ["## Notebooks", "",
           "| notebook | run all (s) | start page says (min) | finished | errors (saved file) | tracebacks on page | stderr outputs | widgets | screenshots |",
           "|---|---|---|---|---|---|---|---|---|"]
@@ -438,7 +439,7 @@ def write_report(out: Path, res: dict) -> None:
             L.append(f"| {n['notebook']} | - | {n.get('start_page_minutes')} | no | driver failure: {cell_md(n['fatal'])} | | | | |")
             continue
         errs = "; ".join(f"cell {e['cell']}: {e['ename']}: {e['evalue'][:80]}" for e in n["saved"]["errors"]) or "none"
-        shots = ", ".join(f"[{k}](walkthrough/{v})" for k, v in n["shots"].items())
+        shots = ", ".join(f"[{k}](screenshots/{v})" for k, v in n["shots"].items())
         L.append(f"| {n['notebook']} | {n['run_all_s']} | {n['start_page_minutes']} | "
                  f"{'yes' if n['finished'] else 'NO (timeout)'} | {cell_md(errs)} | {len(n['page_tracebacks'])} | "
                  f"{n['saved']['stderr_outputs']} | {n['widgets']}{' (problems: ' + str(len(n['widget_problems'])) + ')' if n['widget_problems'] else ''} | {shots} |")
@@ -453,7 +454,7 @@ def write_report(out: Path, res: dict) -> None:
             w, r = e["wrong"], e["right"]
             L.append(f"| {e['key']} | `{cell_md(w['typed'])}` | {cell_md(w['printed'])} | {'yes' if w['ok'] else 'NO'} | "
                      f"`{cell_md(r['typed'])}` | {cell_md(r['printed'])} | {'yes' if r['ok'] else 'NO'} | "
-                     f"[wrong](walkthrough/{w['shot']}), [right](walkthrough/{r['shot']}) |")
+                     f"[wrong](screenshots/{w['shot']}), [right](screenshots/{r['shot']}) |")
     warn = [(n["notebook"], e) for n in res["notebooks"] if "saved" in n for e in n["saved"].get("stderr", [])]
     if warn:
         L += ["", "## stderr outputs (not errors)", ""]
@@ -461,8 +462,8 @@ def write_report(out: Path, res: dict) -> None:
     L += ["", "## Found", ""]
     found = res.get("found") or ["nothing: every notebook ran without an error output and every check said what it should."]
     L += [f"- {f}" for f in found]
-    L += ["", f"Screenshots: {res['shots_count']} JPEG files, {res['shots_bytes'] / 1e6:.2f} MB in `walkthrough/`.", ""]
-    (out / "walkthrough-cpu.md").write_text("\n".join(L))
+    L += ["", f"Screenshots: {res['shots_count']} JPEG files, {res['shots_bytes'] / 1e6:.2f} MB in `screenshots/`.", ""]
+    (out / "report.md").write_text("\n".join(L))
 
 
 def summary(res: dict) -> str:
@@ -527,7 +528,7 @@ def wait_for_server(base: str, seconds: int = 120) -> None:
 
 
 def reshoot_end(a, root: Path, order, base: str, shots: Shots) -> int:
-    res = json.loads((a.out / "walkthrough-cpu.json").read_text())
+    res = json.loads((a.out / "walkthrough.json").read_text())
     by_name = {n["notebook"]: n for n in res["notebooks"]}
     wait_for_server(base)
     with sync_playwright() as p:
@@ -558,7 +559,7 @@ def reshoot_end(a, root: Path, order, base: str, shots: Shots) -> int:
     files = list(shots.folder.glob("*.jpg"))
     res["shots_count"], res["shots_bytes"] = len(files), sum(f.stat().st_size for f in files)
     res["reshoot_end"] = a.command
-    json.dump(res, open(a.out / "walkthrough-cpu.json", "w"), indent=1)
+    json.dump(res, open(a.out / "walkthrough.json", "w"), indent=1)
     write_report(a.out, res)
     return 0
 
@@ -566,7 +567,8 @@ def reshoot_end(a, root: Path, order, base: str, shots: Shots) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", type=Path, required=True, help="the clone to walk (its notebooks get outputs)")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "records"
+                    / f"{time.strftime('%Y-%m-%d')}-course-walkthrough-cpu")
     ap.add_argument("--only", nargs="*", help="notebook name prefixes")
     ap.add_argument("--timeout", type=float, default=480, help="seconds per notebook at least")
     ap.add_argument("--quality", type=int, default=60)
@@ -574,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--setup", default=None, help="a line on the setup, for the report")
     ap.add_argument("--reshoot-end", action="store_true",
                     help="after a walk: open each saved notebook of --root (no run) and take its "
-                    "end screenshot again; updates OUT/walkthrough-cpu.json and the report")
+                    "end screenshot again; updates OUT/walkthrough.json and the report")
     a = ap.parse_args(argv)
     root = a.root.resolve()
     import kit  # the clone's kit (installed editable by its setup.sh)
@@ -585,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     order = start_page_order(root)
     if a.only:
         order = [o for o in order if any(Path(o[0]).stem.startswith(p) for p in a.only)]
-    shots = Shots(a.out / "walkthrough", a.quality, clear=not a.reshoot_end)
+    shots = Shots(a.out / "screenshots", a.quality, clear=not a.reshoot_end)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     jupyter = Path(sys.executable).parent / "jupyter"
@@ -674,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
                     except Exception:  # noqa: BLE001
                         pass
                 res["notebooks"].append(rec)
-                json.dump(res, open(a.out / "walkthrough-cpu.json", "w"), indent=1)
+                json.dump(res, open(a.out / "walkthrough.json", "w"), indent=1)
             browser.close()
     finally:
         stop(lab)
@@ -683,9 +685,9 @@ def main(argv: list[str] | None = None) -> int:
     res["shots_count"] = len(files)
     res["shots_bytes"] = sum(f.stat().st_size for f in files)
     res["found"] = findings(res)
-    json.dump(res, open(a.out / "walkthrough-cpu.json", "w"), indent=1)
+    json.dump(res, open(a.out / "walkthrough.json", "w"), indent=1)
     write_report(a.out, res)
-    log(f"report: {a.out / 'walkthrough-cpu.md'}; found: {len(res['found'])}")
+    log(f"report: {a.out / 'report.md'}; found: {len(res['found'])}")
     for f in res["found"]:
         log(f"FOUND: {f}")
     return 0

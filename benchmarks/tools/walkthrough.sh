@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The course walked as a new learner does, from scratch, recorded with screenshots:
-#   bash benchmarks/walkthrough.sh [--only 00-setup 03]
+#   bash benchmarks/tools/walkthrough.sh [--only 00-setup 03]
 # A fresh clone of this repository in a temp folder, a new venv, `bash setup.sh` there, a fresh
-# KIT_HOME, then benchmarks/walkthrough.py drives JupyterLab in headless Chromium (Debian's
+# KIT_HOME, then benchmarks/tools/walkthrough.py drives JupyterLab in headless Chromium (Debian's
 # chromium + pip's playwright, added to that venv only; no `playwright install`).
-# Writes benchmarks/results/walkthrough-cpu.md (+ .json) and benchmarks/results/walkthrough/*.jpg.
+# Writes a record: benchmarks/records/<today>-course-walkthrough-cpu/ (report.md, walkthrough.json,
+# screenshots/*.jpg; RECORD=... another folder).
 set -euo pipefail
-HERE=$(cd "$(dirname "$0")/.." && pwd)
+HERE=$(cd "$(dirname "$0")/../.." && pwd)
+RECORD=${RECORD:-$HERE/benchmarks/records/$(date +%F)-course-walkthrough-cpu}
 WORK=${WALKTHROUGH_DIR:-$(mktemp -d /tmp/walkthrough.XXXXXX)}
 echo "walkthrough: work folder $WORK"
 cleanup() {
@@ -28,7 +30,7 @@ t1=$(date +%s)
 pip install -q playwright  # the browser driver, outside the project's requirements
 export KIT_HOME="$WORK/kit_home"
 mkdir -p "$KIT_HOME"
-python "$HERE/benchmarks/walkthrough.py" --root "$WORK/clone" --out "$HERE/benchmarks/results" \
-  --command "bash benchmarks/walkthrough.sh${*:+ $*}" \
+python "$HERE/benchmarks/tools/walkthrough.py" --root "$WORK/clone" --out "$RECORD" \
+  --command "bash benchmarks/tools/walkthrough.sh${*:+ $*}" \
   --setup "fresh clone, new venv, \`bash setup.sh\` in $((t1 - t0)) s, then \`pip install playwright\`; KIT_HOME=$KIT_HOME (empty)" "$@"
-du -sh "$HERE/benchmarks/results/walkthrough"
+du -sh "$RECORD/screenshots"
