@@ -7,17 +7,16 @@ import sys
 
 from conftest import ROOT
 
+from kit.bench import records
 from kit.bench import report as bench_report
 from kit.bench.matrix import load_matrix
-from kit.folder import jsonl
 
-RECORDED = ROOT / "benchmarks" / "results" / "bench-8b-2xh200-run4.jsonl"
-MATRIX = ROOT / "benchmarks" / "matrices" / "bench-8b.yaml"
+RECORDED = "2026-11-23-speed-8b-2xh200"  # benchmarks/records/: its rows and its matrix as it ran
 
 
 def test_recorded_run_renders_the_numbers_its_results_file_cites():
-    """benchmarks/results/bench-8b-2xh200-run4.md quotes these from the same rows."""
-    rows, matrix = jsonl.read(RECORDED), load_matrix(MATRIX)
+    """The record's report.md quotes these from the same rows."""
+    rows, matrix = records.rows(RECORDED), records.matrix(RECORDED)
     table = bench_report.render(rows, matrix)
     assert "| 24 | 7,142 (4, 22.8%) | 10,866 (5, 34.8%) |" in table and "| 1.52x |" in table
     assert "| 1.83x |" in table and "| 1.69x |" in table
@@ -31,7 +30,7 @@ def test_recorded_run_renders_the_numbers_its_results_file_cites():
 
 def test_a_run_of_some_cases_shows_only_their_caps():
     """--only (notebook 09's `only`): caps whose cases did not run get no row of dashes."""
-    rows, matrix = jsonl.read(RECORDED), load_matrix(MATRIX)
+    rows, matrix = records.rows(RECORDED), records.matrix(RECORDED)
     some = [r for r in rows if r["case"] in ("article-40", "kit-40-matmuls")]
     table = bench_report.render(some, matrix)
     assert "| 40 | 6,686 (8, 21.4%) | 12,208 (4, 39.0%) |" in table and "| 1.83x |" in table
@@ -41,8 +40,8 @@ def test_a_run_of_some_cases_shows_only_their_caps():
 def test_plot_writes_a_png_without_pyplot_or_torch(tmp_path):
     """What notebook 09's kernel does with recorded rows: neither torch nor pyplot's global
     state (a notebook's backend stays as it is)."""
-    code = ("import sys; from kit.bench import report as bench_report; from kit.folder import jsonl\n"
-            f"bench_report.plot(jsonl.read({str(RECORDED)!r}), {str(tmp_path / 'r.png')!r})\n"
+    code = ("import sys; from kit.bench import records, report as bench_report\n"
+            f"bench_report.plot(records.rows({RECORDED!r}), {str(tmp_path / 'r.png')!r})\n"
             "print(sorted(m for m in ('torch', 'matplotlib.pyplot') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120, check=True).stdout  # fmt: skip
@@ -90,9 +89,9 @@ def test_a_peer_column_shows_the_kits_speed_over_each_baseline(tmp_path):
     bench_report.plot(rows, tmp_path / "p.png")  # a skipped case draws nothing, and no crash
 
 
-def test_an_old_results_file_keeps_its_table():
+def test_an_old_record_keeps_its_table():
     """A matrix without peer cases: the two-column comparison, its header and ratio as before."""
-    table = bench_report.render(jsonl.read(RECORDED), load_matrix(MATRIX))
+    table = bench_report.render(records.rows(RECORDED), records.matrix(RECORDED))
     assert ("| cap GiB/GPU | baseline tokens/s/GPU (batch, MFU) | kit best tokens/s/GPU "
             "(batch, MFU) | kit config | speed-up |\n|---|---|---|---|---|\n") in table
     assert "peer" not in table and "skipped" not in table

@@ -10,6 +10,7 @@ import sys
 import nbformat
 from conftest import ROOT
 
+from kit.bench import records
 from kit.lab import claims_table
 from kit.lab.claims import BY_ID, CLAIMS, VERDICTS
 
@@ -42,22 +43,22 @@ def test_every_metadata_claim_exists_with_a_verdict_on_a_code_cell():
 def test_every_claim_is_settled_but_the_known_few():
     rows = claims_table.settlements()
     by_cell = {r["claim"] for r in rows}
-    recorded = {c.id for c in CLAIMS if c.results and (ROOT / "benchmarks" / "results" / c.results).is_file()}
-    assert {c.id for c in CLAIMS if c.results} == recorded  # every named results file exists
+    recorded = {c.id for c in CLAIMS if c.record and c.record in records.names()}
+    assert {c.id for c in CLAIMS if c.record} == recorded  # every named record exists
     assert {c.id for c in CLAIMS} - (by_cell | recorded) == KNOWN_UNSETTLED
     assert not KNOWN_UNSETTLED & by_cell
 
 
 def test_a_recorded_result_is_read_where_its_claim_is_settled():
-    """A claim settled on GPUs names its results file; the notebook of a cell that settles it reads
-    that run (the .md, or the .jsonl rows beside it)."""
+    """A claim settled on GPUs names its record; the notebook of a cell that settles it reads that
+    record (its report or its rows, through kit.bench.records)."""
     rows = claims_table.settlements()
-    for c in (c for c in CLAIMS if c.results):
+    for c in (c for c in CLAIMS if c.record):
         notebooks = {r["notebook"] for r in rows if r["claim"] == c.id}
         assert notebooks, c.id
         sources = ["".join(cell.source for cell in nbformat.read(
             str(ROOT / "notebooks" / f"{n}.ipynb"), as_version=4).cells) for n in notebooks]
-        assert any(c.results.removesuffix(".md") in s for s in sources), c.id
+        assert any(c.record in s for s in sources), c.id
 
 
 def test_each_claim_has_one_verdict():

@@ -56,6 +56,7 @@ KERNEL_SIDE = [
     "kit.inputs.moe_shapes",  # MoE shapes of the kit models (a dict; the budget reads it)
     "kit.bench", "kit.bench.__main__", "kit.bench.runner", "kit.bench.matrix", "kit.bench.report",
     "kit.bench.peer",  # the runner asks it whether a peer case can run; torch only in its build
+    "kit.bench.records",  # benchmarks/records/: what notebooks, claims and tests read of a record
     "kit.lab", "kit.lab.order", "kit.lab.loading_report", "kit.lab.sharding_report",
     "kit.lab.recompute_sweep", "kit.lab.second_article", "kit.lab.collectives",  # notebooks'
     # experiments, started and read

@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ROOT
 
+from kit.bench import records
 from kit.budget import shapes
-from kit.folder import jsonl
 from kit.inputs.builtin import SPECS
 
 LLAMA3_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
@@ -57,5 +56,5 @@ def test_flops_per_token_of_the_8b_shape_is_what_the_benchmark_recorded():
     # 4 x 7.50e9 linear params (with the output head) + attention: ~31.6 GFLOP per token.
     assert 31.0e9 < flops < 32.2e9
     # Every row of the recorded 2x H200 run carries the number its MFU was computed with.
-    recorded = jsonl.read(ROOT / "benchmarks" / "results" / "bench-8b-2xh200-run4.jsonl")
+    recorded = records.rows("2026-11-23-speed-8b-2xh200")
     assert {r["flops_per_token"] for r in recorded if "flops_per_token" in r} == {flops}

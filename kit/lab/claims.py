@@ -6,8 +6,9 @@ carries it in its metadata (`"claims": {"A07": "demonstrated"}` or `"corrected"`
     A = article-qlora-fsdp-flash-attention.txt (QLoRA + FSDP + Flash Attention 2, 2x RTX 4090, 70B)
     B = article-fsdp-lora-kubernetes.txt (FSDP + LoRA with accelerate and TRL on 2 H200 nodes)
 
-`results` names a recorded GPU run (benchmarks/results/) for a claim only a GPU shows; a notebook
-cell that prints that recorded result carries the verdict. Kernel side: no torch.
+`record` names a recorded GPU run (a folder of benchmarks/records/, read through kit.bench.records)
+for a claim only a GPU shows; a notebook cell that prints that recorded result carries the
+verdict. Kernel side: no torch.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class Claim:
     id: str
     claim: str  # paraphrased, not quoted
     where: str  # section of the article, and its line in the stored text
-    results: str | None = None  # a recorded GPU run under benchmarks/results/, where one settles it
+    record: str | None = None  # a recorded GPU run (benchmarks/records/<record>/), where one settles it
 
 
 CLAIMS: list[Claim] = [
@@ -83,15 +84,15 @@ CLAIMS: list[Claim] = [
           "adapter_model.bin, the other ranks pass None, and load_state_dict handles the communication",
           "section 4, l.342-366"),
     Claim("A27", "benchmark table: DDP + QLoRA runs out of memory on 24 GB GPUs (over 40 GB needed)",
-          "section 5, l.380 and l.387", results="bench-8b-2xh200-run4.md"),
+          "section 5, l.380 and l.387", record="2026-11-23-speed-8b-2xh200"),
     Claim("A28", "benchmark table: FSDP FULL_SHARD + QLoRA without checkpointing fits batch 1 at seq 2048 "
-          "in 24 GB (~22.8 GB peak)", "section 5, l.381 and l.388", results="bench-8b-2xh200-run4.md"),
+          "in 24 GB (~22.8 GB peak)", "section 5, l.381 and l.388", record="2026-11-23-speed-8b-2xh200"),
     Claim("A29", "gradient checkpointing unlocks batching: batch 2 per GPU at stable memory; per-GPU "
           "throughput falls (85 to 65 tokens/s) but total throughput rises", "section 5, l.382 and l.389",
-          results="bench-8b-2xh200-run4.md"),
+          record="2026-11-23-speed-8b-2xh200"),
     Claim("A30", "Flash Attention 2 on top of checkpointing lowers memory slightly and raises throughput "
           "by more than 60% over the checkpointed run", "section 5, l.383 and l.390",
-          results="bench-8b-2xh200-run4.md"),
+          record="2026-11-23-speed-8b-2xh200"),
     # ------------------------------------------------------------------ B: FSDP + LoRA on Kubernetes
     Claim("B01", "full fine-tuning of the 11B model needs ~44 GB for its weights in fp16",
           "the problem, l.7"),
@@ -109,7 +110,7 @@ CLAIMS: list[Claim] = [
     Claim("B08", "a FULL_STATE_DICT checkpoint is rebuilt on rank 0 and loads directly for inference "
           "without FSDP", "settings, l.44-46; best practices, l.213"),
     Claim("B09", "SHARDED_STATE_DICT saves faster but needs FSDP to reload", "settings, l.47",
-          results="checkpoints-1b-2xh200.md"),
+          record="2026-11-22-checkpoints-1b-2xh200"),
     Claim("B10", "BACKWARD_PRE prefetches layer i-1 during the backward of layer i, hiding the all-gather "
           "behind compute", "settings, l.48-49; takeaways, l.217"),
     Claim("B11", "the accelerate YAML (num_machines 2, num_processes 2, bf16, FULL_SHARD) runs the job on "
@@ -122,7 +123,7 @@ CLAIMS: list[Claim] = [
           "DataLoaders", "launch script, l.126-127; best practices, l.213"),
     Claim("B15", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces out-of-memory errors from "
           "fragmentation", "launch script, l.128-129; best practices, l.213",
-          results="expandable-segments-1xh100.md"),
+          record="2026-11-26-expandable-segments-1b-1xh100"),
     Claim("B16", "per GPU the model shard is ~22 GB (11B x 2 bytes / 2 GPUs)", "memory budget, l.164"),
     Claim("B17", "LoRA adapters take ~52 MB (26M x 2 bytes) and their AdamW state ~208 MB",
           "memory budget, l.165-166"),
@@ -131,7 +132,7 @@ CLAIMS: list[Claim] = [
     Claim("B19", "in total ~36 GB of the H200's 141 GB are used, ~104 GB free", "memory budget, l.170-171"),
     Claim("B20", "checkpoints get too large with SHARDED_STATE_DICT or every rank saving; FULL_STATE_DICT "
           "with rank 0 alone saving fixes it", "common issues, l.201-204",
-          results="checkpoints-1b-2xh200.md"),
+          record="2026-11-22-checkpoints-1b-2xh200"),
     Claim("B21", "an NCCL timeout during all-gather is fixed by raising NCCL_TIMEOUT (or checking RDMA and "
           "NCCL_SOCKET_IFNAME)", "common issues, l.205-208"),
     Claim("B22", "the launch script's accelerate launch (RANK as machine rank, MASTER_ADDR/PORT, 2 machines "

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import nbformat
 
+from kit.bench import records
 from kit.lab.claims import CLAIMS, VERDICTS
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
-RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- claims:start -->", "<!-- claims:end -->"
 UNSETTLED = "not settled"
 
@@ -55,8 +55,8 @@ def table(folder: Path = NOTEBOOKS) -> str:
     for c in CLAIMS:
         rows = by_claim.get(c.id, [])
         cells = [f"`{r['notebook']}` § {r['section']}, cell {r['index']} (`{r['id']}`)" for r in rows]
-        if c.results:
-            cells.append(f"recorded: `benchmarks/results/{c.results}`")
+        if c.record:
+            cells.append(f"recorded: `{records.path(c.record).relative_to(ROOT)}`")
         what = f"{c.claim} ({c.where})".replace("|", "\\|")
         lines.append(f"| {c.id} | {what} | {'<br>'.join(cells) or '-'} | {verdict_of(rows)} |")
     return "\n".join(lines) + "\n"

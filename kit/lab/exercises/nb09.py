@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from kit import ROOT
 from kit.lab.exercises import Exercise, close_to
 
-RECORDED = ROOT / "benchmarks" / "results" / "bench-8b-2xh200-run4.jsonl"
-MATRIX = ROOT / "benchmarks" / "matrices" / "bench-8b.yaml"
+RECORDED = "2026-11-23-speed-8b-2xh200"  # benchmarks/records/: a recorded GPU run, its rows and matrix
 
 
 def _best_kit_80() -> tuple[dict, dict]:
-    from kit.bench import report, runner
-    from kit.folder import jsonl
+    from kit.bench import records, report
 
-    rows, matrix = jsonl.read(RECORDED), runner.load_matrix(MATRIX)
+    rows, matrix = records.rows(RECORDED), records.matrix(RECORDED)
     return report.fastest(report.best_by_case(rows), matrix, "kit", 80), matrix
 
 
