@@ -71,9 +71,9 @@ def test_the_check_finds_a_missing_notebook_a_ghost_and_a_wrong_parameter():
 
 
 def gpu_script() -> dict[str, list[str]]:
-    """Notebook -> the parameter names benchmarks/gpu_notebooks.sh injects (-p NAME, -y 'NAME:')."""
+    """Notebook -> the parameter names benchmarks/tools/gpu_notebooks.sh injects (-p NAME, -y 'NAME:')."""
     found = {}
-    text = (ROOT / "benchmarks" / "gpu_notebooks.sh").read_text().replace("\\\n", " ")
+    text = (ROOT / "benchmarks" / "tools" / "gpu_notebooks.sh").read_text().replace("\\\n", " ")
     for line in text.splitlines():
         m = re.search(r"\bnb (\d\d-[\w-]+) (.*?);;", line)
         if not m:
@@ -89,7 +89,7 @@ def test_the_gpu_script_sets_what_the_start_page_documents():
     """The maintainers' GPU runs and the page's GPU route name the same parameters."""
     script = START.read_text()
     documented, ran = gpu_parameters(script), gpu_script()
-    assert ran, "no notebook found in benchmarks/gpu_notebooks.sh"
+    assert ran, "no notebook found in benchmarks/tools/gpu_notebooks.sh"
     for stem, names in ran.items():
         assert sorted(set(names)) == sorted(set(documented[stem])), stem
 

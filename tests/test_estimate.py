@@ -92,7 +92,7 @@ def test_estimate_within_5_percent_of_the_measured_h200_reference():
 
 
 def test_estimate_within_15_percent_of_the_70b_runs_on_one_h200():
-    """The 70B shape as the recipe ran it (benchmarks/results/big-70b-1xh200.md)."""
+    """The 70B shape as the recipe ran it (benchmarks/records/2026-11-24-train-70b-1xh200)."""
     from kit.budget.measured import REFERENCE_70B
 
     rows = compare_with_reference(REFERENCE_70B)
@@ -121,7 +121,7 @@ def test_scenarios_table_and_str():
 
 def test_selective_checkpointing_estimate_sits_between_full_and_none():
     """training.recompute.keeps in the estimate: the 8B shape's measured GiB per 2,048-token
-    sequence on 2x H200 (benchmarks/results/bench-8b-2xh200-run4.md) within 15%."""
+    sequence on 2x H200 (benchmarks/records/2026-11-23-speed-8b-2xh200) within 15%."""
     shape8 = shape_of("kit:llama-8b")
     measured = {"matmuls": 6.3, "mlp_matmuls": 5.1, "attention_matmuls": 3.0}
     for keeps, gib in measured.items():
@@ -190,7 +190,7 @@ def test_the_kits_levers_in_the_estimate():
 
 
 def test_estimate_of_the_kits_8b_runs_with_recompute_within_5_percent():
-    """With whole-layer recompute, offloaded or not (benchmarks/results/offload-8b-1xh200.md).
+    """With whole-layer recompute, offloaded or not (benchmarks/records/2026-11-24-offload-8b-1xh200).
     Without recompute the rows are further off and kept as measured: +18% (the eager formula
     over-counts what the fp32 adapters keep) and, offloaded, -22% (copies slower than the
     compute keep more layers on the GPU than the two the estimate counts)."""
@@ -201,7 +201,7 @@ def test_estimate_of_the_kits_8b_runs_with_recompute_within_5_percent():
 
 def test_estimate_at_long_context_within_10_percent():
     """The 8B shape at batch 1 from 16k to 128k tokens, layer inputs offloaded, fused loss, the
-    MLP whole or in 8k tiles (benchmarks/results/speed-round2-1xh100.md): the tiles' term
+    MLP whole or in 8k tiles (benchmarks/records/2026-11-24-caps-context-8b-1xh100): the tiles' term
     (kit.budget.estimate.mlp_bytes_per_token_layer) is what keeps 32k at 13.2 GiB instead of 17.5."""
     from kit.budget.measured import REFERENCE_CONTEXT
 
@@ -214,7 +214,7 @@ def test_estimate_at_long_context_within_10_percent():
 
 def test_estimate_with_attention_tiles_within_10_percent_and_above():
     """Attention tiles at 98,304 and 114,688 tokens with eager norms, 131,072 and 163,840 with
-    lean ones (benchmarks/results/round5-8b-1xh100.md, round6-8b-1xh100.md): within 10% and not
+    lean ones (benchmarks/records/2026-11-27-attention-tiles-context-8b-1xh100, 2026-11-27-lean-norms-context-24gib-8b-1xh100): within 10% and not
     below (a planned run must fit); lean norms take the eager backward's fp32 temporaries off,
     4 GiB at 131,072 tokens."""
     from kit.budget.measured import REFERENCE_CONTEXT_TILES
@@ -228,8 +228,8 @@ def test_estimate_with_attention_tiles_within_10_percent_and_above():
 
 
 def test_estimate_of_the_fastest_cases_within_3_percent():
-    """The kit's fastest cases on one H100 (benchmarks/results/round3-8b-1xh100.md,
-    layers-8b-1xh100.md): selective recompute policies, with and without grouped adapters (whose
+    """The kit's fastest cases on one H100 (benchmarks/records/2026-11-24-grouped-adapters-8b-1xh100,
+    2026-11-27-layers-24gib-8b-1xh100): selective recompute policies, with and without grouped adapters (whose
     measured peaks did not move; the estimate counts one dropped input per group only in layers
     that keep their dropout copies), and layers keeping every matmul beside attention's. Counting
     all of the recomputed layer's other activations put these 5-11% above; it now counts the

@@ -95,9 +95,9 @@ def test_a_failure_raises_and_the_group_is_destroyed(tmp_path):
 
 
 def test_the_harness_is_the_only_rank_side_experiment_main():
-    """benchmarks/house_count.py's count: no module but the recipe's entries starts a process
+    """benchmarks/tools/house_count.py's count: no module but the recipe's entries starts a process
     group under `if __name__ == "__main__"`; the experiments are case tables on the harness."""
     import runpy
 
-    count = runpy.run_path(str(ROOT / "benchmarks" / "house_count.py"))["count"]
+    count = runpy.run_path(str(ROOT / "benchmarks" / "tools" / "house_count.py"))["count"]
     assert count(ROOT)["rank-side experiment mains"] == []

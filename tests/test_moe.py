@@ -188,7 +188,7 @@ def test_the_budget_counts_experts_total_and_active():
 def test_the_planner_counts_what_active_experts_keep_and_names_a_smaller_rank():
     """Each token passes its active experts: their adapters' inputs and their down-projections'
     outputs are kept once per active expert (measured on 1 H200 with the per-expert loop: 74.45
-    GiB against 75.0 predicted then, benchmarks/results/moe-30b-a3b-2xh200.md);
+    GiB against 75.0 predicted then, benchmarks/records/2026-11-26-moe-30b-a3b-2xh200);
     the routed loop is not compiled; one GPU
     at 24 GiB cannot hold r16 adapters on 128 experts x 48 layers, and the refusal says lora.r=4."""
     from kit.budget import plan as kplan

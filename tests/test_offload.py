@@ -1,6 +1,6 @@
 """kit.recipe.offload: training.offload_activations. The hooks run for real: on this CPU they keep every
 tensor where it is (there is nothing to move to), on a GPU they move the large ones to pinned host
-memory and back (the GPU test, run on the device: benchmarks/gpu_offload.sh)."""
+memory and back (the GPU test, run on the device: benchmarks/records/2026-11-24-offload-8b-1xh200/gpu_offload.sh)."""
 
 from __future__ import annotations
 

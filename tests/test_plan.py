@@ -55,7 +55,7 @@ def test_tiny_cpu_plan_keeps_what_the_config_sets_and_plain_values_for_the_rest(
 
 
 def test_8b_at_24_gib_plans_the_batch_that_was_measured_to_fit():
-    """One H100 capped at 24 GiB (benchmarks/results/layers-8b-1xh100.md): batch 5 keeping
+    """One H100 capped at 24 GiB (benchmarks/records/2026-11-27-layers-24gib-8b-1xh100): batch 5 keeping
     attention's matmuls, which peaked at 21.53 GiB. The estimate that counted all of the
     recomputed layer's other activations said 23.3 and, with headroom, refused it."""
     cfg = load_config(None, ["model.name=kit:llama-8b", "lora.r=16", "lora.alpha=32"])
@@ -69,7 +69,7 @@ def test_8b_at_24_gib_plans_the_batch_that_was_measured_to_fit():
 def test_layers_keeping_every_matmul_are_counted_when_set():
     """training.recompute.matmul_layers=8 (yours to set): the plan keeps it, picks among the
     policies it can add to, and its predicted peak counts the 8 layers (measured 22.11 GiB at
-    batch 4 with attention's matmuls, layers-8b-1xh100.md); at 24 GiB the headroom refuses it."""
+    batch 4 with attention's matmuls, 2026-11-27-layers-24gib-8b-1xh100); at 24 GiB the headroom refuses it."""
     sets = ["model.name=kit:llama-8b", "lora.r=16", "lora.alpha=32", "training.batch_size=4",
             "training.recompute.matmul_layers=8"]
     planned = kplan.plan(load_config(None, sets), _gpu(1, 40), 2048)
@@ -255,7 +255,7 @@ def _tiles(planned: kplan.Planned) -> tuple:
 def test_long_rows_get_the_tiles_only_when_nothing_fits_without():
     """Rows of 131,072 tokens within 24 GiB: the plan turns on offloaded inputs, the MLP's and
     attention's tiles and lean norms, as the hand-set run did (19.89 GiB measured,
-    benchmarks/results/round6-8b-1xh100.md, round7-8b-1xh100.md); rows of 65,536 need the MLP's
+    benchmarks/records/2026-11-27-lean-norms-context-24gib-8b-1xh100, 2026-11-27-tile-kernels-context-512k-8b-1xh100); rows of 65,536 need the MLP's
     tiles only; 2,048 none; the measured peak lies within 10% below the prediction. Adapters go ungrouped
     past GPU memory, as every offloaded and tiled run was measured."""
     full = _long(131072)
@@ -337,7 +337,7 @@ def test_offloaded_tensors_must_fit_host_memory_too(monkeypatch):
 def test_half_a_million_tokens_within_80_gib_where_the_host_holds_the_inputs():
     """524,288-token rows of the 8B shape (kit:llama3-8b-1048k) in 78 GiB: the plan turns on
     every long-context lever at batch 1, as the measured run's did (58.74 GiB and 670 tokens/s on
-    one H100 of a two-GPU host, benchmarks/results/round7-8b-1xh100.md); its prediction lies
+    one H100 of a two-GPU host, benchmarks/records/2026-11-27-tile-kernels-context-512k-8b-1xh100); its prediction lies
     within 10% above the measured peak. On a host with 128 GiB for one GPU (80% of it usable)
     the 128 GiB of offloaded inputs do not fit: refused, naming a length that does."""
     cfg = load_config(None, ["model.name=kit:llama3-8b-1048k", "data.max_seq_len=524288"])

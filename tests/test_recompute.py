@@ -85,7 +85,7 @@ def test_compiled_layers_under_fsdp2_compile_once_per_policy(tmp_path, monkeypat
     bitsandbytes' quant_state (a graph break per 4-bit linear layer); a KV cache in training
     forwards made every layer recompile (past torch's recompile limit, the rest ran uncompiled);
     and both policies' forwards were one code object, so layers 2-3 ran layer 1's graph (one H100
-    measured 32.0 GiB where ~20 was due: benchmarks/results/layers-8b-1xh100.md)."""
+    measured 32.0 GiB where ~20 was due: benchmarks/records/2026-11-27-layers-24gib-8b-1xh100)."""
     import torch._dynamo.utils as dynamo_utils
     from transformers import AutoConfig
 
@@ -251,7 +251,7 @@ def test_recompute_keeps_policies_on_nf4():
     mixed = (kept["matmuls"] + kept["attention_matmuls"]) / 2
     assert kept["attention_matmuls+1"] == pytest.approx(mixed, rel=0.05), kept
     # Per token and layer, in hidden-size units: 23.7, 12.7, 10.2, 5.7 (+ the same logits and
-    # embeddings in each; benchmarks/kept_per_policy.py); recomputing every matmul keeps ~2.
+    # embeddings in each; benchmarks/tools/kept_per_policy.py); recomputing every matmul keeps ~2.
     assert 0.45 < kept["matmuls"] / kept["none"] < 0.65, kept
     assert 0.2 < kept["attention_matmuls"] / kept["none"] < 0.4, kept
 
@@ -262,7 +262,7 @@ def test_compiled_layers_keep_each_their_own_policy():
     `matmuls` keeps, the second what attention_matmuls keeps (gate and up recomputed), counted
     per layer as each saves. Both layers see the same guards (their input needs a gradient), so
     a graph compiled for the first policy would otherwise serve the second layer too (it did:
-    32.0 GiB on one H100 where ~20 was due; benchmarks/results/layers-8b-1xh100.md)."""
+    32.0 GiB on one H100 where ~20 was due; benchmarks/records/2026-11-27-layers-24gib-8b-1xh100)."""
     from kit.recipe.layers import decoder_layers
     from kit.recipe.recompute import compile_layers
 

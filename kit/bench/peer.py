@@ -31,7 +31,7 @@ import functools
 import importlib.util
 import shutil
 
-LIGER = "liger-kernel==0.8.5"  # the version benchmarks/fetch_gpu_wheels.sh fetches
+LIGER = "liger-kernel==0.8.5"  # the version benchmarks/tools/fetch_gpu_wheels.sh fetches
 
 # What axolotl's Liger plugin switches on for a llama- or qwen2-type model (liger_rope,
 # liger_rms_norm, liger_glu_activation, liger_fused_linear_cross_entropy).

@@ -1,6 +1,6 @@
 """The benchmark's tables and plot, from the rows it recorded: what notebook 09's kernel imports.
 
-    rows = kit.folder.jsonl.read("benchmarks/results/bench-8b-2xh200-run4.jsonl")
+    rows = kit.folder.jsonl.read("benchmarks/records/2026-11-23-speed-8b-2xh200/rows.jsonl")
     print(render(rows, matrix))           # table.md: the article's table, kit vs the baselines per cap
     best_by_case(rows), largest_by_case(rows), plot(rows, "bench.png")
 

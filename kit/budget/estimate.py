@@ -146,11 +146,12 @@ def activation_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
         dropout mask (1 byte * in), the r-wide output of A (l * r); with lora.group_inputs the
         dropped input and mask once per group of layers that share it (kit.budget.shapes.dropped_inputs)
     """
-    # The two RMSNorms: the fp32 copy of their input. Lean norms (kit.recipe.norms) keep less
-    # (the fp32 1/rms and the second's bf16 input), but the measured peaks did not fall by it:
-    # counting 2h + 8 bytes instead of 8h put both lean runs 12-16% below their peaks (131,072
-    # and 163,840 tokens at the 8B shape, benchmarks/results/round6-8b-1xh100.md). What they
-    # take off is the eager backward's fp32 temporaries (the attention-tiles branch below).
+    # The two RMSNorms: the fp32 copy of their input. Lean norms (kit.recipe.norms) keep less (the
+    # fp32 1/rms and the second's bf16 input), but the measured peaks did not fall by it: counting
+    # 2h + 8 bytes instead of 8h put both lean runs 12-16% below their peaks (131,072 and 163,840
+    # tokens at the 8B shape, benchmarks/records/2026-11-27-lean-norms-context-24gib-8b-1xh100).
+    # What they take off is the eager backward's fp32 temporaries (the attention-tiles branch
+    # below).
     norms = 8 * shape.hidden
     return norms + attention_bytes_per_token_layer(shape, setup) + \
         mlp_bytes_per_token_layer(shape, setup)
@@ -188,8 +189,8 @@ def selective_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
     the matmul results the policy keeps (matmuls: q, k, v, o and gate, up; mlp_matmuls: gate,
     up; attention_matmuls: q, k, v, o), each adapter's r-wide down-projection, attention's output, and three
     hidden-wide tensors (the layer's input among them: a count of what compiled NF4 layers keep,
-    benchmarks/kept_per_policy.py). Within ~10% of the 8B shape's measured 6.3 / 5.1 / 3.0 GiB per
-    2,048-token sequence (benchmarks/results/bench-8b-2xh200-run4.md)."""
+    benchmarks/tools/kept_per_policy.py). Within ~10% of the 8B shape's measured 6.3 / 5.1 / 3.0 GiB per
+    2,048-token sequence (benchmarks/records/2026-11-23-speed-8b-2xh200)."""
     h, i, r = shape.hidden, shape.intermediate, setup.lora_r
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     attention, mlp = q + 2 * kv, 2 * i
@@ -233,11 +234,11 @@ def loss_bytes(shape: Shape, setup: Setup, tokens: int) -> tuple[float, str]:
     return tokens * vocab * (a + LOGIT_BYTES_FP32_PART), f"vocab x tokens x ({a} + 12) B"
 
 
-# Tensors in flight under training.offload_activations: the layer computing and the copy
-# going to (forward) or coming from (backward) host memory on the side stream. With whole-layer
-# recompute (one input per layer) this holds: 8.50 GiB estimated, 8.62 measured at 8B, batch 2
-# (benchmarks/results/offload-8b-1xh200.md). With recompute off the copies (~13 GB a step) are
-# slower than the compute and more wait on the GPU (11.4 GiB measured, 9.0 estimated): a floor.
+# Tensors in flight under training.offload_activations: the layer computing and the copy going to
+# (forward) or coming from (backward) host memory on the side stream. With whole-layer recompute
+# (one input per layer) this holds: 8.50 GiB estimated, 8.62 measured at 8B, batch 2
+# (benchmarks/records/2026-11-24-offload-8b-1xh200). With recompute off the copies (~13 GB a step)
+# are slower than the compute and more wait on the GPU (11.4 GiB measured, 9.0 estimated): a floor.
 OFFLOAD_IN_FLIGHT_LAYERS = 2
 TILED_LAYER_HIDDEN = 2.25  # hidden-wide tensors per token a tiled layer holds beyond those counted
 
@@ -429,7 +430,7 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
         # keys' gradients before they are added (6 x kv values per token); the attention output
         # the layer's recompute keeps for backward (q values) and its log-sum-exp (fp32 per
         # head): kit.recipe.tile_kernels. Measured for one layer's tiles at the 8B shape:
-        # 2.36 GiB above the inputs at 131,072 tokens (benchmarks/tile_attention_bench.py).
+        # 2.36 GiB above the inputs at 131,072 tokens (benchmarks/tools/tile_attention_bench.py).
         per_layer -= attention_bytes_per_token_layer(shape, setup) * (tokens - setup.attention_tile_tokens)
         per_layer += tokens * (a * (shape.hidden + 6 * shape.kv_heads * shape.head_dim
                                     + shape.heads * shape.head_dim) + 4 * shape.heads)
@@ -437,17 +438,18 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
             per_layer -= min(attention_bytes_per_token_layer(shape, setup) * setup.attention_tile_tokens,
                              mlp_bytes_per_token_layer(shape, setup) * setup.mlp_tile_tokens)
         # Fitted, not itemised: the tiled, recomputed layer's hidden-wide tensors beyond those
-        # counted (its input's and output's gradients, the residual after attention, ...).
-        # Without it the 524,288-token run lay 12% below its measured peak (58.74 GiB at the 8B
-        # shape, benchmarks/results/round7-8b-1xh100.md); with it the three lean runs lie 1-8%
-        # above theirs (REFERENCE_CONTEXT_TILES).
+        # counted (its input's and output's gradients, the residual after attention, ...). Without
+        # it the 524,288-token run lay 12% below its measured peak (58.74 GiB at the 8B shape,
+        # benchmarks/records/2026-11-27-tile-kernels-context-512k-8b-1xh100); with it the three lean
+        # runs lie 1-8% above theirs (REFERENCE_CONTEXT_TILES).
         per_layer += tokens * TILED_LAYER_HIDDEN * shape.hidden * a
         if not setup.lean_norms:  # the eager norms' backward: fp32 temporaries of the whole
             # sequence, two at once (fitted: 98,304 and 114,688 tokens at the 8B shape measured
-            # 19.88 and 22.01 GiB, benchmarks/results/round5-8b-1xh100.md; counted without them
-            # the estimate lay 11-13% below). kit.recipe.norms runs them a chunk at a time:
-            # without them 131,072 and 163,840 tokens lie 3.0% and 0.4% below the estimate
-            # (19.89 and 23.15 GiB measured, round6-8b-1xh100.md).
+            # 19.88 and 22.01 GiB, benchmarks/records/2026-11-27-attention-tiles-context-8b-1xh100;
+            # counted without them the estimate lay 11-13% below). kit.recipe.norms runs them a
+            # chunk at a time: without them 131,072 and 163,840 tokens lie 3.0% and 0.4% below the
+            # estimate (19.89 and 23.15 GiB measured,
+            # 2026-11-27-lean-norms-context-24gib-8b-1xh100).
             per_layer += tokens * 2 * 4 * shape.hidden
     logits, how = loss_bytes(shape, setup, tokens)
     offload = " [host]" if setup.offload_activations else ""
@@ -459,8 +461,9 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
         # tensors, the recomputed layer adds the matmul results the policy did not keep (its
         # element-wise work is consumed as it is recomputed). Counting all of the layer's other
         # activations instead put the 8B shape 0.34-0.45 GiB per 2,048-token sequence above
-        # every measured peak on one H100, under each policy (benchmarks/results/
-        # layers-8b-1xh100.md); this count lies 0-2.4% above them (Qwen2.5-7B: 7% below).
+        # every measured peak on one H100, under each policy
+        # (benchmarks/records/2026-11-27-layers-24gib-8b-1xh100); this count lies 0-2.4% above
+        # them (Qwen2.5-7B: 7% below).
         again = richer - kept // tokens  # per token: what `matmuls` would keep beyond it
         rerun = min(again * tokens, max(0, per_layer - kept))
         parts["activations"] = (shape.layers - more) * kept + more * richer * tokens + rerun

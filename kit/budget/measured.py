@@ -27,7 +27,7 @@ REFERENCE = {
 
 # The kit's recipe on the 70B shape (Llama-2-70B's, no weights on disk: kit.recipe.loading.initialise),
 # one H200, FSDP2 on one process, NF4, LoRA r16 all-linear (fp32), whole-layer recompute, fused
-# loss, seq 2048 (benchmarks/results/big-70b-1xh200.md, 2026-11-24): peak allocated GiB.
+# loss, seq 2048 (benchmarks/records/2026-11-24-train-70b-1xh200, 2026-11-24): peak allocated GiB.
 REFERENCE_70B = {
     "model": "kit:llama-70b",
     "setup": dict(engine="fsdp2", world_size=1, lora_r=16, seq_len=2048, attention="sdpa"),
@@ -37,7 +37,7 @@ REFERENCE_70B = {
 
 # The kit's recipe on the 8B shape, one H200, FSDP2 on one process (its embeddings a unit of
 # their own), LoRA r16 all-linear (fp32), fused loss, seq 2048, with and without
-# training.offload_activations (benchmarks/results/offload-8b-1xh200.md, 2026-11-24).
+# training.offload_activations (benchmarks/records/2026-11-24-offload-8b-1xh200, 2026-11-24).
 # (recompute, batch, offload_activations) -> peak allocated GiB.
 REFERENCE_KIT_8B = {
     "model": "kit:llama-8b",
@@ -48,10 +48,10 @@ REFERENCE_KIT_8B = {
 }  # fmt: skip
 
 
-# The kit's recipe at long context on one H100 (benchmarks/results/speed-round2-1xh100.md,
-# 2026-11-24): Llama-3-8B shape, FSDP2 on one process, NF4, LoRA r16 all-linear (fp32), batch 1,
-# whole-layer recompute with the layer inputs offloaded, fused loss; peaks by (sequence length,
-# training.recompute.mlp_tile_tokens).
+# The kit's recipe at long context on one H100
+# (benchmarks/records/2026-11-24-caps-context-8b-1xh100, 2026-11-24): Llama-3-8B shape, FSDP2 on one
+# process, NF4, LoRA r16 all-linear (fp32), batch 1, whole-layer recompute with the layer inputs
+# offloaded, fused loss; peaks by (sequence length, training.recompute.mlp_tile_tokens).
 REFERENCE_CONTEXT = {
     "model": "kit:llama-8b",
     "keys": ("seq_len", "mlp_tile_tokens"),
@@ -62,12 +62,13 @@ REFERENCE_CONTEXT = {
 }  # fmt: skip
 
 # The same with each attention block 8,192 queries at a time too (training.recompute.
-# attention_tile_tokens), the MLP in 8k tiles, adapters ungrouped, within a 24 GiB cap, by
-# (sequence length, attention tiles, training.recompute.lean_norms): the eager norms' rows
-# (benchmarks/results/round5-8b-1xh100.md, 2026-11-27) ran out of memory at 131,072; the lean
-# norms' (round6-8b-1xh100.md) trained 131,072 and 163,840, and measured the same peaks to 0.01
-# GiB with the tiles' own kernels (kit.recipe.tile_kernels, round7-8b-1xh100.md), which trained
-# 524,288 within a 78 GiB cap (planned, no lever set).
+# attention_tile_tokens), the MLP in 8k tiles, adapters ungrouped, within a 24 GiB cap, by (sequence
+# length, attention tiles, training.recompute.lean_norms): the eager norms' rows
+# (benchmarks/records/2026-11-27-attention-tiles-context-8b-1xh100, 2026-11-27) ran out of memory at
+# 131,072; the lean norms' (2026-11-27-lean-norms-context-24gib-8b-1xh100) trained 131,072 and
+# 163,840, and measured the same peaks to 0.01 GiB with the tiles' own kernels
+# (kit.recipe.tile_kernels, 2026-11-27-tile-kernels-context-512k-8b-1xh100), which trained 524,288
+# within a 78 GiB cap (planned, no lever set).
 REFERENCE_CONTEXT_TILES = {
     "model": "kit:llama-8b",
     "keys": ("seq_len", "attention_tile_tokens", "lean_norms"),
@@ -77,13 +78,14 @@ REFERENCE_CONTEXT_TILES = {
                  (524288, 8192, True): 58.74},
 }  # fmt: skip
 
-# The kit's fastest cases on one H100 (benchmarks/results/round3-8b-1xh100.md, 2026-11-24):
-# Llama-3-8B shape, FSDP2 on one process, compiled layers, fused loss, LoRA r16 all-linear with
-# dropout; peaks by (training.recompute.keeps, batch, lora.group_inputs). FP8 base matmuls
-# (not a Setup field) measured 0.7 GiB above these with attention's matmuls and 0.5 with every one.
-# The rows with a fourth key are 2026-11-26's (benchmarks/results/layers-8b-1xh100.md):
-# training.recompute.matmul_layers, the first N layers keeping every matmul; batch 10 is the
-# planned run at 80 GiB (planned-1xh100.md).
+# The kit's fastest cases on one H100 (benchmarks/records/2026-11-24-grouped-adapters-8b-1xh100,
+# 2026-11-24): Llama-3-8B shape, FSDP2 on one process, compiled layers, fused loss, LoRA r16
+# all-linear with dropout; peaks by (training.recompute.keeps, batch, lora.group_inputs). FP8 base
+# matmuls (not a Setup field) measured 0.7 GiB above these with attention's matmuls and 0.5 with
+# every one. The rows with a fourth key are 2026-11-26's
+# (benchmarks/records/2026-11-27-layers-24gib-8b-1xh100): training.recompute.matmul_layers, the
+# first N layers keeping every matmul; batch 10 is the planned run at 80 GiB
+# (2026-11-25-planned-defaults-1xh100).
 REFERENCE_SELECTIVE = {
     "model": "kit:llama-8b",
     "keys": ("recompute_keeps", "batch_size", "lora_groups", "matmul_layers"),
@@ -97,9 +99,9 @@ REFERENCE_SELECTIVE = {
                  ("attention_matmuls", 4, True, 10): 22.98},
 }  # fmt: skip
 
-# Qwen2.5-7B's shape at 24 GiB on one H100 (benchmarks/results/layers-8b-1xh100.md): the one
-# shape the estimate counts below its measured peak (6-7%), by ~0.3 GiB per added sequence; the
-# planner's headroom (5% and 1 GiB) still covers it.
+# Qwen2.5-7B's shape at 24 GiB on one H100 (benchmarks/records/2026-11-27-layers-24gib-8b-1xh100):
+# the one shape the estimate counts below its measured peak (6-7%), by ~0.3 GiB per added sequence;
+# the planner's headroom (5% and 1 GiB) still covers it.
 REFERENCE_QWEN2_SELECTIVE = {
     "model": "kit:qwen2-7b",
     "keys": ("batch_size",),

@@ -42,22 +42,24 @@ TILE_FIELDS = ("training.recompute.mlp_tile_tokens", "training.recompute.attenti
                "training.recompute.lean_norms")
 POLICIES = ("matmuls", "mlp_matmuls", "attention_matmuls", "inputs")
 LEAN = ("mlp_matmuls", "attention_matmuls")  # policies whose first layers may keep every matmul
-# Where the GPU levers were measured (benchmarks/results/planned-1xh100.md): compiled layers and
-# grouped adapters under FSDP2, grouping in these families (separate q/k/v and gate/up modules).
+# Where the GPU levers were measured (benchmarks/records/2026-11-25-planned-defaults-1xh100):
+# compiled layers and grouped adapters under FSDP2, grouping in these families (separate q/k/v and
+# gate/up modules).
 MEASURED_ENGINE = "fsdp2"
 GROUPED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 MAX_BATCH = 64
-# Long rows, when nothing fits otherwise (the last resort, after offloaded activations): the
-# MLP, then attention with lean norms, a tile at a time. TILE_TOKENS is the tile of every
-# measured run (speed-round2-1xh100.md, round5-8b-1xh100.md, round6-8b-1xh100.md). Attention
-# tiles and lean norms run on these families' attention and RMSNorm (kit.recipe.attention_tiles,
-# kit.recipe.norms).
+# Long rows, when nothing fits otherwise (the last resort, after offloaded activations): the MLP,
+# then attention with lean norms, a tile at a time. TILE_TOKENS is the tile of every measured run
+# (2026-11-24-caps-context-8b-1xh100, 2026-11-27-attention-tiles-context-8b-1xh100,
+# 2026-11-27-lean-norms-context-24gib-8b-1xh100). Attention tiles and lean norms run on these
+# families' attention and RMSNorm (kit.recipe.attention_tiles, kit.recipe.norms).
 TILE_TOKENS = 8192
 TILED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 # The step model (`speed`), fitted to the kit's bf16 runs on one H100 at the Llama-3-8B shape,
-# sequence 2,048, grouped adapters, compiled layers, fused loss (benchmarks/results/
-# plan-calib-8b-1xh100.md; round3-8b-1xh100.md):
+# sequence 2,048, grouped adapters, compiled layers, fused loss (fitted to
+# benchmarks/records/2026-11-25-planned-defaults-1xh100/rows-calib.jsonl; the runs:
+# 2026-11-24-grouped-adapters-8b-1xh100):
 # - KNEE_TOKENS: a micro-step of n tokens runs at n^2 / (n^2 + KNEE^2) of the ideal rate (the
 #   optimizer, FSDP's gathers, dequantizing each 4-bit weight and launches are spread over fewer
 #   tokens): keeping every matmul, batch 4 ran at 0.93x batch 8's speed per token (12,739 against
@@ -71,13 +73,15 @@ TILED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 #   batch 9, 13,824 tokens/s at 31.6 GFLOP per token over 0.984 of the ideal: 0.45.
 # - MATMUL_LAYER_SHARE: a layer that keeps every matmul beside attention_matmuls' layers saves
 #   this share of its rerun: 10 of 32 layers ran 1.022x faster (11,864 against 11,608 tokens/s
-#   at 24 GiB, benchmarks/results/layers-8b-1xh100.md) where the whole rerun gave 1.046x: 0.5.
+#   at 24 GiB, benchmarks/records/2026-11-27-layers-24gib-8b-1xh100) where the whole rerun gave
+#   1.046x: 0.5.
 # - ATTENTION_TILES_SPEED: attention tiles (with the MLP's, offloaded inputs and whole-layer
 #   recompute) on their own kernels (kit.recipe.tile_kernels: cuDNN's attention, backward from the
 #   recompute's kept statistics) ran at 0.86-0.90 of the model's rate at 131,072, 163,840 and
-#   524,288 tokens (round7-8b-1xh100.md); through SDPA with a third forward they had run at
-#   0.52-0.53 (round5/round6). MLP tiles alone ran at 0.73-0.90 of it (32k to 128k), as
-#   offloading alone did (0.78-0.84): not counted.
+#   524,288 tokens (2026-11-27-tile-kernels-context-512k-8b-1xh100); through SDPA with a third
+#   forward they had run at 0.52-0.53 (2026-11-27-attention-tiles-context-8b-1xh100,
+#   2026-11-27-lean-norms-context-24gib-8b-1xh100). MLP tiles alone ran at 0.73-0.90 of it (32k
+#   to 128k), as offloading alone did (0.78-0.84): not counted.
 KNEE_TOKENS = 2350
 MATMUL_LAYER_SHARE = 0.5
 RERUN_COST = 0.30
@@ -362,7 +366,7 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
         value = _get(out, name)
         say(Choice(name, value, "you", "set in the config") if name not in tiles_auto else
             Choice(name, value, "plan", f"nothing fits otherwise ({TILE_TOKENS:,}-token tiles, "
-                   "measured on one H100: round6-8b-1xh100.md)" if value else
+                   "measured on one H100: 2026-11-27-lean-norms-context-24gib-8b-1xh100)" if value else
                    blocked.get(name) if tiled and name in blocked else
                    "the rows fit without" if not tiled else "the MLP's tiles were enough"))
     if t.compile == AUTO:
@@ -397,12 +401,12 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
             "expected speed: not predicted for a mixture of experts (the grouped experts' step "
             "is bound by the host, which the step model does not count); measured: 7,226-7,848 "
             "tokens/s on Qwen3-30B-A3B's shape on one H200 at 80 GiB, by recompute policy "
-            "(benchmarks/results/moe-grouped-1xh200.md), 69 per GPU on Qwen3-235B-A22B's with "
-            "the per-expert loop (4x H100, benchmarks/results/issue36-4xh100.md)")
+            "(benchmarks/records/2026-11-28-moe-grouped-1xh200), 69 per GPU on Qwen3-235B-A22B's with "
+            "the per-expert loop (4x H100, benchmarks/records/2026-11-26-notebooks-moe-235b-scale-4xh100)")
     if hw.fp8 and not out.quantization.fp8_matmul and out.quantization.method != "none":
         planned.notes.append(
             "not chosen: quantization.fp8_matmul=true (this GPU has FP8 tensor cores; measured "
-            "+15-19% tokens/s on one H100, benchmarks/results/round3-8b-1xh100.md; it changes "
+            "+15-19% tokens/s on one H100, benchmarks/records/2026-11-24-grouped-adapters-8b-1xh100; it changes "
             "the numerics, so it stays yours to choose)")
     return planned
 

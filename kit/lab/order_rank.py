@@ -194,7 +194,7 @@ class Trial:
         """FSDP1 raises on a rank whose weights are not on its `device_id` (`Inconsistent compute
         device`), and only there: on 2 GPUs with `device_map="auto"` rank 0 raised while rank 1
         went on into FSDP's first collective and waited for it until stopped
-        (benchmarks/results/issue36-4xh100.md). Every rank checks every rank's placement first,
+        (benchmarks/records/2026-11-26-notebooks-moe-235b-scale-4xh100). Every rank checks every rank's placement first,
         so that all of them raise the same error together."""
         mine = (str(self.env.device), sorted({str(p.device) for p in model.parameters()}))
         every = [None] * self.env.world_size

@@ -84,7 +84,7 @@ def _keys_values(attn, x, cos, sin):
 def _attend(attn, q, k, v, start):
     """Queries `q` (positions start .. start + len) over keys 0 .. start + len, causally, through
     SDPA with torch's causal_lower_right mask: round 5's path, kept as the reference
-    benchmarks/tile_attention_bench.py measures tile_kernels against."""
+    benchmarks/tools/tile_attention_bench.py measures tile_kernels against."""
     from torch.nn.attention.bias import causal_lower_right
 
     gqa = q.shape[1] != k.shape[1]

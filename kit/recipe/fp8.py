@@ -8,7 +8,7 @@ weight dequantized to bf16 and a bf16 matmul. Here the dequantized weight and th
 cast to FP8 (e4m3) with one scale per row, and the product runs in `torch._scaled_mm`, which
 Hopper GPUs execute at about twice the bf16 rate; the output and every gradient stay bf16, and
 the adapters (LoRA) are untouched. It changes numerics: the loss difference it makes is measured
-(`benchmarks/results/fp8-8b-1xh100.md`; on a real model, `learn-smollm2-cpu.md`: the held-out loss
+(`benchmarks/records/2026-11-24-fp8-8b-1xh100`; on a real model, `2026-11-24-levers-learning-smollm2-cpu`: the held-out loss
 after 10 steps 0.045 above the article recipe's, where two seeds differ by 0.029), so it is
 opt-in. Evaluation inside the run uses it too; the saved adapter is the same kind as always, and
 a plain PEFT reload computes in bf16, so its logits differ from the run's own by FP8's rounding.

@@ -13,8 +13,8 @@ adapters are the same parameters with the same keys: saving, loading and merging
 It changes what is learned, a little: the members share one dropout mask instead of drawing
 three (with lora.dropout=0 the result is the same up to the order of additions). That is why it
 is opt-in, with its loss difference measured: within two seeds' noise on a real model
-(`benchmarks/results/learn-smollm2-cpu.md`); +4-5% speed in bf16, +7% with FP8
-(`round3-8b-1xh100.md`).
+(`benchmarks/records/2026-11-24-levers-learning-smollm2-cpu`); +4-5% speed in bf16, +7% with FP8
+(`2026-11-24-grouped-adapters-8b-1xh100`).
 
 How: a forward pre-hook on the module that owns the group (attention, MLP) computes the group's
 deltas from its input and attaches them to that input tensor; a member called with that very

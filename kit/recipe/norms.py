@@ -6,7 +6,7 @@ transformers' Llama-style RMSNorm upcasts its input to fp32, normalises, casts b
 autograd keeps the fp32 copy for backward, 4 bytes per value of a tensor that exists anyway in
 bf16 (16 KiB per token at the 8B shape, twice per layer). At long context that is a large share of
 what a recomputed layer holds: at 131,072 tokens one such copy is 2 GiB, the allocation that ran
-out of memory with attention tiles on at 24 GiB (benchmarks/results/round5-8b-1xh100.md). This
+out of memory with attention tiles on at 24 GiB (benchmarks/records/2026-11-27-attention-tiles-context-8b-1xh100). This
 norm computes the same forward, op for op, and keeps the bf16 input and the fp32 reciprocal
 root mean square (4 bytes per token); backward recomputes the normalised values from them. Both
 run 8,192 tokens at a time, so their fp32 work never spans the whole sequence (autograd's

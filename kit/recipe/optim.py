@@ -8,8 +8,8 @@ clip_grad_norm_ accept them, but each list operation they issue (a dozen per ste
 adapters' tensors) goes through DTensor's dispatch, which works out the sharding of every tensor
 of the list in Python. With LoRA there are many small tensors (448 at the 8B shape, r 16 on all
 linear layers), so the host spends tens of milliseconds per step there while the GPU, which
-finished backward, waits: measured on one H100 (benchmarks/host_lead.py,
-benchmarks/results/round4-8b-1xh100.md), clipping took 32 ms and the optimizer step 39 ms of a
+finished backward, waits: measured on one H100 (benchmarks/tools/host_lead.py,
+benchmarks/records/2026-11-27-step-profile-levers-8b-1xh100), clipping took 32 ms and the optimizer step 39 ms of a
 907 ms step, with the GPU idle throughout.
 
 Both functions here run the same arithmetic on each DTensor's local shard instead (the shards are

@@ -36,8 +36,8 @@ BACKENDS = ("flash", "cudnn", "cpu")
 
 def backend(device: torch.device) -> str:
     """cuDNN's kernels on Hopper GPUs (measured there: 1.7x flash's speed for a layer's tiles,
-    benchmarks/results/round7-8b-1xh100.md), flash's elsewhere; KIT_TILE_KERNEL=flash|cudnn
-    chooses (benchmarks/tile_attention_bench.py)."""
+    benchmarks/records/2026-11-27-tile-kernels-context-512k-8b-1xh100), flash's elsewhere; KIT_TILE_KERNEL=flash|cudnn
+    chooses (benchmarks/tools/tile_attention_bench.py)."""
     if device.type != "cuda":
         return "cpu"
     name = os.environ.get("KIT_TILE_KERNEL") or (
