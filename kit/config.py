@@ -91,7 +91,7 @@ class LoraConfig:
     recompute: bool = False
     # Adapters that read one input (q/k/v; gate/up) drop it once and run their down-projections
     # as one matmul (kit.recipe.lora_groups): fewer, larger kernels. The members share one dropout mask
-    # instead of three, which changes what is learned a little (measured in benchmarks/results/).
+    # instead of three, which changes what is learned a little (measured in benchmarks/records/).
     # auto: the planner's choice (kit.budget.plan: grouped on GPUs, where it pays).
     group_inputs: bool | Literal["auto"] = "auto"
 
@@ -154,7 +154,7 @@ class RecomputeConfig:
     # How many recomputed layers (the first ones) keep every matmul's result whatever `keeps`
     # says (mlp_matmuls or attention_matmuls only): the memory between two policies, used a
     # layer at a time. Measured on one H100 at the 8B shape, 24 GiB: +0.44 GiB and ~+0.2%
-    # tokens/s per layer at batch 4 (benchmarks/results/layers-8b-1xh100.md), within the
+    # tokens/s per layer at batch 4 (benchmarks/records/2026-11-27-layers-24gib-8b-1xh100), within the
     # run-to-run spread, so the planner leaves it at 0; the estimate counts what you set.
     matmul_layers: int = 0
     # Run each layer's MLP this many tokens at a time, keeping only its input (kit.recipe.recompute):
