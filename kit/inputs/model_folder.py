@@ -170,9 +170,11 @@ def config_refusal(name: str, path: str, trust_remote_code: bool) -> str | None:
     except ConfigError as e:
         return str(e)
     model_type = config.get("model_type")
-    if not isinstance(model_type, str) and "auto_map" not in config:
+    if model_type is not None and not isinstance(model_type, str):
+        return f"{where}: config.json's model_type is {model_type!r}, not a string; {EXPECTED}"
+    if model_type is None and "auto_map" not in config:
         return f"{where}: config.json has no model_type (a string); {EXPECTED}"
-    if model_type not in CONFIG_MAPPING and "auto_map" not in config:
+    if model_type is not None and model_type not in CONFIG_MAPPING and "auto_map" not in config:
         return (f"{where}: config.json has model_type {model_type!r}, which transformers "
                 f"{transformers.__version__} does not know; allowed: a model_type it knows "
                 "(a newer transformers may know this one)")
