@@ -3,10 +3,10 @@
 import json
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, TINY
 
 from kit.config import ConfigError, DataConfig
-from kit.inputs import builtin
+from kit.inputs import builtin, datafile
 from kit.recipe import data
 
 
@@ -491,3 +491,22 @@ def test_the_data_continues_where_it_stopped_on_any_number_of_ranks(world_after)
         for rank, batches in enumerate(straight):
             drawn = [ids(next(batches)) for _ in range(4 + len(per_rank[rank]))]
             assert drawn[4:] == per_rank[rank]
+
+
+def test_one_split_rule_for_the_check_the_recipe_and_sft(tmp_path):
+    """10 rows at data.val_fraction=0.25: 8 train and 2 evaluate in the recipe, and the check
+    counts the same 8, so batch 4 on 2 ranks passes it (it counted 7 and refused, once)."""
+    from kit.config import load_config
+    from kit.run.check import check
+
+    path = tmp_path / "ten.jsonl"
+    path.write_text("".join(json.dumps({"text": f"row {i} of ten"}) + "\n" for i in range(10)))
+    assert datafile.split_sizes(10, 0.25) == (8, 2) and datafile.split_sizes(10, 0) == (10, 10)
+    cfg = load_config(TINY, [f"data.path={path}", "data.val_fraction=0.25", "data.packing=false",
+                             "training.batch_size=4"])
+    check(cfg, 2)  # no ConfigError: 8 training rows fill 2 ranks x 4
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(builtin.resolve(cfg.model.name))
+    train, val = data.build_datasets(cfg.data, tokenizer, seed=cfg.training.seed)
+    assert (len(train), len(val)) == (8, 2)

@@ -375,7 +375,8 @@ def _data(c: Context) -> list[Finding]:
             continue
         batch, val = c.get("training.batch_size"), c.get("data.val_fraction") or 0
         if key == "data.path" and isinstance(batch, int):
-            train_rows = len(rows) if c.get("data.val_path") else int(len(rows) * (1 - val))
+            train_rows = (len(rows) if c.get("data.val_path")
+                          else datafile.split_sizes(len(rows), val)[0])
             if train_rows < batch * c.ranks:
                 out.append(Finding(
                     "error", "data_too_small",

@@ -366,6 +366,16 @@ def _short(value, limit: int = 60) -> str:
     return f"{text} ({type(value).__name__})"
 
 
+def split_sizes(rows: int, val_fraction: float) -> tuple[int, int]:
+    """(training rows, validation rows) of a file of `rows` rows with no data.val_path: the one
+    rule the check, kit.recipe.data and kit.recipe.sft split by. val_fraction > 0: round(rows x
+    fraction) rows held out, at least one; 0: every row trains and the first 64 also evaluate."""
+    if val_fraction <= 0:
+        return rows, min(64, rows)
+    held = max(1, round(rows * val_fraction))
+    return rows - held, held
+
+
 def read_checked(path: str, cfg: DataConfig, field: str = "data.path",
                  stdlib: bool = False) -> list[dict]:
     """The rows of data.path (or data.val_path: `field`), every one checked. stdlib: read

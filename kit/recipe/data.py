@@ -34,6 +34,7 @@ from kit.inputs.datafile import (  # noqa: F401
     read_rows_stdlib,
     render_chats,
     resolve_path,
+    split_sizes,
     texts_column,
 )
 
@@ -194,7 +195,7 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[Rows, Rows]:
         if cfg.val_fraction > 0:
             # A seeded permutation: the same split on every rank and every machine.
             order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
-            n_val = max(1, round(len(rows) * cfg.val_fraction))
+            n_val = split_sizes(len(rows), cfg.val_fraction)[1]
             val_idx, train_idx = order[:n_val], order[n_val:]
         else:
             train_idx, val_idx = range(len(rows)), range(min(64, len(rows)))

@@ -127,7 +127,7 @@ def text_datasets(cfg: Config, tokenizer, world: int):
         train, val = texts, data._chats(val_rows, d, tokenizer, d.val_path, "data.val_path")[0]
     elif d.val_fraction > 0:  # as kit.recipe.data.build_datasets
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(t.seed)).tolist()
-        n_val = max(1, round(len(rows) * d.val_fraction))
+        n_val = data.split_sizes(len(rows), d.val_fraction)[1]
         val, train = [texts[i] for i in order[:n_val]], [texts[i] for i in order[n_val:]]
     else:
         train, val = texts, texts[:64]
