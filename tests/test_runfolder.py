@@ -70,6 +70,7 @@ def test_every_file_a_run_writes_is_named(tiny_run, tmp_path):
     for path in (f.logs, f.adapter, f.checkpoints, f.earlier):
         assert path.is_dir(), path
     assert not f.stop_requested.exists() and f.exit_code.read_text().strip() == "0"
+    assert "Loading weights" not in f.log.read_text()  # no library bar per rank in run.log
 
     steps = sorted(p.name for p in f.checkpoints.iterdir())
     assert steps == [f.step_name(s) for s in (2, 4, 6)]
