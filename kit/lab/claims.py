@@ -1,7 +1,12 @@
 """The two source articles' concrete claims, as data: one row per claim, paraphrased, with where it
 stands in its article. The verdicts are not here: a notebook code cell that settles a claim
-carries it in its metadata (`"claims": {"A07": "demonstrated"}` or `"corrected"`), and
+carries it in its metadata (`"claims": {"A07": "demonstrated"}`, `"caveat"` or `"corrected"`; a
+`"caveat"` verdict names its caveat in one line beside it, `"caveats": {"A19": "..."}`), and
 `python -m kit.lab.claims_table` builds the table from both (kit.lab.claims_table).
+
+    demonstrated  the cell shows the claim holds
+    caveat        the claim holds, with a caveat the cell shows (printed "holds, with a caveat")
+    corrected     the cell shows it does not hold as stated, and what does
 
     A = article-qlora-fsdp-flash-attention.txt (QLoRA + FSDP + Flash Attention 2, 2x RTX 4090, 70B)
     B = article-fsdp-lora-kubernetes.txt (FSDP + LoRA with accelerate and TRL on 2 H200 nodes)
@@ -16,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ARTICLES = {"A": "article-qlora-fsdp-flash-attention.txt", "B": "article-fsdp-lora-kubernetes.txt"}
-VERDICTS = ("demonstrated", "corrected")
+VERDICTS = ("demonstrated", "caveat", "corrected")
+LABELS = {"demonstrated": "demonstrated", "caveat": "holds, with a caveat", "corrected": "corrected"}
 
 
 @dataclass(frozen=True)
