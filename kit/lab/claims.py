@@ -75,7 +75,7 @@ CLAIMS: list[Claim] = [
     Claim("A19", "Flash Attention 2 is switched on by passing attn_implementation='flash_attention_2' to "
           "from_pretrained, before quantization and FSDP", "section 3, l.269-284"),
     Claim("A20", "gradient checkpointing cuts activation memory at the price of a ~20-30% slower step",
-          "section 3, l.288"),
+          "section 3, l.288", record="2026-11-22-notebook-06-1xh200"),
     Claim("A21", "gradient checkpointing must be enabled after quantization and PEFT but before FSDP "
           "wrapping", "section 3, l.292-299; takeaways, l.398"),
     Claim("A22", "SHARD_GRAD_OP combined with gradient checkpointing is a common sweet spot: less "
