@@ -71,7 +71,8 @@ CLAIMS: list[Claim] = [
           "process its share of the data", "section 2, l.223"),
     Claim("A17", "self-attention costs O(n^2) in the sequence length; Flash Attention 2 computes it in "
           "tiles and never materialises the n x n matrix", "section 3, l.263-267"),
-    Claim("A18", "for long sequences Flash Attention 2 gives a 2-3x speed-up", "section 3, l.267"),
+    Claim("A18", "for long sequences Flash Attention 2 gives a 2-3x speed-up", "section 3, l.267",
+          record="2026-11-22-notebook-06-1xh200"),
     Claim("A19", "Flash Attention 2 is switched on by passing attn_implementation='flash_attention_2' to "
           "from_pretrained, before quantization and FSDP", "section 3, l.269-284"),
     Claim("A20", "gradient checkpointing cuts activation memory at the price of a ~20-30% slower step",
