@@ -54,11 +54,6 @@ def load(cfg: Config, device: torch.device, attn: str | None = None):
     names are placed by transformers' own conversion mapping (a MoE's per-expert tensors); with
     auto, a weight it cannot place sends the load to rank0, and a line says so. The mode that
     ran: `loaded_as(model)`."""
-    from transformers.utils import logging as hf_logging
-
-    # transformers' weight-loading bar, once per rank, interleaved in run.log and on stderr: the
-    # kit's own lines say what loaded (the model line, loading_line).
-    hf_logging.disable_progress_bar()
     mode = mode_of(cfg)
     single = not dist.is_initialized() or dist.get_world_size() == 1
     init = builtin.init_at_load(builtin.resolve(cfg.model.name))

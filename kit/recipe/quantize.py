@@ -78,7 +78,9 @@ def load_model(cfg: Config, device: torch.device, attn: str | None = None,
     weights=False: the same model on the meta device from the folder's config alone (a folder
     without weights: kit.inputs.builtin.AT_LOAD), for kit.recipe.loading to fill."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # its bar once per rank in run.log: the kit's lines say it
     path = builtin.resolve(cfg.model.name)
     kwargs = dict(
         dtype=DTYPES[cfg.model.dtype],
