@@ -5,7 +5,7 @@
 
 Order of operations (each its own module): process group -> plan the "auto" values (rank 0) ->
 load (quantized) model -> LoRA -> recompute + train mode -> shard -> optimizer -> train -> save.
-Rank 0 writes `metrics.jsonl` and `result.json` into the run folder and shows a progress bar;
+Rank 0 writes `metrics.jsonl` and `result.json` into the run folder and shows its progress;
 an exception on any rank is printed with its rank before torchrun stops the others.
 """
 
@@ -38,6 +38,7 @@ from kit.recipe import (
     optim,
     planning,
     preempt,
+    progress,
     recompute,
     trackers,
 )
@@ -221,22 +222,20 @@ class Recipe:
         return (totals[0] / totals[1].clamp(min=1)).item()
 
     def train(self) -> None:
-        from tqdm.auto import tqdm
-
         env, t, c = self.env, self.cfg.training, self.cfg.checkpointing
         self.started = time.perf_counter()
         last = max(self.start_step, min(t.steps, t.stop_at_step or t.steps))
-        bar = tqdm(total=t.steps, initial=self.start_step, desc="train", disable=not env.is_main,
-                   mininterval=1.0)
+        shown = progress.Progress(t.steps, self.start_step, env.is_main)  # rank 0: in place or a line
         lora_start = checks.trainable_snapshot(self.model)  # this rank's shard
         self.preempt = preempt.Preemption().install()  # SIGTERM, SIGUSR1: save, then stop
         for step in range(self.start_step + 1, last + 1):
             row = self.train_step()
             row.update(step=step, lr=self.scheduler.get_last_lr()[0])
-            if step % t.log_every == 0 or step == t.steps:
+            if logged := step % t.log_every == 0 or step == t.steps:
                 self.log({"split": "train", **row})
             if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
                 self.log({"split": "val", "step": step, "loss": self.evaluate()})
+            shown.step(step, row, logged)
             self._check(row, step, lora_start)
             if step == self.start_step + 1 and (c.save_adapter or c.save_every):
                 self._prove_save()
@@ -247,9 +246,7 @@ class Recipe:
             if self.preempt.stop_here(self, step, saved):  # asked to stop (kit.recipe.preempt)
                 self.status, last = "preempted", step
                 break
-            bar.update(1)
-            bar.set_postfix(loss=f"{row['loss']:.4f}")
-        bar.close()
+        shown.close()
         self.last_step = last
 
     def _checkpoint(self, step: int):

@@ -112,6 +112,12 @@ def test_the_front_door_and_bare_torchrun_train_alike(tmp_path):
     # Checked once, here: run.sh's check step (whose line is unprefixed) did not run again.
     assert sum(line.startswith("data: ") for line in proc.stdout.splitlines()) == 1, proc.stdout
     assert "[default1]:rank 1 of 2" in proc.stdout
+    # Rank 0's progress: one plain line a logged step, no carriage-return bar split by
+    # torchrun's --tee.
+    steps = [line for line in proc.stdout.splitlines() if "train: step " in line]
+    assert [line.split(" (")[0] for line in steps] == [
+        f"[default0]:train: step {k}/3" for k in (1, 2, 3)], proc.stdout
+    assert "\r" not in proc.stdout and "it/s" not in proc.stdout
     proc = bare_torchrun(*STEPS, f"run.output_dir={bare}")
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert len(train_losses(door)) == 3
@@ -135,3 +141,35 @@ def test_a_mistake_under_bare_torchrun_is_said_once_and_the_other_rank_ends_quie
     assert "[rank 1]" not in text and "[default1]" not in text, text
     assert "Connection closed by peer" not in text and "Traceback (most recent call last):\n  File " \
         "\"" + str(ROOT) not in text, text
+
+
+def test_progress_is_a_bar_on_a_terminal_and_a_line_per_logged_step_elsewhere(monkeypatch, capsys):
+    """kit.recipe.progress: where stderr is a terminal, tqdm's bar redrawn with \\r; elsewhere
+    (torchrun's --tee, a pipe, a file) one plain line on stdout per logged step; nothing on the
+    other ranks."""
+    import io
+
+    from kit.recipe import progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for shown in (True, False):
+        plain = progress.Progress(total=4, start=0, shown=shown)
+        for step in (1, 2, 3, 4):
+            plain.step(step, {"loss": 7.0 - step / 10}, logged=step % 2 == 0)
+        plain.close()
+        out = capsys.readouterr()
+        lines = [line.split(", ")[0] for line in out.out.splitlines()]
+        assert lines == (["train: step 2/4 (50%): loss 6.8000", "train: step 4/4 (100%): loss "
+                          "6.6000"] if shown else []) and out.err == ""
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    bar = progress.Progress(total=4, start=1, shown=True)
+    for step in (2, 3, 4):
+        bar.step(step, {"loss": 6.5}, logged=True)
+    bar.close()
+    assert capsys.readouterr().out == "" and "\r" in sys.stderr.getvalue()
+    assert "4/4" in sys.stderr.getvalue() and "loss=6.5000" in sys.stderr.getvalue()
+    assert progress.clock(42) == "42s" and progress.clock(185) == "3m05s"
+    assert progress.clock(3720) == "1h02m"

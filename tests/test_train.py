@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -102,3 +103,26 @@ def test_without_torchrun_the_recipe_says_it_runs_one_process(tmp_path):
     first = proc.stdout.splitlines()[0]
     assert first.startswith("kit.train: started without torchrun, so it runs one process"), first
     assert "world=1" in proc.stdout
+    # Not a terminal (a pipe): rank 0's progress is one plain line, no bar on stderr.
+    assert "\ntrain: step 1/1 (100%): loss " in proc.stdout and "it/s" not in proc.stderr
+
+
+PROGRESS = re.compile(r"^\[default(\d)\]:train: step (\d+)/(\d+) \(\d+%\): loss \d+\.\d{4}, "
+                      r"\d+\.\d\d s/step, \d+[smh][\dms]* left$")
+
+
+def progress_steps(log: str) -> list[int]:
+    """The steps of the progress lines in a run's log, each checked whole and rank 0's."""
+    found = [m for line in log.splitlines() if "train: step" in line
+             for m in [PROGRESS.match(line)]]
+    assert all(found) and {m[1] for m in found} <= {"0"}, [m and m[0] for m in found]
+    return [int(m[2]) for m in found]
+
+
+def test_rank_0_prints_one_progress_line_per_logged_step_through_torchrun(tiny_run):
+    """Under torchrun's --tee a carriage-return bar became two prefixed lines a step; now rank 0
+    alone prints one plain line per logged step (training.log_every=1: every step; the keep_best
+    run in test_checkpoint.py logs every second one), and run.log holds no \\r."""
+    log = (tiny_run / "run.log").read_text()
+    assert progress_steps(log) == [1, 2, 3, 4], log[-3000:]
+    assert "\r" not in log and "it/s" not in log
