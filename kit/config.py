@@ -260,6 +260,10 @@ class CheckpointingConfig:
     # size can load it); full: gathered to rank 0 into one torch.save file (portable, slower).
     format: Literal["sharded", "full"] = "sharded"
     keep_last: int = 2  # older complete checkpoints are deleted; 0 keeps all
+    # Keep the checkpoint with the lowest held-out loss too, whatever keep_last prunes (each
+    # checkpoint's manifest records the loss of its step's evaluation): for a run whose held-out
+    # loss rises. Needs an evaluation at every checkpoint: save_every a multiple of eval_every.
+    keep_best: bool = False
     # A fixed probe batch's logits, saved next to the adapter: lets anyone check that the adapter
     # reloaded without FSDP reproduces the trained model.
     save_probe_logits: bool = True
@@ -497,6 +501,11 @@ def _check(cfg: Config) -> None:
          f"{rc.keeps!r} (its policy already recomputes the adapters' branch)")
     for name in ("warmup_steps", "eval_every"):
         need(getattr(t, name) >= 0, f"training.{name}", getattr(t, name), "expected an integer >= 0")
+    c = cfg.checkpointing
+    need(not c.keep_best or (c.save_every > 0 and t.eval_every > 0 and c.save_every % t.eval_every
+                             == 0), "checkpointing.keep_best", c.keep_best, "only false unless "
+         "every checkpoint has a held-out loss: checkpointing.save_every > 0 a multiple of "
+         f"training.eval_every > 0 (they are {c.save_every} and {t.eval_every})")
     need(t.lr > 0, "training.lr", t.lr, "expected a number > 0")
     need(t.weight_decay >= 0, "training.weight_decay", t.weight_decay, "expected a number >= 0")
     need(t.max_grad_norm >= 0, "training.max_grad_norm", t.max_grad_norm, "expected >= 0 (0: off)")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from kit.config import Config, load_config
-from kit.folder import runfolder
+from kit.folder import manifest, runfolder
 from kit.folder.layout import RunFolder
 from kit.inputs import builtin
 from kit.inputs import checks as inputs
@@ -250,13 +250,21 @@ class Recipe:
         self.last_step = last
 
     def _checkpoint(self, step: int):
-        """Checkpoint `step` (kit.recipe.checkpoint: atomic, verified, a collective); its folder."""
+        """Checkpoint `step` (kit.recipe.checkpoint: atomic, verified, a collective); its folder.
+        Its manifest records the step's held-out loss; checkpointing.keep_best keeps the lowest's
+        past keep_last and says when this one is it."""
         c = self.cfg.checkpointing
-        return checkpoint.save_training_state(
+        val = [r["loss"] for r in self.history if r["split"] == "val" and r["step"] == step]
+        folder = checkpoint.save_training_state(
             wrapped=self.model, engine=self.engine, optimizer=self.optimizer,
             scheduler=self.scheduler, batches=self.train_batches, step=step, env=self.env,
             fmt=c.format, output_dir=self.out, layout=self.adapter_layout, keep_last=c.keep_last,
-            tokenizer=self.tokenizer)
+            keep_best=c.keep_best, val_loss=val[-1] if val else None, tokenizer=self.tokenizer)
+        best = manifest.best(self.out) if c.keep_best and self.env.is_main else None
+        if best and best["step"] == step:  # a preemption's checkpoint may have no held-out loss
+            self.say(f"best: step {step}, held-out loss {best['val_loss']:.4f}: {folder} (the "
+                     "lowest so far: checkpointing.keep_best keeps it)")
+        return folder
 
     def _check(self, row: dict, step: int, lora_start: dict) -> None:
         """In-run checks (kit.recipe.checks): NaN/inf, slow ranks, rising val loss, still adapters."""
@@ -336,6 +344,7 @@ class Recipe:
             "elapsed_s": round(time.perf_counter() - self.started, 3),
             "load": self.load,
             "plan": self.planned.as_dict(),
+            **({"best": manifest.best(self.out)} if self.cfg.checkpointing.keep_best else {}),
             **saved,
         }
         if self.env.is_main:

@@ -66,6 +66,36 @@ def test_resume_nf4_bf16_fsdp1_full_format(tmp_path):
     assert marker["config"]["sharding.engine"] == engine
 
 
+@pytest.mark.slow
+def test_keep_best_keeps_the_lowest_held_out_loss_checkpoint_that_keep_last_prunes(tmp_path):
+    """A run whose held-out loss is lowest at its first evaluation (it trains on one sentence and
+    is evaluated on digits, tokens it learns to expect less): keep_last=1 alone would keep step
+    8's checkpoint only; keep_best keeps step 2's too, says so in a `best:` line, names it in
+    result.json, and `kit checkpoints list` marks it. Rank 0's progress: one line per logged
+    step (log_every=2). fp32: the same losses on every CPU."""
+    train, val = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    train.write_text("".join(json.dumps({"text": "the cat sat on the mat " * 4}) + "\n"
+                             for _ in range(64)))
+    val.write_text("".join(json.dumps({"text": " ".join(str((i * 7 + k) % 10) for k in range(24))})
+                           + "\n" for i in range(32)))
+    out = tmp_path / "run"
+    run = torchrun(out, *FP32, "training.steps=8", "training.eval_every=2", "training.log_every=2",
+                   "checkpointing.save_every=2", "checkpointing.keep_last=1",
+                   "checkpointing.keep_best=true", f"data.path={train}", f"data.val_path={val}")
+    result, metrics = read_run(out)
+    val_losses = [m["loss"] for m in metrics if m["split"] == "val"]
+    assert len(val_losses) == 4 and val_losses[0] < min(val_losses[1:]), val_losses
+    step2 = out / "checkpoints" / "step-000002"
+    assert result["best"] == {"step": 2, "val_loss": val_losses[0], "path": str(step2)}
+    assert [f.name for _, f in manifest.scan(out)[0]] == ["step-000002", "step-000008"]
+    assert [line for line in run.stdout.splitlines() if ":best: " in line] == [
+        f"[default0]:best: step 2, held-out loss {val_losses[0]:.4f}: {step2} (the lowest so far: "
+        "checkpointing.keep_best keeps it)"]
+    assert [r["folder"] for r in checkpoint.summary(out) if r.get("best")] == ["step-000002"]
+    assert [line.split(" (")[0] for line in run.stdout.splitlines() if "train: step" in line] == [
+        f"[default0]:train: step {k}/8" for k in (2, 4, 6, 8)]
+
+
 # --------------------------------------------------------------------------- the manifest, by hand
 
 CONFIG = Config().to_dict()  # lora.r=8, what the hand-made checkpoints below were "made with"
@@ -89,15 +119,17 @@ def save_adapter_file(folder, tensors) -> None:
     save_file(tensors, str(folder / "adapter_model.safetensors"))
 
 
-def fake_checkpoint(out, step: int, world_size: int = 2):
+def fake_checkpoint(out, step: int, world_size: int = 2, val_loss: float | None = None):
     """checkpoints/step-N with a 4,096-byte 'shard', a trainer file and a real adapter, manifest
-    written by kit.folder.manifest as save_training_state writes it."""
+    written by kit.folder.manifest as save_training_state writes it (with the step's held-out
+    loss when given)."""
     folder = out / "checkpoints" / f"step-{step:06d}"
     (folder / "dcp").mkdir(parents=True)
     (folder / "dcp" / "__0_0.distcp").write_bytes(bytes(range(256)) * 16)
     (folder / "trainer.json").write_bytes(b"trainer state " * 8)
     save_adapter_file(folder / "adapter", {LORA_KEY: torch.ones(8, 16)})
-    manifest.write(folder, CONFIG, step, world_size, {"format": "sharded", "seconds": 0.1})
+    manifest.write(folder, CONFIG, step, world_size, {"format": "sharded", "seconds": 0.1, **(
+        {} if val_loss is None else {"val_loss": val_loss})})
     return folder
 
 
@@ -316,6 +348,30 @@ def test_command_line_verifies_and_lists_a_good_checkpoint(tmp_path, capsys):
     listed = capsys.readouterr().out.splitlines()
     assert "'folder': 'step-000005'" in listed[0] and "'files': 4" in listed[0]
     assert listed[1] == "step-000010.tmp: INCOMPLETE (never resumed)"
+
+
+def test_keep_best_spares_the_lowest_held_out_loss_from_keep_last(tmp_path, capsys):
+    """prune on hand-made checkpoints whose manifests record their step's held-out loss:
+    keep_last=1 keeps the newest alone; with keep_best also the lowest loss's (of equal ones the
+    earliest; one saved at a step with no evaluation is never it), which `kit checkpoints list`
+    marks best. kit.train's run of it: tests/test_train.py."""
+    import shutil
+
+    for step, loss in ((2, 6.5), (4, 6.1), (6, 6.3), (8, None), (10, 6.1)):
+        fake_checkpoint(tmp_path / "a", step, val_loss=loss)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    names = lambda run: [f.name for _, f in manifest.scan(run)[0]]  # noqa: E731
+    assert manifest.best(tmp_path / "a") == {
+        "step": 4, "val_loss": 6.1, "path": str(tmp_path / "a" / "checkpoints" / "step-000004")}
+    checkpoint.prune(tmp_path / "a", keep_last=1, keep_best=True)
+    assert names(tmp_path / "a") == ["step-000004", "step-000010"]
+    checkpoint.prune(tmp_path / "b", keep_last=1)
+    assert names(tmp_path / "b") == ["step-000010"]
+    assert checkpoint.main(["list", str(tmp_path / "a")]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert "'val_loss': 6.1" in listed[0] and listed[0].endswith("'best': True}"), listed
+    assert "'best'" not in listed[1]
+    assert manifest.best(tmp_path / "nothing") is None
 
 
 def test_verify_rejects_empty_and_wrong_adapters(tmp_path):

@@ -119,6 +119,11 @@ def test_benchmark_matrices_hold_valid_kit_configs(path):
          "'.', '_' or '-', starting with a letter or digit (it names a folder under launch/; "
          "run.output_dir=<path> writes elsewhere)"),
         (["run.name=a/b"], "run.name: 'a/b' is not allowed"),
+        (["checkpointing.keep_best=true", "checkpointing.save_every=5", "training.eval_every=2"],
+         "checkpointing.keep_best: True is not allowed; only false unless every checkpoint has a "
+         "held-out loss: checkpointing.save_every > 0 a multiple of training.eval_every > 0 (they "
+         "are 5 and 2)"),
+        (["checkpointing.keep_best=true"], "checkpointing.keep_best: True is not allowed"),
     ],
 )
 def test_bad_values_get_one_line_naming_the_field(overrides, message):

@@ -466,7 +466,8 @@ def test_rising_held_out_loss_is_said_once_by_the_recipe_with_its_steps_and_valu
                          "in a row: step 20 1.5000, step 30 1.6000, step 40 1.7000, step 50 "
                          "1.8000 (lowest 1.5000 at step 20) | fix: the adapter is fitting its "
                          "training rows: fewer steps (training.steps=20), a lower training.lr or "
-                         "more rows; checkpoints/ keeps earlier steps (checkpointing.save_every)")]
+                         "more rows; checkpoints/ keeps earlier steps (checkpointing.save_every; "
+                         "checkpointing.keep_best=true keeps the lowest held-out loss's)")]
     flat = [{"split": "val", "step": s, "loss": v} for s, v in ((1, 1.0), (2, 1.1), (3, 1.1),
                                                                 (4, 1.2), (5, 1.3))]
     assert checks.check_val_rising(flat, 5) == []

@@ -113,12 +113,14 @@ def test_a_value_sftconfig_refuses_is_one_line_naming_the_kit_field(fresh_accele
     ("training.recompute.every=2", "training.recompute.every: 2 is not allowed"),
     ("training.loss=fused", "training.loss: 'fused' is not allowed"),
     ("training.resume=auto", "training.resume: 'auto' is not allowed"),
+    ("checkpointing.keep_best=true checkpointing.save_every=10",
+     "checkpointing.keep_best: True is not allowed with kit.recipe.sft"),
 ])
 def test_what_kit_sft_cannot_honour_is_refused_in_one_line(override, first):
     from kit.recipe import sft
 
     with pytest.raises(ConfigError) as e:
-        sft.sft_config(_cfg(override), use_cpu=True)  # refused before SFTConfig is built
+        sft.sft_config(_cfg(*override.split()), use_cpu=True)  # refused before SFTConfig is built
     assert str(e.value).startswith(first) and "\n" not in str(e.value), str(e.value)
 
 

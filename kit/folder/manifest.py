@@ -5,6 +5,7 @@ Rank 0 writes the manifest last, into `checkpoints/step-NNNNNN/COMPLETE.json`, o
 files exist; a folder without it (or still named `step-N.tmp`) was interrupted while saving:
 
     {"step": 10, "world_size": 2, "bytes": 91234, "format": "sharded", "seconds": 0.42,
+     "val_loss": 6.58,                       # held-out loss evaluated at this step, if it was
      "manifest": 1,
      "config": {"model.name": "kit:tiny-llama", "lora.r": 8, ...},      # see RESUME_FIELDS
      "files": {"dcp/__0_0.distcp": {"bytes": 4096, "sha256": "9f2c..."},
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -237,17 +239,32 @@ def set_aside(output_dir) -> list[Path]:
     return sorted(root.glob("step-*.replaced-*")) if root.is_dir() else []
 
 
+def best(output_dir) -> dict | None:
+    """The complete checkpoint with the lowest held-out loss its manifest records (the run
+    evaluated at its step), as {"step", "val_loss", "path"}; of equal ones the earliest; None when
+    no checkpoint records one. What checkpointing.keep_best keeps past keep_last."""
+    scored = [(marker["val_loss"], step, folder) for step, folder in scan(output_dir)[0]
+              if isinstance((marker := read(folder) or {}).get("val_loss"), (int, float))
+              and math.isfinite(marker["val_loss"])]
+    if not scored:
+        return None
+    loss, step, folder = min(scored, key=lambda item: item[:2])
+    return {"step": step, "val_loss": loss, "path": str(folder)}
+
+
 def summary(output_dir) -> list[dict]:
-    """One row per checkpoint folder: step, format, bytes, seconds to write, files in the manifest,
-    complete or not. Cheap: reads only the markers (`problem` checks the files)."""
+    """One row per checkpoint folder: step, format, bytes, seconds to write, held-out loss (where
+    evaluated at its step), files in the manifest, complete or not; the lowest held-out loss's is
+    marked "best". Cheap: reads only the markers (`problem` checks the files)."""
     complete, incomplete = scan(output_dir)
-    rows = []
+    rows, lowest = [], best(output_dir)
     for _, folder in complete:
         marker = read(folder) or {}
         row = {k: v for k, v in marker.items() if k not in ("files", "config", "manifest")}
         rows.append({"folder": folder.name, **row, "complete": True,
                      **({"files": len(marker["files"])} if isinstance(marker.get("files"), dict)
-                        else {"verifiable": False})})
+                        else {"verifiable": False}),
+                     **({"best": True} if lowest and lowest["path"] == str(folder) else {})})
     rows += [{"folder": f.name, "complete": False} for f in incomplete]
     return rows + [{"folder": f.name, "complete": False, "set_aside": True}
                    for f in set_aside(output_dir)]

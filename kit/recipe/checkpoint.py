@@ -240,9 +240,11 @@ def _no_space(error: BaseException) -> str | None:
 
 def _write_training_state(*, wrapped, engine, optimizer, scheduler, batches, step, env, fmt,
                           output_dir, layout: AdapterLayout, keep_last: int = 0,
+                          keep_best: bool = False, val_loss: float | None = None,
                           tokenizer=None, config: dict | None = None) -> Path:
     """save_training_state's work. `config`: the run's config tree for the manifest (default: the
-    run folder's config.yaml)."""
+    run folder's config.yaml); `val_loss`: the held-out loss evaluated at this step, recorded in
+    the manifest (what keep_best, kit.folder.manifest.best, compares)."""
     import time
 
     import torch.distributed as dist
@@ -288,18 +290,22 @@ def _write_training_state(*, wrapped, engine, optimizer, scheduler, batches, ste
             raise CheckpointError(f"{tmp}: {', '.join(missing)} not written")
         seconds = round(time.perf_counter() - started, 3)
         manifest.write(tmp, _run_config(output_dir) if config is None else config, step,
-                       env.world_size, {"format": fmt, "seconds": seconds})
+                       env.world_size, {"format": fmt, "seconds": seconds,
+                                        **({} if val_loss is None else {"val_loss": val_loss})})
         _set_aside(folder)
         os.replace(tmp, folder)
-        prune(output_dir, keep_last)
+        prune(output_dir, keep_last, keep_best)
     dist.barrier()
     return folder
 
 
-def prune(output_dir, keep_last: int) -> list[Path]:
-    """Delete complete checkpoints beyond the newest `keep_last` (0 keeps all)."""
+def prune(output_dir, keep_last: int, keep_best: bool = False) -> list[Path]:
+    """Delete complete checkpoints beyond the newest `keep_last` (0 keeps all); keep_best: all
+    but the one with the lowest held-out loss (kit.folder.manifest.best)."""
     complete, _ = scan(output_dir)
-    doomed = [f for _, f in complete[:-keep_last]] if keep_last else []
+    kept = manifest.best(output_dir) if keep_best else None
+    doomed = [f for _, f in complete[:-keep_last] if not kept or str(f) != kept["path"]
+              ] if keep_last else []
     for folder in doomed:
         shutil.rmtree(folder)
     return doomed

@@ -138,7 +138,8 @@ def check_val_rising(history: list[dict], step: int | None = None,
                     f"{best:.4f} at step {best_step})",
                     f"the adapter is fitting its training rows: fewer steps (training.steps="
                     f"{best_step}), a lower training.lr or more rows; checkpoints/ keeps "
-                    "earlier steps (checkpointing.save_every)", "training.steps")]
+                    "earlier steps (checkpointing.save_every; checkpointing.keep_best=true keeps "
+                    "the lowest held-out loss's)", "training.steps")]
 
 
 def check_checkpointing_active(model) -> list[Finding]:

@@ -28,6 +28,9 @@ def _refuse_unmapped(cfg: Config) -> None:
          "fused LM head, no full logits); allowed: 'hf'"),
         (not t.compile, "training.compile", t.compile, "kit.recipe.sft does not compile (kit.train "
          "compiles each decoder layer after sharding); allowed: false"),
+        (not cfg.checkpointing.keep_best, "checkpointing.keep_best", True, "kit.recipe.sft "
+         "prunes checkpoints by age only (kit.train keeps the lowest held-out loss's); allowed: "
+         "false"),
         (rc.keeps == "inputs" and rc.every == 1, "training.recompute.keeps" if rc.keeps !=
          "inputs" else "training.recompute.every", rc.keeps if rc.keeps != "inputs" else
          rc.every, "SFTTrainer's gradient checkpointing recomputes every whole decoder layer; "
