@@ -277,12 +277,23 @@ def test_a_run_that_cannot_save_fails_after_its_first_step(tmp_path):
     assert max(m["step"] for m in run.metrics()) == 1
 
 
-def test_a_rank_killed_by_sigkill_is_named_with_its_signal(tmp_path):
+def test_a_rank_killed_by_sigkill_is_named_with_its_signal(tmp_path, capsys):
     run = run_to_end(TINY, [f"run.output_dir={tmp_path / 'run'}", "training.steps=6",
                             "training.eval_every=0"], check=False,
                      env={"KIT_FAIL_RANK": "1", "KIT_FAIL_STEP": "2", "KIT_FAIL_SIGNAL": "SIGKILL"})
     failure = run.failure()
     assert failure.rank == 1 and failure.message.startswith("killed by SIGKILL (signal 9)")
+    # What `kit train` shows of it (kit.run.door leaves torchrun's report out of a stop the user
+    # asked for only): a failure's report, whole.
+    from kit.run import door
+    from kit.run.runs import Follow
+
+    capsys.readouterr()
+    shown = door._Output(terminal=False)
+    shown.lines(Follow(run.files.log).new_lines())
+    shown.flush()
+    text = capsys.readouterr().out
+    assert "ChildFailedError" in text and "exitcode  : -9" in text, text[-3000:]
 
 
 def test_a_ranks_own_error_outranks_a_peer_that_died_of_a_signal_in_the_same_second(tmp_path):

@@ -112,8 +112,8 @@ def test_the_front_door_and_bare_torchrun_train_alike(tmp_path):
     # Checked once, here: run.sh's check step (whose line is unprefixed) did not run again.
     assert sum(line.startswith("data: ") for line in proc.stdout.splitlines()) == 1, proc.stdout
     assert "[default1]:rank 1 of 2" in proc.stdout
-    # Rank 0's progress: one plain line a logged step, no carriage-return bar split by
-    # torchrun's --tee.
+    # Rank 0's progress: one plain line a logged step (not a terminal here: kit.run.door draws
+    # them in place on one), no carriage-return bar split by torchrun's --tee.
     steps = [line for line in proc.stdout.splitlines() if "train: step " in line]
     assert [line.split(" (")[0] for line in steps] == [
         f"[default0]:train: step {k}/3" for k in (1, 2, 3)], proc.stdout
@@ -141,6 +141,97 @@ def test_a_mistake_under_bare_torchrun_is_said_once_and_the_other_rank_ends_quie
     assert "[rank 1]" not in text and "[default1]" not in text, text
     assert "Connection closed by peer" not in text and "Traceback (most recent call last):\n  File " \
         "\"" + str(ROOT) not in text, text
+
+
+# What torchrun prints as it ends (torch 2.13, copied from run.log files; paths cut short).
+STOPPING = [
+    "W1129 02:31:47.095000 3418 torch/distributed/elastic/multiprocessing/api.py:1028] Sending "
+    "process 3422 closing signal SIGTERM",
+]
+SIGNALLED = [
+    "Traceback (most recent call last):",
+    '  File "<frozen runpy>", line 198, in _run_module_as_main',
+    '  File ".../torch/distributed/launcher/api.py", line 374, in launch_agent',
+    "    result = agent.run()",
+    "             ^^^^^^^^^^^",
+    '  File ".../torch/distributed/elastic/agent/server/api.py", line 923, in _invoke_run',
+    "    time.sleep(monitor_interval)",
+    "torch.distributed.elastic.multiprocessing.api.SignalException: Process 3418 got signal: 15",
+]
+CHAINED = [*SIGNALLED, "During handling of the above exception, another exception occurred:",
+           *SIGNALLED]
+
+
+def child_failed(code: int) -> list[str]:
+    """torchrun's ChildFailedError report, both ranks ended with exit code `code`."""
+    ranks = [line for rank in (0, 1) for line in (
+        f"[{rank}]:", "  time      : 2026-11-29_02:31:26", "  host      : localhost",
+        f"  rank      : {rank} (local_rank: {rank})", f"  exitcode  : {code} (pid: 331{rank})",
+        "  error_file: <N/A>")]
+    return [*SIGNALLED[:5], '  File ".../launcher/api.py", line 383, in launch_agent',
+            "    raise ChildFailedError(",
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+            "=" * 60, "kit.train FAILED", "-" * 60, "Failures:", *ranks[6:], "-" * 60,
+            "Root Cause (first observed failure):", *ranks[:6], "=" * 60]
+
+
+def shown(lines: list[str], stopping: bool, capsys, terminal: bool = False) -> str:
+    """What the front door prints of the run's lines (kit.run.door._Output)."""
+    from kit.run import door
+
+    out = door._Output(terminal=terminal)
+    out.stopping = stopping
+    out.lines(lines)
+    out.flush()
+    out.say("kit: the end")
+    return capsys.readouterr().out
+
+
+BEFORE = ["[default0]:preempted (SIGTERM): checkpoint the one above at step 9"]
+AFTER = ["=== restart 1 of 3 after exit code 1, 2026-11-29 02:31:30"]  # run.sh's own, shown
+
+
+@pytest.mark.parametrize("tail, stopping, hidden", [
+    (STOPPING + SIGNALLED, True, True),  # the door's stop request: torchrun's SignalException
+    (STOPPING + SIGNALLED, False, False),  # nobody asked the door: shown as it came
+    (STOPPING + CHAINED, True, True),  # a second signal while torchrun was stopping the ranks
+    (child_failed(75), False, True),  # every rank saved and stopped on request (SIGUSR1 to one)
+    (child_failed(17), True, False),  # a failure: torchrun's report whole, whoever asked
+    (child_failed(17)[:-3], False, False),  # a log that ends inside the report: whole
+], ids=["stop", "not-asked", "chained", "ranks-stopped", "crash", "cut-short"])
+def test_torchruns_traceback_is_left_out_of_a_requested_stop_and_a_failures_shown(
+        tail, stopping, hidden, capsys):
+    """kit train's terminal (run.log keeps every line): torchrun's own traceback and its lines
+    as it signals the ranks are noise after a stop the user asked for; a ChildFailedError report
+    of ranks that all exited 75 (kit.recipe.preempt) too; a failure's report is shown whole."""
+    text = shown(BEFORE + tail + AFTER, stopping, capsys)
+    kept = BEFORE + ([] if hidden else tail) + AFTER + ["kit: the end"]
+    assert text == "".join(f"{line}\n" for line in kept)
+
+
+def test_a_traceback_after_a_ranks_unfinished_line_and_a_ranks_own_traceback(capsys):
+    """torchrun's traceback may start on the line a rank left unfinished (tqdm's bar did): held
+    as one, the rank's part shown; a rank's own traceback ([defaultN]: on every line) is shown."""
+    rank = ["[default1]:Traceback (most recent call last):", '[default1]:  File "x.py", line 1',
+            "[default1]:RuntimeError: boom"]
+    glued = ["[default0]:train:  45%|####5     | 9/20" + SIGNALLED[0], *SIGNALLED[1:]]
+    text = shown(rank + STOPPING + glued + AFTER, True, capsys)
+    assert text.splitlines() == [*rank, "[default0]:train:  45%|####5     | 9/20", *AFTER,
+                                 "kit: the end"]
+
+
+def test_rank_0s_progress_is_one_line_redrawn_in_place_on_a_terminal(capsys):
+    """On a terminal each progress line (kit.recipe.progress) replaces the one before; the next
+    other line starts below the last one. Not on a terminal (a pipe, a file): plain lines."""
+    lines = ["[default0]:data: 432 training rows",
+             "[default0]:train: step 1/3 (33%): loss 6.9364, 0.50 s/step, 1s left",
+             "[default0]:train: step 2/3 (66%): loss 6.9656, 0.40 s/step, 0s left",
+             "[default0]:checkpoint: /tmp/run/checkpoints/step-000002",
+             "[default0]:train: step 3/3 (100%): loss 6.8535, 0.40 s/step, 0s left"]
+    assert shown(lines, False, capsys, terminal=True) == (
+        f"{lines[0]}\n\r\033[K{lines[1]}\r\033[K{lines[2]}\n{lines[3]}\n\r\033[K{lines[4]}\n"
+        "kit: the end\n")
+    assert shown(lines, False, capsys) == "".join(f"{line}\n" for line in [*lines, "kit: the end"])
 
 
 def test_progress_is_a_bar_on_a_terminal_and_a_line_per_logged_step_elsewhere(monkeypatch, capsys):

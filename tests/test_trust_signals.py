@@ -90,6 +90,10 @@ def gone(out: Path, seen: list[psutil.Process], timeout: float = 0.0) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_sigterm_and_sighup_to_kit_train_are_a_stop_request(sig, tmp_path):
+    """SIGTERM and SIGHUP (Ctrl-C's SIGINT takes the same handler; CI time: not a run of its
+    own): the kit's stop lines on the terminal, and nothing of torchrun's own for the stop it
+    was asked for (its lines as it signals the ranks, its traceback: kit.run.door), which run.log
+    keeps."""
     out = tmp_path / "run"
     proc = door(out, tmp_path)
     try:
@@ -102,6 +106,9 @@ def test_sigterm_and_sighup_to_kit_train_are_a_stop_request(sig, tmp_path):
         assert f"kit: {sig.name}: stopping: the ranks finish their step" in stdout
         assert stdout.rstrip().endswith("training.resume=auto continues it"), stdout[-3000:]
         assert "Traceback" not in stdout and stderr == "", stdout[-3000:] + stderr
+        assert "ChildFailedError" not in stdout and "closing signal" not in stdout, stdout[-3000:]
+        log = (out / "run.log").read_text()
+        assert "SignalException" in log or "ChildFailedError" in log, log[-3000:]
         verified(out)
     finally:
         proc.kill()

@@ -12,7 +12,7 @@ prints one plain line per logged step (training.log_every), rank 0 only:
 
     train: step 40/200 (20%): loss 1.2345, 0.85 s/step, 2m16s left
 
-Rank side.
+`kit train` draws those lines in place on its own terminal (kit.run.door). Rank side.
 """
 
 from __future__ import annotations

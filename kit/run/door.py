@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import signal
 import sys
@@ -199,44 +200,102 @@ def _said_end(run: Run, out: _Output) -> int:
     return code if code is not None else 1
 
 
+# torchrun's own lines for a stop it was asked for (kit.run.script's run.sh sends it SIGTERM):
+# its log lines as it signals the ranks, and the traceback of the SignalException it ends with.
+TORCHRUN_STOPPING = re.compile(r"[WI]\d{4} [\d:.]+ \d+ torch/distributed/elastic/.*\] "
+                               r"(Sending process \d+ closing signal|Received \S+ death signal)")
+TRACEBACK = "Traceback (most recent call last):"
+CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+# kit.recipe.progress's plain lines from rank 0, drawn in place on a terminal.
+PROGRESS = re.compile(r"\[default0\]:train: step \d+/\d+ ")
+TEE_PREFIX = re.compile(r"\[default\d+\]:")  # torchrun's --tee, before each rank's line
+EXIT_STOPPED = 75  # kit.recipe.preempt.EXIT_PREEMPTED: a rank that saved and stopped on request
+
+
 class _Output:
     """Lines to the terminal until it is gone (a hung-up terminal or a closed pipe fails every
-    write): the run is still followed to its end and its exit code returned."""
+    write): the run is still followed to its end and its exit code returned. On a terminal,
+    rank 0's progress lines are one line redrawn in place. torchrun's traceback for a stop the
+    user asked for is left out (run.log keeps everything): its SignalException after the door's
+    stop request, and a ChildFailedError report whose every rank exited 75 (saved and stopped on
+    request, e.g. SIGUSR1 to a rank); a failure's report is shown whole."""
 
-    def __init__(self):
+    def __init__(self, terminal: bool | None = None):
         self.gone = False
         self.stopping = False  # a stop request was sent: torchrun's traceback for it is noise
-        self.held: list[str] = []  # a traceback of torchrun's own, until its last line says whose
+        self.held: list[str] = []  # a traceback of torchrun's own, until its end says whose
+        self.report = 0  # '=' rules seen of a ChildFailedError report (it ends at the second)
+        self.ended = False  # the held traceback's exception line came: a chained one may follow
+        self.terminal = sys.stdout.isatty() if terminal is None else terminal
+        self.drawn = False  # a progress line drawn in place, the cursor still on it
 
-    def say(self, line: str, stream=None) -> None:
+    def say(self, line: str, stream=None, in_place: bool = False) -> None:
         if self.gone:
             return
         try:
-            print(line, file=stream or sys.stdout, flush=True)
+            if self.drawn and not in_place:
+                sys.stdout.write("\n")  # the last progress line stays, the next goes below it
+            self.drawn = in_place
+            if in_place:
+                sys.stdout.write(f"\r\033[K{line}")
+                sys.stdout.flush()
+            else:
+                print(line, file=stream or sys.stdout, flush=True)
         except OSError:
             self.gone = True
             sys.stdout = open(os.devnull, "w")  # Python's own flush at exit fails no more
 
     def lines(self, lines: list[str]) -> None:
-        """The run's lines; on a requested stop, less the traceback torchrun prints for the
-        signal it got (SignalException): the ranks' own lines carry a [defaultN]: prefix."""
+        """The run's lines, as above. The ranks' own lines carry a [defaultN]: prefix; a
+        traceback's first line may follow a rank's unfinished line."""
         for line in lines:
-            if self.held and line[:1].isspace():
-                self.held.append(line)
+            if self.held and self._holds(line):
                 continue
-            if self.held:
-                block, self.held = [*self.held, line], []
-                if "SignalException" in line and self.stopping:
-                    continue
-                for held in block:
-                    self.say(held)
-            elif line.startswith("Traceback (most recent call last):"):
-                self.held = [line]
+            if self.stopping and TORCHRUN_STOPPING.match(line):
+                continue
+            at = line.find(TRACEBACK)  # a rank's own is "[defaultN]:Traceback ...": shown
+            if at == 0 or at > 0 and not TEE_PREFIX.fullmatch(line[:at]):
+                if at:
+                    self.say(line[:at])
+                self.held, self.report, self.ended = [line[at:]], 0, False
             else:
-                self.say(line)
+                self.say(line, in_place=self.terminal and PROGRESS.match(line) is not None)
+
+    def _holds(self, line: str) -> bool:
+        """Whether `line` belongs to the held traceback (else the traceback is over: it is shown
+        or left out, and `line` is the run's next)."""
+        if self.report:  # a ChildFailedError report, up to its closing rule
+            self.held.append(line)
+            self.report += line.startswith("====")
+            if self.report > 2:
+                self._end()
+            return True
+        if not self.ended and (line[:1].isspace() or line.startswith(TRACEBACK)) or \
+                line.startswith(CHAINED) or self.ended and line.startswith(TRACEBACK):
+            self.held.append(line)
+            self.ended = False
+            return True
+        if self.ended:
+            self._end()
+            return False
+        self.held.append(line)  # the exception line
+        self.ended = True
+        if "ChildFailedError" in line:
+            self.report = 1
+        return True
+
+    def _end(self) -> None:
+        block, self.held, self.report, self.ended = self.held, [], 0, False
+        exits = re.findall(r"exitcode\s*:\s*(-?\d+)", "\n".join(block))
+        asked = self.stopping and "SignalException" in block[-1] or (
+            exits and all(int(code) == EXIT_STOPPED for code in exits))
+        for held in [] if asked else block:
+            self.say(held)
 
     def flush(self) -> None:
-        """A traceback the log ended in, whole."""
+        """The log's end: a finished traceback shown or left out as above; one cut short, whole."""
+        if self.ended or self.report:
+            self._end()
         for line in self.held:
             self.say(line)
         self.held = []
