@@ -235,8 +235,7 @@ def texts_column(rows: list[dict], cfg: DataConfig, name: str,
                  field: str = "data.path") -> tuple[str, str]:
     """(format, column) the texts come from: data.format (auto: messages if that column exists,
     or a ShareGPT `conversations` column, read as messages) and its field, which must be a column
-    of the file `name` (data.path or data.val_path: `field`). A CSV's cells are strings: it holds
-    text rows only, and chat rows in it are refused in one line."""
+    of the file `name` (`field`); chat rows in a CSV, whose cells are strings, are refused."""
     columns = columns_of(rows)
     fmt = cfg.format
     sharegpt = cfg.messages_field not in columns and SHAREGPT in columns
@@ -250,11 +249,10 @@ def texts_column(rows: list[dict], cfg: DataConfig, name: str,
             f"ShareGPT conversations) need a .jsonl, .json or .parquet file")
     if column not in columns:
         field = "data.messages_field" if fmt == "messages" else "data.text_field"
-        pairs = {"prompt", "completion"} <= set(columns)
-        raise ConfigError(
-            f"{field}: {column!r} is not a column of {name}; columns: {', '.join(columns)}" + (
-                "; prompt/completion rows are not read: write each as messages, the prompt the "
-                "user's turn and the completion the assistant's" if pairs else ""))
+        raise ConfigError(f"{field}: {column!r} is not a column of {name}; columns: "
+                          f"{', '.join(columns)}" + ("; prompt/completion rows are not read: write "
+                          "each as messages, the prompt the user's turn and the completion the "
+                          "assistant's" if {"prompt", "completion"} <= set(columns) else ""))
     return fmt, column
 
 
