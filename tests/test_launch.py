@@ -110,7 +110,7 @@ def test_preflight_error_refuses_to_start(tmp_path):
 # --------------------------------------------------------------------------- real launches
 
 
-@pytest.mark.slow
+@pytest.mark.full  # CI time: tests/test_trust_signals.py's detached run is stopped from another process (kit runs --stop: Run.attach(...).stop()), every process gone, its checkpoint verified
 def test_stop_from_another_process_leaves_no_process_alive(tmp_path):
     run = launch("tiny-cpu", ["training.steps=100000", f"run.output_dir={tmp_path / 'stop'}"],
                  nproc=2, env=ENV)

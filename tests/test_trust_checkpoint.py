@@ -250,7 +250,7 @@ def train_losses(out: Path, after: int) -> list[tuple[int, float]]:
             and m["step"] > after]
 
 
-@pytest.mark.slow
+@pytest.mark.full  # CI time: test_an_earlier_kits_checkpoint_resumes_exactly reads both formats as the earlier kit wrote them and resumes exactly, in process; notebook 08's test resumes the recipe's own under torchrun
 def test_the_recipe_resumes_an_earlier_kits_checkpoint_exactly(straight, tmp_path):
     """The recipe's own checkpoint holds no pickle and verifies; rewritten as the earlier kit wrote
     it (trainer.pt, rng-rank{r}.pt), a run resumed from it repeats steps 5-8 bit for bit."""
