@@ -147,6 +147,9 @@ def test_a_mistake_under_bare_torchrun_is_said_once_and_the_other_rank_ends_quie
 STOPPING = [
     "W1129 02:31:47.095000 3418 torch/distributed/elastic/multiprocessing/api.py:1028] Sending "
     "process 3422 closing signal SIGTERM",
+    # a venv inside the working directory: torch names its files from there
+    "W1129 04:16:02.535000 17815 .venv/lib/python3.11/site-packages/torch/distributed/elastic/"
+    "agent/server/api.py:753] Received 15 death signal, shutting down workers",
 ]
 SIGNALLED = [
     "Traceback (most recent call last):",

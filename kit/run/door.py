@@ -202,7 +202,7 @@ def _said_end(run: Run, out: _Output) -> int:
 
 # torchrun's own lines for a stop it was asked for (kit.run.script's run.sh sends it SIGTERM):
 # its log lines as it signals the ranks, and the traceback of the SignalException it ends with.
-TORCHRUN_STOPPING = re.compile(r"[WI]\d{4} [\d:.]+ \d+ torch/distributed/elastic/.*\] "
+TORCHRUN_STOPPING = re.compile(r"[WI]\d{4} [\d:.]+ \d+ \S*torch/distributed/elastic/\S*\] "
                                r"(Sending process \d+ closing signal|Received \S+ death signal)")
 TRACEBACK = "Traceback (most recent call last):"
 CHAINED = ("During handling of the above exception", "The above exception was the direct cause")

@@ -254,8 +254,10 @@ class Dashboard:
                 self._thread.join(timeout=10)
             return status
         try:
+            # Waiting for a step: looked for often (a stop sent then lands near it, not steps on).
             return self.run.wait(timeout, step=step, on_update=lambda run: self.poll(),
-                                 poll_s=self.interval_s)
+                                 poll_s=self.interval_s if step is None else
+                                 min(self.interval_s, 0.2))
         except Exception:
             print(f"run {self.run.name}: {self.run.status}")
             raise
