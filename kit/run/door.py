@@ -39,6 +39,7 @@ import time
 
 from kit import ROOT
 from kit.config import ConfigError, load_config
+from kit.recipe import progress  # its line's prefix only: no torch
 from kit.run import check as check_step
 from kit.run import tether
 from kit.run.launch import checked_env, prepare, resolve, run_dir
@@ -207,7 +208,7 @@ TORCHRUN_STOPPING = re.compile(r"[WI]\d{4} [\d:.]+ \d+ \S*torch/distributed/elas
 TRACEBACK = "Traceback (most recent call last):"
 CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 # kit.recipe.progress's plain lines from rank 0, drawn in place on a terminal.
-PROGRESS = re.compile(r"\[default0\]:train: step \d+/\d+ ")
+PROGRESS = re.compile(r"\[default0\]:" + re.escape(progress.PREFIX) + r"\d+/\d+ ")
 TEE_PREFIX = re.compile(r"\[default\d+\]:")  # torchrun's --tee, before each rank's line
 EXIT_STOPPED = 75  # kit.recipe.preempt.EXIT_PREEMPTED: a rank that saved and stopped on request
 
