@@ -25,12 +25,12 @@ def section(text: str, heading: str) -> str:
 
 def mapped(text: str) -> list[str]:
     """The notebooks the map links, in its order."""
-    return re.findall(r"\]\((\d\d-[\w-]+)\.ipynb\)", section(text, "The map"))
+    return re.findall(r"\]\((\d\d[a-z]?-[\w-]+)\.ipynb\)", section(text, "The map"))
 
 
 def gpu_parameters(text: str) -> dict[str, list[str]]:
     """Notebook -> the parameter names its GPU-route row sets (`name=value`)."""
-    rows = re.findall(r"^\| `(\d\d-[\w-]+)` \| (.*) \|$", section(text, "Two routes"), re.M)
+    rows = re.findall(r"^\| `(\d\d[a-z]?-[\w-]+)` \| (.*) \|$", section(text, "Two routes"), re.M)
     return {stem: re.findall(r"`(\w+)=", cell) for stem, cell in rows}
 
 
@@ -75,7 +75,7 @@ def gpu_script() -> dict[str, list[str]]:
     found = {}
     text = (ROOT / "benchmarks" / "tools" / "gpu_notebooks.sh").read_text().replace("\\\n", " ")
     for line in text.splitlines():
-        m = re.search(r"\bnb (\d\d-[\w-]+) (.*?);;", line)
+        m = re.search(r"\bnb (\d\d[a-z]?-[\w-]+) (.*?);;", line)
         if not m:
             continue
         words = shlex.split(m.group(2).replace("$(", "").replace(")", ""), comments=True)

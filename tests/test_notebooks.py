@@ -20,7 +20,7 @@ ALL = tour.notebooks()
 # The stage notebooks whose checked cells (# NBVAL_CHECK_OUTPUT, tagged keep_output) are compared
 # with a fresh run of their defaults. 07, 08, 10 and 11 run in their modules' tests
 # (test_launch, test_checkpoint, test_jobs, test_doctor).
-STAGES = ["00-primer-ranks-and-collectives", "00-setup-and-hardware", "01-memory-budget",
+STAGES = ["00b-primer-ranks-and-collectives", "00c-setup-and-hardware", "01-memory-budget",
           "02-quantize-nf4", "03-lora-adapters", "04-fsdp-sharding", "05-order-of-operations",
           "06-attention-and-checkpointing", "09-benchmarks"]  # fmt: skip
 
@@ -31,9 +31,9 @@ STAGES = ["00-primer-ranks-and-collectives", "00-setup-and-hardware", "01-memory
 SWEEP = ["training.recompute.enabled=false", "training.recompute.keeps=matmuls"]
 FEWER = {"06-attention-and-checkpointing": {"recompute_settings": SWEEP}}
 # papermill's injection end to end on a stage notebook, with values a GPU run would change
-# (another model, one process): notebook 00-setup's checked cells do not read them, so its one
+# (another model, one process): notebook 00c-setup's checked cells do not read them, so its one
 # run carries them (CI time: not a second run of the notebook).
-INJECTED = {"00-setup-and-hardware": {"model": "kit:tiny-qwen2", "nproc": 1}}
+INJECTED = {"00c-setup-and-hardware": {"model": "kit:tiny-qwen2", "nproc": 1}}
 
 
 def stage(name: str) -> Path:
@@ -112,7 +112,7 @@ def test_runs_once_and_reproduces_its_checked_outputs(name, tmp_path, request):
     notebook runs and that its checked cells reproduce what is stored (what `pytest --nbval-lax`
     compares): run once, not twice. Notebook 09's run is conftest.notebook_09, whose bench
     test_bench.py reads too (its checked cells read recorded GPU runs, not the bench it runs).
-    Notebook 06 runs fewer settings (FEWER), notebook 00-setup two injected values (INJECTED)."""
+    Notebook 06 runs fewer settings (FEWER), notebook 00c-setup two injected values (INJECTED)."""
     if name == "09-benchmarks":
         _, outcome = request.getfixturevalue("notebook_09")
     else:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stage notebooks with GPU parameters, executed by papermill on a GPU machine.
 #   bash benchmarks/run.sh benchmarks/tools/gpu_notebooks.sh OUT [NPROC] [NOTEBOOK_NUMBERS...]   (default: 00 01 02;
-#   the primer, 00-primer-ranks-and-collectives: primer)
+#   the primer, 00b-primer-ranks-and-collectives: primer)
 # Each notebook's GPU parameters are documented for learners in notebooks/README.md (the GPU
 # route) and in each notebook's parameters cell; tests/test_course.py holds the three together.
 # Executed copies land in OUT; their key numbers go into a record (benchmarks/README.md) by hand.
@@ -33,8 +33,8 @@ nb() {  # notebook params...
   fi
 }
 for n in $WHICH; do case $n in
-  primer) nb 00-primer-ranks-and-collectives -p nproc "$NPROC" -p device cuda ;;
-  00) nb 00-setup-and-hardware -p model kit:llama-8b -p nproc "$NPROC" ;;
+  primer) nb 00b-primer-ranks-and-collectives -p nproc "$NPROC" -p device cuda ;;
+  00) nb 00c-setup-and-hardware -p model kit:llama-8b -p nproc "$NPROC" ;;
   02) nb 02-quantize-nf4 -p model kit:llama-1b ;;
   01) nb 01-memory-budget -p model kit:llama-1b -p nproc "$NPROC" -p device cuda -p seq_len 1024 -p batch_size 4 -p steps 4 ;;
   04) nb 04-fsdp-sharding -p model kit:llama-1b -p nproc "$NPROC" -p device cuda ;;

@@ -2,7 +2,7 @@
 start page run with Run > Run All Cells, then each exercise answered wrong and right, screenshots.
 
     bash benchmarks/tools/walkthrough.sh     # the whole thing from scratch (fresh clone, venv, setup)
-    python benchmarks/tools/walkthrough.py --root CLONE [--only 00-setup 03] [--out RECORD]
+    python benchmarks/tools/walkthrough.py --root CLONE [--only 00c-setup 03] [--out RECORD]
 
 Run with the clone's venv Python (the one `bash setup.sh` installed into, with `playwright` added):
 it starts `jupyter lab` from the clone root (the kit has no command that opens JupyterLab; the start

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The course walked as a new learner does, from scratch, recorded with screenshots:
-#   bash benchmarks/tools/walkthrough.sh [--only 00-setup 03]
+#   bash benchmarks/tools/walkthrough.sh [--only 00c-setup 03]
 # A fresh clone of this repository in a temp folder, a new venv, `bash setup.sh` there, a fresh
 # KIT_HOME, then benchmarks/tools/walkthrough.py drives JupyterLab in headless Chromium (Debian's
 # chromium + pip's playwright, added to that venv only; no `playwright install`).

@@ -1,4 +1,4 @@
-"""Ranks and collectives, rank side (notebook 00-primer): what torchrun gave each process, each
+"""Ranks and collectives, rank side (notebook 00b-primer): what torchrun gave each process, each
 collective on small tensors, and one FSDP step written out by hand beside fully_shard's.
 
     torchrun --nproc_per_node=2 -m kit.lab.collectives_rank CONFIG OUT [CASE ...]

@@ -21,9 +21,14 @@ NOTEBOOKS = ROOT / "notebooks"
 KEEP_OUTPUT = "keep_output"  # tag: a cell whose stored output nbval compares (# NBVAL_CHECK_OUTPUT)
 
 
+START = "00-start-here.ipynb"  # the course's plan: markdown only, nothing to run
+
+
 def notebooks(folder: Path = NOTEBOOKS) -> list[Path]:
-    """Stage notebooks NN-slug.ipynb, in order."""
-    return sorted(Path(folder).glob("[0-9][0-9]-*.ipynb"))
+    """Stage notebooks NN-slug.ipynb and NNx-slug.ipynb (00a, 05a: one between NN and NN+1), in
+    order; the start page (START) is not one."""
+    return sorted(p for p in Path(folder).glob("[0-9][0-9]*-*.ipynb")
+                  if p.name != START and re.fullmatch(r"\d\d[a-z]?-[\w-]+", p.stem))
 
 
 def _read(path: Path):
