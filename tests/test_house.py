@@ -60,6 +60,7 @@ KERNEL_SIDE = [
     "kit.lab", "kit.lab.order", "kit.lab.loading_report", "kit.lab.sharding_report",
     "kit.lab.recompute_sweep", "kit.lab.second_article", "kit.lab.collectives",  # notebooks'
     # experiments, started and read
+    "kit.lab.plain_recipe",  # the page without the kit, and the kit's run, under torchrun
     "kit.lab.claims", "kit.lab.claims_table",  # the articles' claims, read from the notebooks
     "kit.lab.exercises.*",  # the exercises' checks; a solution imports torch when it is called
 ]
