@@ -70,7 +70,7 @@ class QuantizationConfig:
     # Dtype the packed 4-bit bytes are stored in. "auto" = model.dtype, which is what FSDP needs to
     # flatten/shard them next to the bf16 norms; uint8 only works for DDP / FSDP2.
     storage: Literal["auto", "uint8", "bfloat16", "float16", "float32"] = "auto"
-    # Run the frozen 4-bit layers' matmuls in FP8 with a scale per row (kit.recipe.fp8; Hopper GPUs run
+    # Run the frozen 4-bit layers' matmuls in FP8 with a scale per row (kit.recipe.levers.fp8; Hopper GPUs run
     # FP8 at about twice the bf16 rate). Changes numerics, so off unless asked; adapters stay bf16.
     fp8_matmul: bool = False
 
@@ -90,7 +90,7 @@ class LoraConfig:
     # less activation memory; the speed levers (kit.bench) use it.
     recompute: bool = False
     # Adapters that read one input (q/k/v; gate/up) drop it once and run their down-projections
-    # as one matmul (kit.recipe.lora_groups): fewer, larger kernels. The members share one dropout mask
+    # as one matmul (kit.recipe.levers.lora_groups): fewer, larger kernels. The members share one dropout mask
     # instead of three, which changes what is learned a little (measured in benchmarks/records/).
     # auto: the planner's choice (kit.budget.plan: grouped on GPUs, where it pays).
     group_inputs: bool | Literal["auto"] = "auto"
@@ -163,12 +163,12 @@ class RecomputeConfig:
     # auto: the planner's, 8,192 when nothing fits without (kit.budget.plan), else 0.
     mlp_tile_tokens: int | Literal["auto"] = "auto"
     # Run each layer's attention block this many queries at a time, keeping only its input
-    # (kit.recipe.attention_tiles): at long sequences q, k, v, attention's output and the adapters'
+    # (kit.recipe.levers.attention_tiles): at long sequences q, k, v, attention's output and the adapters'
     # dropped inputs are most of what a recomputed layer holds (~90 KiB per token at the 8B
     # shape). 0: off. As mlp_tile_tokens; adapters ungrouped; rows without padding. auto: as
     # mlp_tile_tokens, after it, with lean_norms.
     attention_tile_tokens: int | Literal["auto"] = "auto"
-    # RMSNorms that keep their bf16 input and not its fp32 copy (kit.recipe.norms): 24 KiB less
+    # RMSNorms that keep their bf16 input and not its fp32 copy (kit.recipe.levers.norms): 24 KiB less
     # per token and layer at the 8B shape, the same forward, op for op. Eager layers (as the tiles).
     # auto: the planner's, on with attention tiles.
     lean_norms: bool | Literal["auto"] = "auto"
@@ -195,7 +195,7 @@ class TrainingConfig:
     # What a decoder layer keeps for backward and recomputes (kit.recipe.recompute).
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     # "hf": transformers' loss (upcasts all logits to fp32 at once); "chunked": the same loss in
-    # fp32 over chunks of tokens, recomputed in backward (kit.recipe.loss): ~2.6 GB less per 2k tokens
+    # fp32 over chunks of tokens, recomputed in backward (kit.recipe.levers.loss): ~2.6 GB less per 2k tokens
     # with a 128k vocabulary; "fused": the output head and the loss together, a chunk of tokens
     # at a time, gradient taken in forward: no logits for the whole batch ever exist (a further
     # ~1 GB per 2k tokens at 128k vocabulary). Needs a frozen output head; in training the
@@ -203,7 +203,7 @@ class TrainingConfig:
     # auto: fused on GPUs where the model allows it (a frozen head, no logit softcapping or
     # scaling), else chunked; hf on a CPU.
     loss: Literal["auto", "hf", "chunked", "fused"] = "auto"
-    # What autograd keeps for backward waits in pinned host memory (kit.recipe.offload): with whole-layer
+    # What autograd keeps for backward waits in pinned host memory (kit.recipe.levers.offload): with whole-layer
     # recompute, each layer's input; with recompute off, all the layers keep. Saves GPU memory,
     # costs host memory and PCIe copies (a side stream overlaps them with compute). GPUs only.
     # auto: the planner offloads only when nothing fits in GPU memory otherwise (off on a CPU).

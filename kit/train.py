@@ -34,7 +34,6 @@ from kit.recipe import (
     lora,
     meters,
     model,
-    offload,
     optim,
     planning,
     preempt,
@@ -43,6 +42,7 @@ from kit.recipe import (
     trackers,
 )
 from kit.recipe import dist as kdist
+from kit.recipe.levers import offload
 
 
 class Recipe:

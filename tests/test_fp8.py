@@ -1,10 +1,10 @@
-"""quantization.fp8_matmul (kit.recipe.fp8): the frozen 4-bit layers' matmuls in FP8 with a scale per
+"""quantization.fp8_matmul (kit.recipe.levers.fp8): the frozen 4-bit layers' matmuls in FP8 with a scale per
 row. It changes numerics, a little: close to the bf16 path, never equal; the adapters learn."""
 
 import pytest
 import torch
 
-from kit.recipe import fp8
+from kit.recipe.levers import fp8
 
 
 def test_fp8_matmul_is_close_to_the_exact_product():
@@ -37,7 +37,7 @@ def test_fp8_path_runs_every_4bit_layer_close_to_bf16():
     """The tiny NF4 model: all 14 4-bit layers go through _FP8Linear (forward and the input
     gradient), the loss moves by less than 0.01 and each adapter's gradient by less than 25% of
     its norm (measured: 0.0002 and 11% on this 128-wide random model)."""
-    from kit.recipe.fp8 import _FP8Linear
+    from kit.recipe.levers.fp8 import _FP8Linear
 
     calls = []
     original = _FP8Linear.forward

@@ -1,7 +1,7 @@
 """The long-context levers of a recomputed layer. training.recompute.attention_tile_tokens
-(kit.recipe.attention_tiles): each layer's attention block a tile of queries at a time gives the
+(kit.recipe.levers.attention_tiles): each layer's attention block a tile of queries at a time gives the
 loss and gradients of the block run whole, with the forward's dropout masks in backward, keeping
-only its input. training.recompute.lean_norms (kit.recipe.norms): the RMSNorms' own forward, op
+only its input. training.recompute.lean_norms (kit.recipe.levers.norms): the RMSNorms' own forward, op
 for op, keeping no fp32 copy."""
 
 import pytest
@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from kit.config import ConfigError, load_config
 from kit.inputs import builtin
-from kit.recipe import norms
-from kit.recipe.attention_tiles import tile_attention
+from kit.recipe.levers import norms
+from kit.recipe.levers.attention_tiles import tile_attention
 from kit.recipe.recompute import enable_activation_checkpointing
 
 IDS = torch.randint(3, 1000, (2, 48), generator=torch.Generator().manual_seed(3))
@@ -52,13 +52,13 @@ def test_tiled_attention_gives_the_same_loss_and_gradients(recompute):
 
 @pytest.mark.parametrize("start, heads, key_heads", [(0, 4, 2), (12, 4, 2), (24, 8, 2), (12, 4, 4)])
 def test_a_tiles_kernels_give_what_sdpa_gives_with_a_lower_right_mask(start, heads, key_heads):
-    """kit.recipe.tile_kernels: a tile of 8 queries at `start` over keys 0 .. start + 8, run as
+    """kit.recipe.levers.tile_kernels: a tile of 8 queries at `start` over keys 0 .. start + 8, run as
     the unmasked keys (grouped query heads folded into rows) and the causal diagonal block, merged
     by log-sum-exp; backward from the merged output and log-sum-exp alone. Output and gradients
     are SDPA's with torch's causal_lower_right mask (fp32, CPU)."""
     from torch.nn.attention.bias import causal_lower_right
 
-    from kit.recipe import tile_kernels
+    from kit.recipe.levers import tile_kernels
 
     g = torch.Generator().manual_seed(start)
     q = torch.randn(2, heads, 8, 16, generator=g, requires_grad=True)
@@ -87,7 +87,7 @@ def test_on_a_gpu_each_tile_kernel_gives_what_sdpa_gives_in_fp32(kernel, start, 
     rounding of SDPA's math path in fp32 with the lower-right causal mask."""
     from torch.nn.attention.bias import causal_lower_right
 
-    from kit.recipe import tile_kernels
+    from kit.recipe.levers import tile_kernels
 
     if kernel == "cudnn" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("cuDNN's tile kernel is the kit's choice on Hopper GPUs only")
@@ -115,7 +115,7 @@ def test_tiled_attention_runs_its_forward_twice_a_step_inside_layer_recompute(mo
     """Inside whole-layer recompute, the recompute's tiles keep their output and log-sum-exp for
     the backward that follows: attention's forward runs twice per tile and step (forward,
     recompute), not three times (round 5's SDPA path ran it again in backward)."""
-    from kit.recipe import tile_kernels
+    from kit.recipe.levers import tile_kernels
 
     starts, forward = [], tile_kernels.forward
 

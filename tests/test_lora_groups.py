@@ -1,4 +1,4 @@
-"""lora.group_inputs (kit.recipe.lora_groups): q/k/v and gate/up drop their shared input once and run
+"""lora.group_inputs (kit.recipe.levers.lora_groups): q/k/v and gate/up drop their shared input once and run
 their down-projections as one matmul; without dropout the result is the adapters' own, eager,
 recomputed and compiled; with dropout the members share one mask."""
 
@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kit.budget import shapes
 from kit.config import ConfigError, load_config
 from kit.inputs import builtin
-from kit.recipe import lora, lora_groups
+from kit.recipe import lora
+from kit.recipe.levers import lora_groups
 
 
 class _CountMatmuls(TorchDispatchMode):

@@ -1,11 +1,11 @@
-"""training.loss: the chunked and the fused loss give transformers' loss and gradients (kit.recipe.loss)."""
+"""training.loss: the chunked and the fused loss give transformers' loss and gradients (kit.recipe.levers.loss)."""
 
 import pytest
 import torch
 from levers import tiny_model
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from kit.recipe.loss import chunked_causal_lm_loss, install
+from kit.recipe.levers.loss import chunked_causal_lm_loss, install
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -48,9 +48,9 @@ def _frozentiny_model():
 
 
 def test_fused_loss_equals_transformers_loss_and_gradients(monkeypatch):
-    import kit.recipe.loss
+    import kit.recipe.levers.loss
 
-    monkeypatch.setattr(kit.recipe.loss, "FUSED_CHUNK_LOGITS", 7 * 1024)  # several chunks of 7 tokens
+    monkeypatch.setattr(kit.recipe.levers.loss, "FUSED_CHUNK_LOGITS", 7 * 1024)  # several chunks of 7 tokens
     ids = torch.randint(3, 1024, (2, 24), generator=torch.Generator().manual_seed(1))
     labels = ids.clone()
     labels[0, :5] = -100

@@ -1,4 +1,4 @@
-"""kit.recipe.offload: training.offload_activations. The hooks run for real: on this CPU they keep every
+"""kit.recipe.levers.offload: training.offload_activations. The hooks run for real: on this CPU they keep every
 tensor where it is (there is nothing to move to), on a GPU they move the large ones to pinned host
 memory and back (the GPU test, run on the device: benchmarks/records/2026-11-24-offload-8b-1xh200/gpu_offload.sh)."""
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kit.config import ConfigError, load_config
-from kit.recipe import model, offload
+from kit.recipe import model
+from kit.recipe.levers import offload
 
 
 def _loss_and_grads(built, device, enabled):

@@ -291,7 +291,7 @@ def test_long_rows_past_every_lever_are_refused_naming_a_length_that_fits():
     ({}, ["lora.group_inputs=true"], "not with lora.group_inputs=true"),
 ])
 def test_attention_tiles_are_not_planned_where_they_cannot_run(config, overrides, why):
-    """Where attention tiles would be refused at start (kit.recipe.attention_tiles), the plan
+    """Where attention tiles would be refused at start (kit.recipe.levers.attention_tiles), the plan
     does not choose them, says why, and names the change that fits instead."""
     config = {**shape_of_dict("kit:llama31-8b"), **config}
     with pytest.raises(ConfigError) as e:

@@ -67,7 +67,7 @@ REFERENCE_CONTEXT = {
 # (benchmarks/records/2026-11-27-attention-tiles-context-8b-1xh100, 2026-11-27) ran out of memory at
 # 131,072; the lean norms' (2026-11-27-lean-norms-context-24gib-8b-1xh100) trained 131,072 and
 # 163,840, and measured the same peaks to 0.01 GiB with the tiles' own kernels
-# (kit.recipe.tile_kernels, 2026-11-27-tile-kernels-context-512k-8b-1xh100), which trained 524,288
+# (kit.recipe.levers.tile_kernels, 2026-11-27-tile-kernels-context-512k-8b-1xh100), which trained 524,288
 # within a 78 GiB cap (planned, no lever set).
 REFERENCE_CONTEXT_TILES = {
     "model": "kit:llama-8b",

@@ -138,7 +138,7 @@ def lora_targets(shape: Shape, targets) -> dict[str, tuple[int, int]]:
     return {n: linears[n] for n in names}
 
 
-# Linear layers of one decoder layer that read the same input (kit.recipe.lora_groups groups their
+# Linear layers of one decoder layer that read the same input (kit.recipe.levers.lora_groups groups their
 # adapters under lora.group_inputs).
 SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 NO_SHARED_INPUT = ("lora.group_inputs: True is not allowed for this model; it has no adapted "

@@ -95,7 +95,7 @@ def check_model(name: str) -> None:
 
 
 # Config fields of models that transform the logits after the head (softcapping, scaling): the
-# fused loss (kit.recipe.loss) would skip that step, so it refuses them.
+# fused loss (kit.recipe.levers.loss) would skip that step, so it refuses them.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
                     "output_multiplier_scale")
 

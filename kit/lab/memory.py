@@ -77,15 +77,15 @@ def measured_vs_estimated(model: str = "kit:tiny-llama", batch_size: int = 8,
 def long_context_levers(model: str = "kit:tiny-llama", seq_len: int = 256, tile: int = 64) -> list:
     """One sequence through a bf16 `model` (its weights trained, as a long-context step trains
     them), once per setting: the attention block whole; in tiles of `tile` queries
-    (kit.recipe.attention_tiles); and tiled with lean RMSNorms (kit.recipe.norms). Per setting:
+    (kit.recipe.levers.attention_tiles); and tiled with lean RMSNorms (kit.recipe.levers.norms). Per setting:
     the bytes autograd keeps (weights not counted), the loss, and the largest gradient difference
     from the whole block's, relative to the largest gradient."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from kit.inputs import builtin
-    from kit.recipe.attention_tiles import tile_attention
-    from kit.recipe.norms import lean_norms
+    from kit.recipe.levers.attention_tiles import tile_attention
+    from kit.recipe.levers.norms import lean_norms
 
     ids = torch.randint(3, 1000, (1, seq_len), generator=torch.Generator().manual_seed(0))
     rows, base = [], None

@@ -6,7 +6,7 @@
 The recipe (kit.train), notebook 04's per-rank report (kit.lab.sharding), the memory measurements
 (kit.lab.memory), the pitfall reproductions' fixed side and the benchmarks/ scripts all call this, so
 the order of operations lives in one place. Each step is its own module: kit.recipe.loading and
-kit.recipe.quantize (load), kit.recipe.lora, kit.recipe.recompute, kit.recipe.loss. Sharding comes after, and is the
+kit.recipe.quantize (load), kit.recipe.lora, kit.recipe.recompute, kit.recipe.levers.loss. Sharding comes after, and is the
 caller's: what it wraps depends on the engine (kit.lab.sharding).
 """
 
@@ -19,8 +19,8 @@ import torch
 from kit.budget import plan as kplan
 from kit.config import Config, ConfigError
 from kit.recipe import loading, lora, quantize, recompute
-from kit.recipe import loss as kloss
 from kit.recipe.checks import check_checkpointing_active
+from kit.recipe.levers import loss as kloss
 
 
 @dataclass
@@ -55,13 +55,13 @@ def build(cfg: Config, device: torch.device, *, train: bool = True) -> Built:
     if not train:
         return Built(peft_model, tokenizer, attn, warning, [])
     if cfg.quantization.fp8_matmul:
-        from kit.recipe import fp8
+        from kit.recipe.levers import fp8
 
         fp8.enable(peft_model)
     if cfg.lora.recompute:
         lora.recompute_adapters(peft_model)
     if cfg.lora.group_inputs:
-        from kit.recipe import lora_groups
+        from kit.recipe.levers import lora_groups
 
         lora_groups.enable(peft_model, recompute=cfg.lora.recompute)
     recomputed = recompute.apply(peft_model, cfg)

@@ -38,9 +38,9 @@ import types
 
 import torch
 
-from kit.recipe.attention_tiles import restored_rng, rng_state, tile_attention
 from kit.recipe.layers import decoder_layers
-from kit.recipe.norms import lean_norms
+from kit.recipe.levers.attention_tiles import restored_rng, rng_state, tile_attention
+from kit.recipe.levers.norms import lean_norms
 
 KEEPS = ("inputs", "matmuls", "mlp_matmuls", "attention_matmuls")
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}

@@ -289,7 +289,7 @@ def run(cfg: Config) -> dict:
     if cfg.lora.recompute:
         lora.recompute_adapters(peft_model)
     if cfg.lora.group_inputs:
-        from kit.recipe import lora_groups
+        from kit.recipe.levers import lora_groups
 
         lora_groups.enable(peft_model, recompute=cfg.lora.recompute)
     layout = checkpoint.AdapterLayout(peft_model, base=cfg.model.name)  # before the trainer wraps it

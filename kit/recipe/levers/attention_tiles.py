@@ -11,7 +11,7 @@ at the 8B shape, with grouped-query attention) and then each tile's queries, att
 keys up to the tile's end and o_proj, without a graph; backward computes the projections again,
 a tile at a time, with one. Attention's causal mask for a tile that ends at e and starts at s > 0
 is aligned to its lower right (query s + i sees keys 0 .. s + i). Each tile runs on
-kit.recipe.tile_kernels, which returns attention's log-sum-exp and takes it back in backward.
+kit.recipe.levers.tile_kernels, which returns attention's log-sum-exp and takes it back in backward.
 Inside whole-layer recompute (how the kit runs tiles) the recompute's tiles keep their output and
 log-sum-exp on the module for the backward that follows, so attention's forward runs twice a step,
 as untiled (forward, recompute), and backward runs its backward kernels only; the output kept is
@@ -40,8 +40,8 @@ import types
 import torch
 import torch.nn.functional as F
 
-from kit.recipe import tile_kernels
 from kit.recipe.layers import decoder_layers
+from kit.recipe.levers import tile_kernels
 
 _SAID: set[str] = set()
 

@@ -1,5 +1,5 @@
 """One attention tile's forward with its softmax statistics, and its backward from them
-(kit.recipe.attention_tiles).
+(kit.recipe.levers.attention_tiles).
 
     out, lse, aux = forward(q, k, v, start, scale)               # no graph
     dq = backward(dout, q, k, v, out, lse, aux, start, scale, dk, dv)   # adds into dk, dv
