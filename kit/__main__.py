@@ -43,11 +43,11 @@ PASS_THROUGH = {
                "run folder (kit doctor -h)"),
     "bench": ("kit.bench.runner", [], "a matrix of training configurations, side by side, in one "
               "invocation (kit bench -h)"),
-    "merge": ("kit.recipe.merge", ["merge"], "a run's adapter folded into its base and exported "
+    "merge": ("kit.inference.merge", ["merge"], "a run's adapter folded into its base and exported "
               "(kit merge -h)"),
-    "checkpoints": ("kit.recipe.merge", [], "a run's checkpoints listed, an adapter or checkpoint "
+    "checkpoints": ("kit.inference.merge", [], "a run's checkpoints listed, an adapter or checkpoint "
                     "verified (kit checkpoints -h)"),
-    "chat": ("kit.recipe.chat", [], "talk to a run's adapter on its base model (kit chat -h)"),
+    "chat": ("kit.inference.chat", [], "talk to a run's adapter on its base model (kit chat -h)"),
 }
 
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT
 
 from kit.config import ConfigError
-from kit.recipe import chat
+from kit.inference import chat
 
 
 def kit_chat(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -22,8 +22,8 @@ def kit_chat(*args: str, stdin: str | None = None) -> subprocess.CompletedProces
 def test_chat_answers_from_a_run_copied_elsewhere_as_it_does_in_process(tiny_run, tmp_path):
     """The run folder copied to another place (another machine's): its config names the base
     model, so the adapter still loads; --compare gives the base's reply beside it; a checkpoint's
-    adapter folder works as the run folder does; the replies are those of kit.recipe.chat.replies."""
-    from kit.recipe.merge import load_for_inference
+    adapter folder works as the run folder does; the replies are those of kit.inference.chat.replies."""
+    from kit.inference.merge import load_for_inference
 
     moved = tmp_path / "elsewhere" / "run"
     shutil.copytree(tiny_run, moved)
@@ -59,11 +59,11 @@ def test_chat_prompts_file_loads_the_model_once_and_replies_a_line_each(tiny_run
                                                                         monkeypatch, capsys):
     """`kit chat RUN --prompts FILE --compare --out FILE`: the base and adapter loaded once for
     every prompt (the issue's 20 prompts took ~10 minutes as 20 --prompt calls, each reloading);
-    one JSON line a prompt (blank lines skipped) holding kit.recipe.chat.replies' answers; a
+    one JSON line a prompt (blank lines skipped) holding kit.inference.chat.replies' answers; a
     reply printed a line each. A missing prompts file is one line, before any model loads."""
     import json
 
-    from kit.recipe import merge
+    from kit.inference import merge
 
     loads = []
     real = merge.load_for_inference

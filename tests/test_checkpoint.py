@@ -19,7 +19,8 @@ from conftest import ROOT, read_run, torchrun
 
 from kit.config import Config
 from kit.folder import manifest
-from kit.recipe import checkpoint, trainer_state
+from kit.inference import merge
+from kit.recipe import checkpoint, checks, trainer_state
 
 FP32 = ["model.dtype=float32", "quantization.method=none"]  # exact arithmetic on CPU
 ONE = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))  # a process of one
@@ -60,7 +61,7 @@ def test_resume_nf4_bf16_fsdp1_full_format(tmp_path):
     assert [x[:2] for x in a] == [x[:2] for x in b] == [*(("train", s) for s in range(11, 15)),
                                                          ("val", 14)]  # fmt: skip
     assert max(abs(x[2] - y[2]) for x, y in zip(a, b, strict=True)) < 1e-3  # bf16: within tolerance
-    marker = json.loads((step10 / checkpoint.MARKER).read_text())
+    marker = json.loads((step10 / manifest.MARKER).read_text())
     assert marker["format"] == fmt and marker["bytes"] > 0
     assert {"full.json", "full.safetensors", "trainer.json"} <= set(marker["files"])
     assert marker["config"]["sharding.engine"] == engine
@@ -91,7 +92,7 @@ def test_keep_best_keeps_the_lowest_held_out_loss_checkpoint_that_keep_last_prun
     assert [line for line in run.stdout.splitlines() if ":best: " in line] == [
         f"[default0]:best: step 2, held-out loss {val_losses[0]:.4f}: {step2} (the lowest so far: "
         "checkpointing.keep_best keeps it)"]
-    assert [r["folder"] for r in checkpoint.summary(out) if r.get("best")] == ["step-000002"]
+    assert [r["folder"] for r in manifest.summary(out) if r.get("best")] == ["step-000002"]
     assert [line.split(" (")[0] for line in run.stdout.splitlines() if "train: step" in line] == [
         f"[default0]:train: step {k}/8" for k in (2, 4, 6, 8)]
 
@@ -148,8 +149,8 @@ def test_manifest_records_files_checksums_and_the_config_that_made_it(tmp_path):
     assert manifest.problem(folder, CONFIG, 2) is None
     assert manifest.problem(folder, changed(training__steps=999), 2) is None
     assert manifest.problem(folder) is None  # files only
-    assert checkpoint.verify_checkpoint(folder, CONFIG)["adapter_tensors"] == 1
-    assert checkpoint.summary(tmp_path) == [{
+    assert checks.verify_checkpoint(folder, CONFIG)["adapter_tensors"] == 1
+    assert manifest.summary(tmp_path) == [{
         "folder": "step-000005", "step": 5, "world_size": 2, "bytes": saved["bytes"],
         "format": "sharded", "seconds": 0.1, "complete": True, "files": 4}]
 
@@ -199,7 +200,7 @@ def test_a_checkpoint_problem_is_one_line_naming_the_file_or_field(
     with pytest.raises(checkpoint.CheckpointError) as raised:  # an explicit path must be valid
         checkpoint.find_resume(str(folder), tmp_path, config, world_size)
     assert str(raised.value) == f"training.resume: {found}"
-    assert len(checkpoint.summary(tmp_path)) == 1  # listed, whatever the damage
+    assert len(manifest.summary(tmp_path)) == 1  # listed, whatever the damage
 
 
 def test_resume_path_must_be_a_complete_checkpoint(tmp_path):
@@ -327,24 +328,24 @@ def test_command_line_failures_are_one_line_naming_the_path_exit_2(tmp_path, cap
             stdout, stderr = procs[i].communicate(timeout=120)
             code = procs[i].returncode
         else:
-            code = checkpoint.main([str(a) for a in args])
+            code = merge.main([str(a) for a in args])
             stdout, stderr = capsys.readouterr()
         assert code == 2, (args, stderr[-2000:])
         assert stderr.startswith(f"kit checkpoints {expected}"), stderr[-2000:]
         assert stderr.count("\n") == 1 and stdout == "", stderr
     assert (out / "mine.txt").read_text() == "a user's file" and not (tmp_path / "new").exists()
     with pytest.raises(checkpoint.CheckpointError, match="out: '.*' exists; choose a new folder"):
-        checkpoint.merge_adapter(run, out)  # refused before anything is loaded
+        merge.merge_adapter(run, out)  # refused before anything is loaded
     assert (out / "mine.txt").read_text() == "a user's file"
-    assert checkpoint.fresh_folder(out) == tmp_path / "merged-2"
+    assert merge.fresh_folder(out) == tmp_path / "merged-2"
 
 
 def test_command_line_verifies_and_lists_a_good_checkpoint(tmp_path, capsys):
     fake_checkpoint(tmp_path, 5)
     (tmp_path / "checkpoints" / "step-000010.tmp").mkdir()
-    assert checkpoint.main(["verify", str(tmp_path / "checkpoints" / "step-000005")]) == 0
+    assert merge.main(["verify", str(tmp_path / "checkpoints" / "step-000005")]) == 0
     assert "'adapter_tensors': 1" in capsys.readouterr().out
-    assert checkpoint.main(["list", str(tmp_path)]) == 0
+    assert merge.main(["list", str(tmp_path)]) == 0
     listed = capsys.readouterr().out.splitlines()
     assert "'folder': 'step-000005'" in listed[0] and "'files': 4" in listed[0]
     assert listed[1] == "step-000010.tmp: INCOMPLETE (never resumed)"
@@ -367,7 +368,7 @@ def test_keep_best_spares_the_lowest_held_out_loss_from_keep_last(tmp_path, caps
     assert names(tmp_path / "a") == ["step-000004", "step-000010"]
     checkpoint.prune(tmp_path / "b", keep_last=1)
     assert names(tmp_path / "b") == ["step-000010"]
-    assert checkpoint.main(["list", str(tmp_path / "a")]) == 0
+    assert merge.main(["list", str(tmp_path / "a")]) == 0
     listed = capsys.readouterr().out.splitlines()
     assert "'val_loss': 6.1" in listed[0] and listed[0].endswith("'best': True}"), listed
     assert "'best'" not in listed[1]
@@ -381,10 +382,10 @@ def test_verify_rejects_empty_and_wrong_adapters(tmp_path):
     save_file({}, str(tmp_path / "adapter_model.safetensors"))
     expected = {"base_model.model.layer.lora_A.weight": (8, 16)}
     with pytest.raises(checkpoint.CheckpointError, match="1 of 1 LoRA tensors missing \\(holds 0\\)"):
-        checkpoint.verify_adapter(tmp_path, expected)
+        checks.verify_adapter(tmp_path, expected)
     save_file({"base_model.model.layer.lora_A.weight": torch.zeros(4, 16)}, str(tmp_path / "adapter_model.safetensors"))
     with pytest.raises(checkpoint.CheckpointError, match="has shape \\(4, 16\\), expected \\(8, 16\\)"):
-        checkpoint.verify_adapter(tmp_path, expected)
+        checks.verify_adapter(tmp_path, expected)
 
 
 @pytest.mark.slow
@@ -392,7 +393,7 @@ def test_merged_export_matches_adapter_on_base(tiny_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tiny_run  # the session's shared NF4 run (conftest): read, not changed
-    merged = checkpoint.merge_adapter(out, tmp_path / "merged")
+    merged = merge.merge_adapter(out, tmp_path / "merged")
     assert "quantization_config" not in json.loads((merged / "config.json").read_text())
     # The merged folder and the run's adapter have the modes any file of the user's gets, not
     # safetensors' 0600 and mkdtemp's 0700 (shareable with the user's group, as the rest).
@@ -401,7 +402,7 @@ def test_merged_export_matches_adapter_on_base(tiny_run, tmp_path):
     for path in (merged, *merged.iterdir(), out / "adapter", *(out / "adapter").iterdir()):
         assert path.stat().st_mode & 0o777 == (0o777 if path.is_dir() else 0o666) & ~mask, path
     plain = AutoModelForCausalLM.from_pretrained(merged).eval()  # no PEFT, no bitsandbytes
-    with_adapter, _ = checkpoint.load_for_inference(out)
+    with_adapter, _ = merge.load_for_inference(out)
     probe = torch.load(out / "probe.pt")
     inputs = {k: probe[k] for k in ("input_ids", "attention_mask")}
     mask = inputs["attention_mask"].bool()

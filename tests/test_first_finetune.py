@@ -22,7 +22,7 @@ def test_forty_chat_rows_train_on_the_first_try_and_the_result_chats(tmp_path):
     train with nothing but data.path changed; the ranks say what they see (the loss on the
     assistant's turns); the adapter replies in the taught form to questions it never saw, the
     base mostly not; `kit chat` answers in it too."""
-    from kit.recipe.merge import load_for_inference
+    from kit.inference.merge import load_for_inference
 
     rows = (ROOT / "kit" / "data" / "answer-format.jsonl").read_text().splitlines()[:40]
     mine = tmp_path / "my_chat.jsonl"

@@ -1,4 +1,4 @@
-"""`kit merge RUN OUT --gguf [--type f16|bf16|q8_0]` (kit.recipe.gguf_export): the file holds
+"""`kit merge RUN OUT --gguf [--type f16|bf16|q8_0]` (kit.inference.gguf_export): the file holds
 every tensor under llama.cpp's names, shapes and types, the tokenizer and chat template; the
 `gguf` reader and transformers' GGUF loader read it back, and the loaded model's logits match the
 merged folder's within the type's tolerance; the capstone's SmolLM2 replies the same; a family
@@ -18,7 +18,7 @@ import torch
 import yaml
 from conftest import ROOT
 
-from kit.recipe import gguf_export, merge
+from kit.inference import gguf_export, merge
 
 # Max |logit difference| against the merged folder, logits of magnitude ~1 (measured on these
 # tiny models: f16 3e-4, bf16 3e-3, q8_0 1.3e-2): about 5x headroom. A missed q/k permutation or

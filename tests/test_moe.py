@@ -150,7 +150,7 @@ def test_moe_trains_under_fsdp_and_reloads_with_plain_peft(tmp_path, name):
     # Merging: plain transformers loads the export (experts as trained, adapter folded in).
     from transformers import AutoModelForCausalLM
 
-    from kit.recipe import merge
+    from kit.inference import merge
 
     merge.merge_adapter(out, tmp_path / "merged")
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.bfloat16)

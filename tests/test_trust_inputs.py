@@ -262,7 +262,7 @@ def test_a_damaged_adapter_is_named_by_its_file_in_kit_chat(tmp_path, capsys):
     import numpy as np
     from safetensors.numpy import save_file
 
-    from kit.recipe import chat
+    from kit.inference import chat
 
     run = tmp_path / "run"
     (run / "adapter").mkdir(parents=True)

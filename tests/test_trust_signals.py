@@ -19,7 +19,7 @@ import psutil
 import pytest
 from conftest import ROOT, TINY
 
-from kit.recipe.merge import main as checkpoints
+from kit.inference.merge import main as checkpoints
 from kit.run.runs import Run
 
 pytestmark = pytest.mark.slow

@@ -190,7 +190,7 @@ ADDITIONS = [
     ("saves nothing",
      "saves and verifies the adapter, checkpoints every N steps, resumes step for step, merges",
      ["kit.recipe.checkpoint:save_training_state", "kit.recipe.checkpoint:load_training_state",
-      "kit.recipe.merge:merge_adapter"], "08"),
+      "kit.inference.merge:merge_adapter"], "08"),
     ("prints a loss",
      "writes metrics.jsonl, evaluates held-out loss, stops on NaN, names a slow rank",
      ["kit.train:Recipe.evaluate", "kit.recipe.checks:check_step",

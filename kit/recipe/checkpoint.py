@@ -10,8 +10,9 @@ before wrapping, writes the file in PEFT's format, reads it back and compares it
 the model really has, or fails loudly.
 
 Training checkpoints (save every N steps, resume) are the second half. Their manifest, checked
-before any resume trusts a folder, is `kit.folder.manifest` (torch-free); reading back, merging and the
-command line are `kit.recipe.merge`; both are re-exported here.
+before any resume trusts a folder, is `kit.folder.manifest` (torch-free); what verifies a saved
+adapter or checkpoint is kit.recipe.checks; reading back, merging and the command line
+`kit checkpoints` are kit.inference.merge.
 """
 
 from __future__ import annotations
@@ -27,26 +28,9 @@ import torch
 
 from kit.folder import manifest
 from kit.folder.layout import RunFolder
-from kit.folder.manifest import MARKER, CheckpointError, checkpoints_root, first_line, scan, summary
+from kit.folder.manifest import CheckpointError, first_line, scan
 from kit.recipe import trainer_state
-from kit.recipe.merge import (
-    fresh_folder,
-    generate,
-    load_for_inference,
-    main,
-    merge_adapter,
-    saved_shapes,
-    verify_adapter,
-    verify_checkpoint,
-)
-
-__all__ = [  # callers use these from here; some live in kit.folder.manifest (torch-free) and kit.recipe.merge
-    "MARKER", "AdapterLayout", "CheckpointError", "checkpoints_root", "find_resume", "fresh_folder",
-    "gather_trainable", "generate", "load_for_inference", "load_training_state", "main",
-    "read_trainer",
-    "merge_adapter", "prune", "save_adapter", "save_training_state", "saved_shapes", "scan",
-    "summary", "verify_adapter", "verify_checkpoint",
-]
+from kit.recipe.checks import verify_adapter
 
 
 class AdapterLayout:
@@ -382,8 +366,3 @@ def _read_sharded(folder: Path, wrapped, optimizer, options) -> tuple[dict, dict
         raise CheckpointError(why or f"{folder / 'dcp'}: cannot be loaded ({first_line(e)})") from e
     return state["model"], state["optim"]
 
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main())

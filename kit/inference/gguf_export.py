@@ -1,4 +1,4 @@
-"""A merged model folder (kit.recipe.merge.merge_adapter's) -> one GGUF file that llama.cpp-family
+"""A merged model folder (kit.inference.merge.merge_adapter's) -> one GGUF file that llama.cpp-family
 runtimes (llama.cpp, Ollama, LM Studio) and transformers' GGUF loader read.
 
     refusal(merged_config)                       # one line when the family cannot be exported

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from kit.folder.manifest import CheckpointError
-    from kit.recipe.merge import load_for_inference
+    from kit.inference.merge import load_for_inference
 
     # A terminal tool: no weight-loading bar, and no library's notice of its own renamings
     # (transformers' is_gradient_checkpointing, as PEFT calls it), which the user cannot act on.

@@ -1,9 +1,9 @@
-"""Reading back what was trained, outside training: verify a saved adapter or checkpoint, load the
-base exactly as trained plus the adapter in one process (no FSDP), export a merged standalone
-model, generate greedily; and the command line `kit checkpoints {list,verify,merge}` (also `kit
-merge RUN OUT`, with `--gguf` a GGUF file next to OUT: kit.recipe.gguf_export), where every
-failure is one line on stderr and exit code 2.
-`kit.recipe.checkpoint` re-exports all of it (notebook 08 calls `checkpoint.merge_adapter`).
+"""Reading back what was trained, outside training: load the base exactly as trained plus the
+adapter in one process (no FSDP), export a merged standalone model, generate greedily; and the
+command line `kit checkpoints {list,verify,merge}` (also `kit merge RUN OUT`, with `--gguf` a GGUF
+file next to OUT: kit.inference.gguf_export), where every failure is one line on stderr and exit
+code 2. What verifies a saved adapter or checkpoint is the recipe's own (kit.recipe.checks), as
+the recipe checks each save with it.
 
 The kit never deletes a user's files: a merge into a folder that exists is refused, and the export
 is written into a temporary folder of its own next to it, renamed when complete.
@@ -22,69 +22,7 @@ import torch
 from kit.folder import manifest
 from kit.folder.layout import RunFolder
 from kit.folder.manifest import MARKER, CheckpointError, first_line
-
-
-def verify_adapter(folder: Path, expected: dict[str, tuple[int, ...]]) -> dict:
-    """Raise CheckpointError unless `folder` holds every expected LoRA tensor, finite, right shape."""
-    from safetensors import safe_open
-
-    folder = Path(folder)
-    weights = folder / "adapter_model.safetensors"
-    if not (folder / "adapter_config.json").is_file() or not weights.is_file():
-        raise CheckpointError(f"{folder}: adapter_config.json or adapter_model.safetensors missing")
-    try:  # safetensors' own error on a truncated file is a traceback that names no file
-        with safe_open(str(weights), "pt") as f:
-            found = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:
-        raise CheckpointError(f"{weights}: cannot be read ({first_line(e)})") from e
-    try:
-        config = json.loads((folder / "adapter_config.json").read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{folder / 'adapter_config.json'}: not JSON ({e})") from e
-    missing = sorted(set(expected) - set(found))
-    if missing:
-        raise CheckpointError(
-            f"{weights}: {len(missing)} of {len(expected)} LoRA tensors missing "
-            f"(holds {len(found)}), e.g. {missing[0]}"
-        )
-    for k, shape in expected.items():
-        t = found[k]
-        if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"{weights}: {k} has shape {tuple(t.shape)}, expected {shape}")
-        if not torch.isfinite(t.float()).all():
-            raise CheckpointError(f"{weights}: {k} holds NaN or inf")
-    return {"tensors": len(found), "r": config.get("r"), "bytes": weights.stat().st_size}
-
-
-def saved_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """An adapter folder's tensor shapes as its file lists them (what verify_adapter checks a
-    folder against when no model is at hand); one-line CheckpointError when there are none."""
-    from safetensors import safe_open
-
-    weights = Path(folder) / "adapter_model.safetensors"
-    if not weights.is_file():
-        raise CheckpointError(f"{weights}: does not exist (no adapter saved there)")
-    try:
-        with safe_open(str(weights), "pt") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except Exception as e:
-        raise CheckpointError(f"{weights}: cannot be read ({first_line(e)})") from e
-    if not shapes:
-        raise CheckpointError(f"{weights}: holds 0 tensors (an empty adapter: nothing was saved)")
-    return shapes
-
-
-def verify_checkpoint(folder, cfg_dict: dict | None = None, world_size: int | None = None) -> dict:
-    """Raise CheckpointError (one line) unless `folder` is a valid training checkpoint: its manifest
-    (every file's size and sha256; the config and world size, when given) and its adapter."""
-    why = manifest.problem(Path(folder), cfg_dict, world_size)
-    if why:
-        raise CheckpointError(why)
-    info = manifest.read(folder)
-    saved = Path(folder) / RunFolder.ADAPTER  # a checkpoint's adapter, named as a run's
-    adapter = verify_adapter(saved, saved_shapes(saved))
-    return {"step": info["step"], "files": len(info["files"]), "bytes": info["bytes"],
-            "adapter_tensors": adapter["tensors"]}
+from kit.recipe.checks import saved_shapes, verify_adapter, verify_checkpoint
 
 
 def load_for_inference(run_dir, adapter: str | Path | None = None, merged: bool = False):
@@ -192,14 +130,14 @@ def _verify(path: Path) -> list[str]:
 
 def _merge(run: Path, out: Path, adapter: str | None, gguf: str | None = None) -> list[Path]:
     """The merged folder, and with `gguf` (a type: f16, bf16, q8_0) a GGUF file next to it
-    (kit.recipe.gguf_export); all that can be refused is refused before anything is written."""
+    (kit.inference.gguf_export); all that can be refused is refused before anything is written."""
     if out.exists():
         raise CheckpointError(f"out: '{out}' exists; choose a new folder")
     if not RunFolder(run).config.is_file():
         raise CheckpointError(f"run: '{run}' " + (
             "has no config.yaml (not a run folder)" if run.is_dir() else "does not exist"))
     if gguf:
-        from kit.recipe import gguf_export
+        from kit.inference import gguf_export
 
         gguf_export.check_run(run, gguf_export.gguf_path(out, gguf), gguf)
     folder = Path(adapter) if adapter else RunFolder(run).adapter
