@@ -1,44 +1,86 @@
 """The course's exercises: each notebook's exercise cells name an exercise that exists, every
-exercise is asked in its notebook, and every solution passes its own check while the likely wrong
-answers get a hint (run, not mocked: the solutions compute with the kit)."""
+exercise is asked in its notebook, every notebook has a hands-on exercise, and every solution
+passes its own check while the likely wrong answers get a hint (run, not mocked: the solutions
+compute with the kit, and a hands-on check runs the learner's code for real, on 2 gloo processes
+where it is distributed)."""
 
 from __future__ import annotations
 
+import ast
+import linecache
 import re
 
 import nbformat
 import pytest
 
 from kit.lab import exercises
+from kit.lab.exercises.checks import unwritten
 from kit.run import tour
 
 ALL = exercises.registry()
-ASKED = re.compile(r'exercises\.check\("(\d\d\.\d)"')
+ASKED = re.compile(r'exercises\.check\("(\d\d[a-z]?\.\d)",\s*(\w+)')
 
 
-def asked_in(path) -> list[str]:
+def asked_in(path) -> list[tuple[str, str]]:
+    """(key, the name the check cell passes) for every check cell of the notebook."""
     nb = nbformat.read(str(path), as_version=4)
-    return [k for c in nb.cells if c.cell_type == "code" for k in ASKED.findall(c.source)]
+    return [m for c in nb.cells if c.cell_type == "code" for m in ASKED.findall(c.source)]
+
+
+def exercise_cells(path):
+    """(key, the name checked, the exercise cell's source) for every check cell."""
+    nb = nbformat.read(str(path), as_version=4)
+    for i, c in enumerate(nb.cells):
+        for key, name in ASKED.findall(c.source) if c.cell_type == "code" else ():
+            yield key, name, nb.cells[i - 1].source
 
 
 def test_every_exercise_is_asked_in_its_notebook_and_every_check_exists():
-    asked = {p.stem[:2] + ":" + k for p in tour.notebooks() for k in asked_in(p)}
-    assert all(k.split(":")[0] == k.split(":")[1][:2] for k in asked), asked  # 01.x in 01-...
-    assert {k.split(":")[1] for k in asked} == set(ALL)
+    """01.x in 01-..., 05a.x in 05a-..., 00.x in 00b-... and 00c-... (one module for both)."""
+    asked = [(p.stem.split("-")[0], k) for p in tour.notebooks() for k, _ in asked_in(p)]
+    assert all(prefix.startswith(k.split(".")[0]) for prefix, k in asked), asked
+    assert {k for _, k in asked} == set(ALL)
 
 
-def test_every_notebook_asks_two_or_three():
-    counts = {p.stem: len(asked_in(p)) for p in tour.notebooks()}
-    assert all(2 <= n <= 3 for n in counts.values()), counts
+def test_every_notebook_has_a_hands_on_exercise_and_at_most_three_questions():
+    """One hands-on exercise a notebook (a quick part, and a stretch where it helps), beside the
+    questions worth keeping."""
+    counts = {}
+    for p in tour.notebooks():
+        keys = [k for k, _ in asked_in(p)]
+        counts[p.stem] = (sum(ALL[k].hands_on for k in keys), sum(not ALL[k].hands_on for k in keys))
+    assert all(1 <= hands_on <= 2 and questions <= 3 for hands_on, questions in counts.values()), counts
 
 
 def test_each_exercise_cell_is_marked_for_the_learner():
+    """A question's cell holds `answer = ...`; a hands-on one the function to write, whose body is
+    still the placeholder, named as the check cell passes it (and as the solution names it)."""
     for p in tour.notebooks():
-        nb = nbformat.read(str(p), as_version=4)
-        for i, c in enumerate(nb.cells):
-            for key in ASKED.findall(c.source):
-                before = nb.cells[i - 1].source
-                assert f"# EXERCISE {key}" in before and "answer = ..." in before, (p.name, key)
+        for key, name, before in exercise_cells(p):
+            assert f"# EXERCISE {key}" in before, (p.name, key)
+            if not ALL[key].hands_on or name == "answer":
+                assert "answer = ..." in before, (p.name, key)
+                continue
+            defined = [f.name for f in ast.parse(before).body if isinstance(f, ast.FunctionDef)]
+            assert name in defined and "NotImplementedError" in before, (p.name, key, defined)
+            right = ALL[key].solution()
+            assert not callable(right) or right.__name__ == name, (p.name, key, right)
+
+
+def test_an_unwritten_hands_on_cell_asks_its_question(capsys):
+    """The hands-on cells as they stand in the notebooks: defined as IPython defines a cell (its
+    source where inspect finds it), checked, they say what is asked and run nothing."""
+    for p in tour.notebooks():
+        for key, name, before in exercise_cells(p):
+            if not ALL[key].hands_on or name == "answer":
+                continue
+            filename = f"<cell {p.stem} {key}>"
+            linecache.cache[filename] = (len(before), None, before.splitlines(True), filename)
+            scope = {}
+            exec(compile(before, filename, "exec"), scope)
+            assert unwritten(scope[name]), (p.name, key)
+            exercises.check(key, scope[name])
+            assert capsys.readouterr().out.startswith(f"exercise {key}: not answered yet."), key
 
 
 @pytest.mark.parametrize("key", sorted(ALL))
@@ -55,3 +97,31 @@ def test_the_solution_is_right_and_the_likely_mistakes_get_a_hint(key, capsys):
     assert capsys.readouterr().out == f"exercise {key}: right.\n"
     exercises.check(key, ex.wrong[0])
     assert capsys.readouterr().out.startswith(f"exercise {key}: not yet. Hint: ")
+
+
+def test_a_stuck_learner_sees_one_way_to_write_a_hands_on_function(capsys):
+    """exercises.solution of a hands-on exercise prints the function's source (a value would show
+    as <function ...>); of a question it returns the value."""
+    assert exercises.solution("00.5") is None
+    shown = capsys.readouterr().out
+    assert shown.startswith("def best_pair(topo, busy=()):") and "link_between" in shown
+    assert exercises.solution("00.7") == 32
+
+
+def test_unwritten_knows_the_placeholder_from_code():
+    def placeholder(t):
+        """Docstring."""
+        raise NotImplementedError
+
+    def ellipsis(t):
+        ...
+
+    def written(t):
+        raise NotImplementedError("only for odd t") if t % 2 else None
+
+    def started(t):
+        print(t)
+        raise NotImplementedError
+
+    assert unwritten(placeholder) and unwritten(ellipsis)
+    assert not any(unwritten(f) for f in (written, started, lambda t: t, len, 3, ...))

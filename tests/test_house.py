@@ -71,6 +71,7 @@ RANK_SIDE = [
     "kit.pitfalls.reproduce",  # the wrong code, run
     "kit.lab.order_rank", "kit.lab.loading_rank", "kit.lab.sharding", "kit.lab.memory",
     "kit.lab.collectives_rank", "kit.lab.article_checks",  # a child process runs the article's code
+    "kit.lab.exercise_ranks",  # a hands-on exercise's code, on the ranks a child process forks
     "kit.lab.attention_bench", "kit.lab.quantize_nf4", "kit.lab.lora_adapters",  # torch in the
     # process that runs them: a rank, a child process, notebooks 02 and 03 (one process, no group)
 ]

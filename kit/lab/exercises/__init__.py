@@ -1,15 +1,24 @@
-"""Exercises of the course: each stage notebook asks 2-3 questions that the learner answers in a
+"""Exercises of the course. Each stage notebook asks a few questions that the learner answers in a
 cell marked `# EXERCISE`, and checks in the next cell:
 
     answer = ...                                  # EXERCISE 01.1: edit this line
     exercises.check("01.1", answer)               # right, or wrong with a hint
 
+and has one hands-on exercise (`hands_on=True`; often a quick one and a stretch one), where the
+learner writes or changes code, a function or a few config values, and the check runs it for real
+(on two gloo processes where it is distributed) and says what went wrong:
+
+    def all_reduce_by_parts(t):                   # EXERCISE 00.3: write this function
+        raise NotImplementedError
+    exercises.check("00.3", all_reduce_by_parts)  # run on 2 processes: right, or what it did
+
 An exercise is a question, a check and a solution, kept together in kit/lab/exercises/nbNN.py (one
 module a notebook, each a list `EXERCISES`). The solution is code, not a number: it computes the
 answer with the kit's own functions, so that tests/test_exercises.py can run every solution
 through its check in CI (and a wrong answer through it for its hint), and no exercise rots when
-the kit changes. `check` of `...` (not yet answered) says what is asked; it never raises, so a
-notebook with its exercises unanswered runs through (the tour, CI).
+the kit changes. `check` of `...` (not yet answered), or of a function whose body is still
+`raise NotImplementedError`, says what is asked; it never raises, so a notebook with its
+exercises unanswered runs through (the tour, CI).
 
 Gap filled: nbgrader and similar graders need a server and a course database; this is the check
 cell of a notebook that runs anywhere, headless included.
@@ -37,6 +46,7 @@ class Exercise:
     check: Callable[[Any], str | None]
     solution: Callable[[], Any]
     wrong: tuple = field(default=())
+    hands_on: bool = False  # the learner writes code (a function, config values), not a value
 
 
 def close_to(expected: float, rel: float = 0.02, hint: str = "") -> Callable[[Any], str | None]:
@@ -81,8 +91,10 @@ def check(key: str, answer: Any) -> None:
     """The check cell: prints right, or wrong with a hint, or (answer `...`) the question. Returns
     nothing (a returned value would show under the cell as `False`) and never raises on a wrong
     answer: the notebook runs on."""
+    from kit.lab.exercises.checks import unwritten
+
     ex = registry()[key]
-    if answer is ...:
+    if answer is ... or unwritten(answer):
         print(f"exercise {key}: not answered yet. {ex.question}")
         return
     try:
@@ -96,5 +108,12 @@ def check(key: str, answer: Any) -> None:
 
 
 def solution(key: str) -> Any:
-    """The right answer, computed (what a learner who is stuck can call)."""
-    return registry()[key].solution()
+    """The right answer, computed (what a learner who is stuck can call). A hands-on exercise
+    whose answer is a function prints that function's source instead (one way to write it)."""
+    right = registry()[key].solution()
+    if callable(right):
+        from kit.lab.exercises.checks import source_of
+
+        print(source_of(right))
+        return None
+    return right

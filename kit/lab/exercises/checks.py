@@ -4,7 +4,10 @@ known mistake (forgot the headroom, the scales, grouped-query attention) is bett
 
 from __future__ import annotations
 
+import ast
+import inspect
 import math
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -30,3 +33,47 @@ def number(expected: float | Callable[[], float], mistakes: dict | Callable[[], 
                     default)
 
     return check
+
+
+# ---- hands-on exercises: the learner's function, read as source ----
+
+
+def source_of(fn: Callable) -> str:
+    """The source of a function, dedented: one defined in a notebook cell too (IPython keeps each
+    cell's text where inspect finds it)."""
+    return textwrap.dedent(inspect.getsource(fn))
+
+
+def unwritten(answer: Any) -> bool:
+    """True for a function whose body is still the exercise's placeholder (`raise
+    NotImplementedError`, `...` or `pass`, after an optional docstring): not answered yet."""
+    if not callable(answer) or not inspect.isfunction(answer):
+        return False
+    try:
+        (fn,) = ast.parse(source_of(answer)).body
+    except (OSError, TypeError, SyntaxError, ValueError):  # a lambda, a built-in, no source
+        return False
+    if not isinstance(fn, ast.FunctionDef):
+        return False
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
+                                       and isinstance(s.value.value, str))]  # fmt: skip
+    if not body:
+        return True
+    if len(body) != 1:
+        return False
+    (only,) = body
+    if isinstance(only, ast.Pass) or (isinstance(only, ast.Expr) and isinstance(
+            only.value, ast.Constant) and only.value.value is Ellipsis):
+        return True
+    if isinstance(only, ast.Raise) and only.exc is not None:
+        exc = only.exc.func if isinstance(only.exc, ast.Call) else only.exc
+        return isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
+    return False
+
+
+def calls_of(fn: Callable | str) -> set[str]:
+    """The names a function's code calls (`dist.all_reduce(...)` -> 'all_reduce'): what a check
+    reads to tell the learner which call the exercise asks them to write without."""
+    text = fn if isinstance(fn, str) else source_of(fn)
+    return {getattr(node.func, "attr", getattr(node.func, "id", "")) for node in
+            ast.walk(ast.parse(text)) if isinstance(node, ast.Call)}  # fmt: skip

@@ -1,0 +1,114 @@
+"""The hands-on exercises' code on ranks: a learner's function, sent as source text, run by every
+process of a real gloo group, and what each rank got back (rank side; the checks in
+kit/lab/exercises/ call these through kit.run.child, so a notebook's kernel imports no torch).
+
+    child.call("kit.lab.exercise_ranks:collective", source=SOURCE, name="all_reduce_by_parts",
+               lengths=[4, 8])    # [{"rank": 0, "length": 4, "output": [...], "error": ""}, ...]
+
+The ranks are forked from the child process (torch imported once, before the fork; no operation
+has run yet, so no thread pool is copied) and meet through a FileStore in a temporary folder. A
+collective that one rank never joins times out after `timeout_s`, and a rank that hangs anyway is
+killed: a wrong answer is a hint, never a notebook that waits for good.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import re
+import tempfile
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def first_line(e: BaseException) -> str:
+    """`Type: first line`, without the `[rank0]:[F1129 ... File.cpp:1537] ` prefix gloo's checks
+    put before their message."""
+    text = re.sub(r"\[rank\d+\]:(\[[^\]]*\])?\s*", "", str(e)).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def learner_function(source: str, name: str, namespace: dict | None = None):
+    """The function `name` defined by `source` (the learner's cell), with torch, dist and
+    `namespace` already there, as the exercise promised."""
+    scope = {"torch": torch, "dist": dist, "__name__": "exercise", **(namespace or {})}
+    exec(compile(source, f"<your {name}>", "exec"), scope)  # the learner's own code, in their process
+    if not callable(scope.get(name)):
+        raise NameError(f"the code defines no function named {name}")
+    return scope[name]
+
+
+def inputs(rank: int, length: int) -> torch.Tensor:
+    """What rank `rank` holds: 1, 2, 3, ... scaled by 10 ** rank (rank 1: 10, 20, 30, ...), so a
+    sum, a slice or one rank's own values are told apart at a glance."""
+    return torch.arange(1, length + 1, dtype=torch.float32) * 10**rank
+
+
+def _rank(rank: int, world: int, store_path: str, source: str, name: str, lengths: list[int],
+          timeout_s: float, pipe) -> None:  # fmt: skip
+    rows = []
+    try:
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))  # fmt: skip
+        fn = learner_function(source, name)
+        for length in lengths:
+            t = inputs(rank, length)
+            row = {"rank": rank, "length": length, "input": t.tolist(), "output": None,
+                   "error": "", "input_after": None}  # fmt: skip
+            try:
+                got = fn(t)
+                row["input_after"] = t.tolist()
+                if isinstance(got, torch.Tensor):
+                    row["output"] = got.detach().flatten().tolist()
+                    row["shape"] = list(got.shape)
+                elif got is not None:
+                    row["error"] = f"returned a {type(got).__name__}, not a tensor"
+            except Exception as e:  # the learner's mistake: a row, not a crash
+                row["error"] = first_line(e)
+                rows.append(row)
+                break  # the ranks may now disagree on what comes next
+            rows.append(row)
+    except Exception as e:
+        rows.append({"rank": rank, "length": None, "output": None, "error": first_line(e),
+                     "trace": traceback.format_exc(limit=3)})  # fmt: skip
+    finally:
+        pipe.send(rows)
+        pipe.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def collective(source: str, name: str, lengths: list[int], world: int = 2,
+               timeout_s: float = 10.0) -> list[dict]:
+    """Run `name(t)` from `source` on every rank of a gloo group of `world` processes, once per
+    length (rank r's t: inputs(r, length)); one row per rank and length: its input, what the
+    function returned (flattened) or the first line of what it raised. A rank that has not
+    answered `timeout_s` + 20 s after the start is killed; its row says so."""
+    ctx = multiprocessing.get_context("fork")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = str(Path(tmp) / "store")
+        pipes, procs = [], []
+        for rank in range(world):
+            ours, theirs = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_rank, args=(rank, world, store, source, name, lengths,
+                                                   timeout_s, theirs), daemon=True)  # fmt: skip
+            proc.start()
+            theirs.close()
+            pipes.append(ours)
+            procs.append(proc)
+        rows = []
+        for rank, (pipe, proc) in enumerate(zip(pipes, procs, strict=True)):
+            if pipe.poll(timeout_s + 20):
+                rows += pipe.recv()
+            else:
+                rows.append({"rank": rank, "length": None, "output": None,
+                             "error": f"no answer after {timeout_s + 20:.0f} s: killed"})  # fmt: skip
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return rows
