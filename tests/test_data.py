@@ -393,13 +393,13 @@ def test_chat_rows_train_on_the_assistants_turns(tmp_path, tokenizer, packing):
 
 
 def test_kit_sft_says_it_cannot_train_only_the_assistants_turns(tokenizer):
-    """kit.recipe.sft hands texts to TRL, which trains every token: with chat rows and the default
+    """kit.sft.trainer hands texts to TRL, which trains every token: with chat rows and the default
     data.train_on it refuses in one line instead of training on the prompts silently."""
     from kit.config import load_config
-    from kit.recipe import sft
+    from kit.sft import trainer as sft
 
     cfg = load_config(None, ["data.path=kit:sample-chat"])
-    with pytest.raises(ConfigError, match=r"^data.train_on: 'assistant' is not allowed with kit.recipe.sft"):
+    with pytest.raises(ConfigError, match=r"^data.train_on: 'assistant' is not allowed with kit.sft.trainer"):
         sft.text_datasets(cfg, tokenizer, 2)
     train, _ = sft.text_datasets(load_config(None, ["data.path=kit:sample-chat", "data.train_on=all"]),
                                  tokenizer, 2)

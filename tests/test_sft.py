@@ -1,10 +1,10 @@
-"""kit.recipe.sft: TRL's SFTTrainer under `accelerate launch`, on the kit's model, LoRA, data and save.
+"""kit.sft.trainer: TRL's SFTTrainer under `accelerate launch`, on the kit's model, LoRA, data and save.
 
 One real launch (2 CPU processes): on CPU, accelerate cannot run FSDP, so what runs is what
 accelerate really does there, multi-process CPU DDP over gloo (its state says MULTI_CPU). The
 accelerate config that gets there says `distributed_type: MULTI_GPU`: accelerate's own
 `MULTI_CPU` type goes through its simple launcher, which on one machine starts ONE process
-without mpirun (measured with accelerate 1.15), and kit.recipe.sft refuses that start (`launched_alone`).
+without mpirun (measured with accelerate 1.15), and kit.sft.trainer refuses that start (`launched_alone`).
 The rest are fast unit tests of the config mapping and the launch checks (no launch).
 """
 
@@ -55,9 +55,9 @@ def _cfg(*overrides, out="/tmp/kit-sft-unit"):
 
 
 def test_sft_config_carries_the_kit_values(fresh_accelerate_state):
-    from kit.recipe import sft
+    from kit.sft import setup
 
-    args = sft.sft_config(_cfg(
+    args = setup.sft_config(_cfg(
         "training.lr=3e-4", "training.batch_size=4", "training.grad_accum=2",
         "training.steps=12", "training.warmup_steps=3", "training.weight_decay=0.01",
         "training.max_grad_norm=0.5", "training.scheduler=linear", "training.log_every=2",
@@ -78,7 +78,7 @@ def test_sft_config_carries_the_kit_values(fresh_accelerate_state):
     assert args.report_to in ([], "none", ["none"])
     assert args.output_dir == "/tmp/kit-sft-unit/trainer"
 
-    args = sft.sft_config(_cfg("training.scheduler=constant", "training.eval_every=0",
+    args = setup.sft_config(_cfg("training.scheduler=constant", "training.eval_every=0",
                                "model.dtype=float32", "training.recompute.enabled=false"), True)
     assert args.lr_scheduler_type.value == "constant_with_warmup"
     assert (args.eval_strategy.value, args.save_strategy.value) == ("no", "no")
@@ -88,9 +88,9 @@ def test_sft_config_carries_the_kit_values(fresh_accelerate_state):
     # and the Trainer refuses gradient_checkpointing beside it (ValueError, transformers 5.17).
     fsdp = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
     cfg = _cfg("sharding.engine=fsdp2")
-    assert sft.sft_config(cfg, True, {**fsdp, "FSDP_ACTIVATION_CHECKPOINTING": "true"}
+    assert setup.sft_config(cfg, True, {**fsdp, "FSDP_ACTIVATION_CHECKPOINTING": "true"}
                           ).gradient_checkpointing is False
-    assert sft.sft_config(cfg, True, {**fsdp, "FSDP_ACTIVATION_CHECKPOINTING": "false"}
+    assert setup.sft_config(cfg, True, {**fsdp, "FSDP_ACTIVATION_CHECKPOINTING": "false"}
                           ).gradient_checkpointing is True
 
 
@@ -98,10 +98,10 @@ def test_sft_config_carries_the_kit_values(fresh_accelerate_state):
 def test_a_value_sftconfig_refuses_is_one_line_naming_the_kit_field(fresh_accelerate_state):
     """bf16 on a device without bf16 (here: no GPU, use_cpu off; on GPUs a V100 or T4):
     transformers' error, traced back to model.dtype."""
-    from kit.recipe import sft
+    from kit.sft import setup
 
     with pytest.raises(ConfigError) as e:
-        sft.sft_config(_cfg("model.dtype=bfloat16"), use_cpu=False)
+        setup.sft_config(_cfg("model.dtype=bfloat16"), use_cpu=False)
     line = str(e.value)
     assert "\n" not in line
     assert line.startswith("model.dtype: 'bfloat16' is not allowed here; it makes "
@@ -114,48 +114,48 @@ def test_a_value_sftconfig_refuses_is_one_line_naming_the_kit_field(fresh_accele
     ("training.loss=fused", "training.loss: 'fused' is not allowed"),
     ("training.resume=auto", "training.resume: 'auto' is not allowed"),
     ("checkpointing.keep_best=true checkpointing.save_every=10",
-     "checkpointing.keep_best: True is not allowed with kit.recipe.sft"),
+     "checkpointing.keep_best: True is not allowed with kit.sft.trainer"),
 ])
 def test_what_kit_sft_cannot_honour_is_refused_in_one_line(override, first):
-    from kit.recipe import sft
+    from kit.sft import setup
 
     with pytest.raises(ConfigError) as e:
-        sft.sft_config(_cfg(*override.split()), use_cpu=True)  # refused before SFTConfig is built
+        setup.sft_config(_cfg(*override.split()), use_cpu=True)  # refused before SFTConfig is built
     assert str(e.value).startswith(first) and "\n" not in str(e.value), str(e.value)
 
 
 def test_the_launch_checks():
-    from kit.recipe import sft
+    from kit.sft import setup, trainer
 
     # accelerate's simple launcher (MULTI_CPU / --cpu) with 2 processes asked: one started
     alone = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
-    assert sft.launched_alone(alone).startswith("accelerate launch: started 1 process")
+    assert setup.launched_alone(alone).startswith("accelerate launch: started 1 process")
     with pytest.raises(ConfigError, match="^accelerate launch: started 1 process"):
-        sft.check_launch(_cfg(), alone, cuda=False)
-    assert sft.launched_alone({**alone, "WORLD_SIZE": "2"}) is None  # torchrun started them
+        trainer.check_launch(_cfg(), alone, cuda=False)
+    assert setup.launched_alone({**alone, "WORLD_SIZE": "2"}) is None  # torchrun started them
     fsdp = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "WORLD_SIZE": "2"}
-    assert sft.accelerate_engine(fsdp) == "fsdp2"
+    assert setup.accelerate_engine(fsdp) == "fsdp2"
     with pytest.raises(ConfigError, match="^sharding.engine: accelerate cannot run FSDP on CPU"):
-        sft.check_launch(_cfg("sharding.engine=fsdp2"), fsdp, cuda=False)
+        trainer.check_launch(_cfg("sharding.engine=fsdp2"), fsdp, cuda=False)
     with pytest.raises(ConfigError, match="^sharding.engine: 'fsdp2' is not allowed here; the "
                                           "accelerate config runs ddp"):
-        sft.check_launch(_cfg("sharding.engine=fsdp2"), {"WORLD_SIZE": "2"}, cuda=False)
-    assert sft.check_launch(_cfg(), {"WORLD_SIZE": "2"}, cuda=False) == torch.device("cpu")
+        trainer.check_launch(_cfg("sharding.engine=fsdp2"), {"WORLD_SIZE": "2"}, cuda=False)
+    assert trainer.check_launch(_cfg(), {"WORLD_SIZE": "2"}, cuda=False) == torch.device("cpu")
     # accelerate's FSDP recomputes every layer (fsdp_activation_checkpointing) where the kit
     # config says no recompute: refused (checked as on a GPU; nothing touches one here)
     recomputes = {**fsdp, "FSDP_ACTIVATION_CHECKPOINTING": "true", "LOCAL_RANK": "0"}
     gpu = ["sharding.engine=fsdp2", "training.device=cuda"]
     with pytest.raises(ConfigError, match="^training.recompute.enabled: False is not allowed here; "
                                           "the accelerate config recomputes every decoder layer"):
-        sft.check_launch(_cfg(*gpu, "training.recompute.enabled=false"), recomputes, cuda=True)
-    assert sft.check_launch(_cfg(*gpu), recomputes, cuda=True) == torch.device("cuda", 0)
+        trainer.check_launch(_cfg(*gpu, "training.recompute.enabled=false"), recomputes, cuda=True)
+    assert trainer.check_launch(_cfg(*gpu), recomputes, cuda=True) == torch.device("cuda", 0)
     # FSDP1 on one process (accelerate --num_processes 1): what kit.train and kit.run.jobs refuse
     # (pitfall fsdp1_no_shard); on one H100 it trained step 1, then the adapter's gather failed
     one = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     with pytest.raises(ConfigError, match="^sharding.engine: 'fsdp1' is not allowed; on 1 process"):
-        sft.check_launch(_cfg("sharding.engine=fsdp1", "training.device=cuda"), one, cuda=True)
+        trainer.check_launch(_cfg("sharding.engine=fsdp1", "training.device=cuda"), one, cuda=True)
     two = {**one, "WORLD_SIZE": "2"}
-    assert sft.check_launch(_cfg("sharding.engine=fsdp1", "training.device=cuda"), two,
+    assert trainer.check_launch(_cfg("sharding.engine=fsdp1", "training.device=cuda"), two,
                             cuda=True) == torch.device("cuda", 0)
 
 
@@ -166,7 +166,7 @@ def test_packed_rows_must_fill_a_batch_and_eval_keeps_eval_batches():
 
     from datasets import Dataset
 
-    from kit.recipe import sft
+    from kit.sft import trainer as sft
 
     rows = lambda n: Dataset.from_dict({"input_ids": [[1, 2]] * n})  # noqa: E731
     cfg = _cfg("data.packing=true", "training.batch_size=4", "training.eval_batches=2")
@@ -202,7 +202,7 @@ def test_sft_trainer_under_accelerate_launch_cpu_ddp_two_processes_saves_a_whole
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch",
            "--config_file", str(config), "--num_processes", "2",
-           "--main_process_port", str(_free_port()), "-m", "kit.recipe.sft", str(TINY),
+           "--main_process_port", str(_free_port()), "-m", "kit.sft.trainer", str(TINY),
            f"run.output_dir={out}", "sharding.engine=ddp", "training.steps=4",
            "training.eval_every=2", "model.loading=rank0"]  # rank 1 receives the model
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}

@@ -42,7 +42,7 @@ class RunFolder:
     PROBE = "probe.pt"  # logits on a fixed batch (checkpointing.save_probe_logits)
     CHECKPOINTS = "checkpoints"  # step-NNNNNN/ each (kit.folder.manifest)
     EARLIER = "earlier"  # what a later start replaced, byte for byte (kit.folder.runfolder)
-    TRAINER = "trainer"  # kit.recipe.sft: the Trainer's own output_dir (its checkpoints)
+    TRAINER = "trainer"  # kit.sft.trainer: the Trainer's own output_dir (its checkpoints)
     # run.report_to's trackers (kit.recipe.trackers): TensorBoard's event files, trackio's project.
     TENSORBOARD = "tensorboard"
     TRACKIO = "trackio"

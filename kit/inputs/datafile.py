@@ -366,7 +366,7 @@ def _short(value, limit: int = 60) -> str:
 
 def split_sizes(rows: int, val_fraction: float) -> tuple[int, int]:
     """(training rows, validation rows) of a file of `rows` rows with no data.val_path: the one
-    rule the check, kit.recipe.data and kit.recipe.sft split by. val_fraction > 0: round(rows x
+    rule the check, kit.recipe.data and kit.sft.trainer split by. val_fraction > 0: round(rows x
     fraction) rows held out, at least one; 0: every row trains and the first 64 also evaluate."""
     if val_fraction <= 0:
         return rows, min(64, rows)

@@ -174,7 +174,7 @@ def leave(code) -> None:
 
 
 def entry(body) -> int:
-    """A rank's entry point around `body()` (kit.train, kit.recipe.sft), whose int is the exit code (any
+    """A rank's entry point around `body()` (kit.train, kit.sft.trainer), whose int is the exit code (any
     other value: 0): a ConfigError is one line and exit 2, a CheckpointError one line and exit 1;
     any other exception has each traceback line prefixed with the rank, then re-raised
     (torchrun's @record writes it to the rank's error file)."""

@@ -1,5 +1,5 @@
 """What a rank measures about itself while it trains: device memory now and at its peak, and the
-host's resident set (CPU ranks). The recipe (kit.train), the SFT entry (kit.recipe.sft) and the
+host's resident set (CPU ranks). The recipe (kit.train), the SFT entry (kit.sft.trainer) and the
 benchmark's ranks report these; torch is imported inside the functions.
 """
 

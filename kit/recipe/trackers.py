@@ -9,7 +9,7 @@ Every number of a row but its step becomes the scalar `<split>/<key>` at that st
 train/lr, train/grad_norm, train/tokens_per_s, train/peak_mem_gib, val/loss, ...), so the
 trackers hold what metrics.jsonl holds; the config, flattened (training.lr, ...), is their
 hyperparameters. A tracker that is not installed or fails is one line and is dropped: the run
-and metrics.jsonl go on. kit.train and kit.recipe.sft write through here. Rank side.
+and metrics.jsonl go on. kit.train and kit.sft.trainer write through here. Rank side.
 """
 
 from __future__ import annotations

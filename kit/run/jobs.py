@@ -10,7 +10,7 @@ The folder is the run folder (the run's outputs land there too) and holds:
   reads the kit's variables (NNODES, NODE_RANK, NPROC_PER_NODE, MASTER_ADDR, MASTER_PORT) and,
   for those unset, the Kubeflow operators' PET_* ones. Its comments say the NCCL variables and
   the collective timeout that matter across nodes;
-- accelerate.yaml: the same sharding (FSDP2, FSDP1 or DDP) for `accelerate launch -m kit.recipe.sft`
+- accelerate.yaml: the same sharding (FSDP2, FSDP1 or DDP) for `accelerate launch -m kit.sft.trainer`
   (TRL's SFTTrainer on the kit's model and data) or a script of your own;
 - job.sbatch: Slurm, one task per node running run.sh, node 0 the allocation's first host;
 - trainjob.yaml: a Kubeflow Trainer v2 TrainJob on the torch-distributed runtime;
@@ -57,7 +57,7 @@ FILES = RunFolder.LAUNCHERS  # and run.sh; a start never moves them (kit.folder.
 USES = {
     RunFolder.RUN_SH: f"bash {{folder}}/{RunFolder.RUN_SH}, on each node (NNODES, NODE_RANK, "
                       "MASTER_ADDR, MASTER_PORT)",
-    "accelerate.yaml": "accelerate launch --config_file {folder}/accelerate.yaml -m kit.recipe.sft "
+    "accelerate.yaml": "accelerate launch --config_file {folder}/accelerate.yaml -m kit.sft.trainer "
                        f"{{folder}}/{RunFolder.CONFIG}",
     "job.sbatch": "sbatch {folder}/job.sbatch   (Slurm)",
     "trainjob.yaml": "kubectl apply -f {folder}/trainjob.yaml   (Kubeflow Trainer v2)",
@@ -184,11 +184,11 @@ def accelerate_yaml(cfg: Config, nnodes: int, nproc: int) -> str:
         quoting.comment(f'# accelerate\'s config for "{cfg.run.name}" ({cfg.sharding.engine}, '
                         f"{cfg.model.dtype}): {nnodes} node(s) x {nproc} GPUs. Written by "
                         f"kit.run.jobs, {_now()}."),
-        "# The kit's recipe runs under torchrun (run.sh); under accelerate the same run is kit.recipe.sft",
+        "# The kit's recipe runs under torchrun (run.sh); under accelerate the same run is kit.sft.trainer",
         "# (TRL's SFTTrainer), or a script of your own, started on each node from the checkout:",
         "#   accelerate launch --config_file accelerate.yaml --machine_rank \"$NODE_RANK\" \\",
         "#       --main_process_ip \"$MASTER_ADDR\" --main_process_port \"$MASTER_PORT\" \\",
-        "#       -m kit.recipe.sft config.yaml",
+        "#       -m kit.sft.trainer config.yaml",
     ]
     if nnodes > 1:
         lines.append("# main_process_ip is a placeholder (.invalid never resolves): node 0's address.")

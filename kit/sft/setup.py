@@ -1,6 +1,6 @@
-"""What the SFTTrainer path (kit.recipe.sft) is given: the SFTConfig built from a kit config, and what
+"""What the SFTTrainer path (kit.sft.trainer) is given: the SFTConfig built from a kit config, and what
 `accelerate launch` started (its engine, its recompute, a start of one process where several
-were asked for). Split from kit/recipe/sft.py, which runs the trainer. Rank side.
+were asked for). Split from kit/sft/trainer.py, which runs the trainer. Rank side.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ def _refuse_unmapped(cfg: Config) -> None:
     """Kit fields whose value this path cannot honour: one line naming the field."""
     t, rc = cfg.training, cfg.training.recompute
     rules = [  # (holds, field, value, why)
-        (t.resume == "", "training.resume", t.resume, "kit.recipe.sft starts fresh runs (kit.train "
+        (t.resume == "", "training.resume", t.resume, "kit.sft.trainer starts fresh runs (kit.train "
          "resumes exactly from its own checkpoints); allowed: ''"),
         (t.stop_at_step == 0, "training.stop_at_step", t.stop_at_step, "allowed: 0"),
         (t.loss == "hf", "training.loss", t.loss, "SFTTrainer computes its own loss (TRL's "
          "fused LM head, no full logits); allowed: 'hf'"),
-        (not t.compile, "training.compile", t.compile, "kit.recipe.sft does not compile (kit.train "
+        (not t.compile, "training.compile", t.compile, "kit.sft.trainer does not compile (kit.train "
          "compiles each decoder layer after sharding); allowed: false"),
-        (not cfg.checkpointing.keep_best, "checkpointing.keep_best", True, "kit.recipe.sft "
+        (not cfg.checkpointing.keep_best, "checkpointing.keep_best", True, "kit.sft.trainer "
          "prunes checkpoints by age only (kit.train keeps the lowest held-out loss's); allowed: "
          "false"),
         (rc.keeps == "inputs" and rc.every == 1, "training.recompute.keeps" if rc.keeps !=
@@ -38,7 +38,7 @@ def _refuse_unmapped(cfg: Config) -> None:
     ]
     for holds, name, value, why in rules:
         if not holds:
-            raise ConfigError(f"{name}: {value!r} is not allowed with kit.recipe.sft; {why}")
+            raise ConfigError(f"{name}: {value!r} is not allowed with kit.sft.trainer; {why}")
 
 
 def sft_config(cfg: Config, use_cpu: bool, environ=None):
@@ -72,7 +72,7 @@ def sft_config(cfg: Config, use_cpu: bool, environ=None):
         "save_total_limit": (c.keep_last or None, "checkpointing.keep_last"),
         "seed": (t.seed, "training.seed"),
         "data_seed": (t.seed, "training.seed"),
-        # auto: set by kit.recipe.sft once the tokenizer has read the data.
+        # auto: set by kit.sft.trainer once the tokenizer has read the data.
         "max_length": (d.max_seq_len if d.max_seq_len != "auto" else None, "data.max_seq_len"),
         "packing": (d.packing, "data.packing"),
         "dataset_text_field": (d.text_field, "data.text_field"),
@@ -94,7 +94,7 @@ def sft_config(cfg: Config, use_cpu: bool, environ=None):
         at = {k: m.start() for k in fields
               if (m := re.search(rf"(?<![\w]){k}(?![\w])", said))}
         if not at:
-            raise ConfigError(f"kit.recipe.sft: SFTConfig refuses this config ({said})") from None
+            raise ConfigError(f"kit.sft.trainer: SFTConfig refuses this config ({said})") from None
         key = min(at, key=at.get)
         value, field = fields[key]
         kit_value = functools.reduce(getattr, field.split("."), cfg)

@@ -1,7 +1,7 @@
 """The second article's recipe made correct: TRL's SFTTrainer under `accelerate launch`, on the
 kit's model, LoRA, data and adapter save.
 
-    accelerate launch --config_file accelerate.yaml -m kit.recipe.sft kit/configs/tiny-cpu.yaml \
+    accelerate launch --config_file accelerate.yaml -m kit.sft.trainer kit/configs/tiny-cpu.yaml \
         sharding.engine=ddp training.steps=4
 
 What the article does, and what this does instead:
@@ -52,16 +52,10 @@ from kit.budget import plan as kplan
 from kit.config import Config, ConfigError, load_config
 from kit.folder import runfolder
 from kit.folder.layout import RunFolder
-from kit.inputs import builtin
+from kit.inputs import builtin, datafile
 from kit.recipe import checkpoint, checks, data, engines, lora, meters, model, planning, trackers
 from kit.recipe import dist as kdist
-from kit.recipe.sft_setup import (  # noqa: F401 - the names tests and callers use here
-    SCHEDULERS,
-    accelerate_engine,
-    fsdp_recomputes,
-    launched_alone,
-    sft_config,
-)
+from kit.sft.setup import accelerate_engine, fsdp_recomputes, launched_alone, sft_config
 
 
 def check_launch(cfg: Config, environ, cuda: bool) -> torch.device:
@@ -114,20 +108,20 @@ def text_datasets(cfg: Config, tokenizer, world: int):
     d, t = cfg.data, cfg.training
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    rows = data.read_checked(d.path, d)
-    if d.train_on == "assistant" and data.texts_column(rows, d, d.path)[0] == "messages":
+    rows = datafile.read_checked(d.path, d)
+    if d.train_on == "assistant" and datafile.texts_column(rows, d, d.path)[0] == "messages":
         # TRL trains on every token of a rendered text (its assistant-only loss needs templates
         # with {% generation %} marks): say so rather than train on the prompts without a word.
-        raise ConfigError("data.train_on: 'assistant' is not allowed with kit.recipe.sft on chat rows "
+        raise ConfigError("data.train_on: 'assistant' is not allowed with kit.sft.trainer on chat rows "
                           "(TRL trains every token of the rendered chat); use data.train_on=all, "
                           "or kit.train, which trains on the assistant's turns")
     texts = data._chats(rows, d, tokenizer, d.path)[0]  # each row rendered, checked by its number
     if d.val_path:
-        val_rows = data.read_checked(d.val_path, d, "data.val_path")
+        val_rows = datafile.read_checked(d.val_path, d, "data.val_path")
         train, val = texts, data._chats(val_rows, d, tokenizer, d.val_path, "data.val_path")[0]
     elif d.val_fraction > 0:  # as kit.recipe.data.build_datasets
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(t.seed)).tolist()
-        n_val = data.split_sizes(len(rows), d.val_fraction)[1]
+        n_val = datafile.split_sizes(len(rows), d.val_fraction)[1]
         val, train = [texts[i] for i in order[:n_val]], [texts[i] for i in order[n_val:]]
     else:
         train, val = texts, texts[:64]
@@ -321,7 +315,7 @@ def run(cfg: Config) -> dict:
     result = {"lora_checksums": sums, "params": params}
     if cfg.checkpointing.save_adapter and is_main:
         folder = checkpoint.save_adapter(layout, state_dict, RunFolder(out).adapter, tokenizer)
-        info = checkpoint.verify_adapter(folder, layout.shapes)  # reads every tensor back
+        info = checks.verify_adapter(folder, layout.shapes)  # reads every tensor back
         result["adapter"] = {"path": str(folder), **info}
         say(f"adapter: {folder} ({info['tensors']} tensors, {info['bytes']:,} bytes, whole)")
     train = [r["loss"] for r in rec.history if r["split"] == "train"] or [None]
