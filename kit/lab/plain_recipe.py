@@ -31,9 +31,16 @@ SCRIPT = ROOT / "notebooks" / "plain_recipe.py"
 SAMPLE = ROOT / "kit" / "data" / "sample.jsonl"
 MODEL = "kit:tiny-llama"
 CONFIG = "tiny-cpu"  # the page's defaults are this config's values
-KIT_SETTINGS = ("lora.dropout=0", "data.val_fraction=0", "training.eval_every=0",
-                "checkpointing.save_adapter=false", "checkpointing.save_probe_logits=false",
-                "run.start_over=true")  # fmt: skip
+# The page's options and the kit's config fields that take the same values.
+PAGE_FLAGS = {"--steps": "training.steps", "--batch": "training.batch_size",
+              "--seq": "data.max_seq_len", "--lr": "training.lr", "--seed": "training.seed",
+              "--device": "training.device"}  # fmt: skip
+# What else makes the kit's training the page's: the page has no LoRA dropout (the tiny config
+# 0.05) and holds no rows out (the tiny config 10%).
+SAME_TRAINING = ("lora.dropout=0", "data.val_fraction=0")
+# And what keeps the kit's run short: no evaluation but the last, nothing written but metrics.
+KIT_SETTINGS = (*SAME_TRAINING, "training.eval_every=0", "checkpointing.save_adapter=false",
+                "checkpointing.save_probe_logits=false", "run.start_over=true")  # fmt: skip
 LOSS_LINE = re.compile(r"^step (\d+) loss ([0-9.eE+-]+|nan|inf)$", re.M)
 
 
@@ -70,8 +77,7 @@ def run_plain(folder: str, rows: str | Path, steps: int = 6, nproc: int = 2, dev
     per step (the mean over the ranks); RuntimeError with the log's tail if it fails."""
     from kit.run import child
 
-    log = Path(out_dir) / "plain.log"
-    log = log if log.is_absolute() else ROOT / log
+    log = _rooted(Path(out_dir) / "plain.log")
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         proc = subprocess.Popen(command(folder, rows, steps, nproc, device), cwd=ROOT,
@@ -94,11 +100,35 @@ def read_losses(text: str) -> list[float]:
     return [float(loss) for _, loss in LOSS_LINE.findall(text)]
 
 
+def overrides_for(page_args: list[str]) -> list[str]:
+    """The kit's key=value overrides for a page command line's options (["--lr", "5e-3", ...]),
+    with SAME_TRAINING: on the tiny config, the kit then trains as that command does."""
+    if len(page_args) % 2 or any(flag not in PAGE_FLAGS for flag in page_args[::2]):
+        raise ValueError(f"page_args: {page_args} is not allowed; expected option, value pairs "
+                         f"of {', '.join(PAGE_FLAGS)}")
+    return [f"{PAGE_FLAGS[flag]}={value}" for flag, value in zip(page_args[::2], page_args[1::2],
+                                                                 strict=True)] + list(SAME_TRAINING)
+
+
 def kit_overrides(rows: str | Path, steps: int, device: str, out_dir: str | Path) -> list[str]:
-    """What the kit's run is given on top of its tiny config: the page's rows, steps and device."""
-    return [f"model.name={MODEL}", f"data.path={rows}", f"training.steps={steps}",
-            f"training.device={device}", f"run.output_dir={Path(out_dir) / 'kit'}",
-            *KIT_SETTINGS]  # fmt: skip
+    """What the kit's run is given on top of its tiny config: the page's model, rows, steps and
+    device, SAME_TRAINING, and a short run's settings; its folder OUT_DIR/kit."""
+    return [f"model.name={MODEL}", f"data.path={rows}",
+            *overrides_for(["--steps", str(steps), "--device", device]), *KIT_SETTINGS[2:],
+            f"run.output_dir={Path(out_dir) / 'kit'}"]  # fmt: skip
+
+
+def kit_choices(out_dir: str | Path = "launch/nb05a") -> str:
+    """What the kit's run (OUT_DIR/kit) chose for itself: its plan line and how it loaded."""
+    from kit.run.runs import Run
+
+    result = Run(_rooted(Path(out_dir) / "kit")).result() or {}
+    return f"{result['plan']['line']}\nmodel loading: {result['load']['mode']}"
+
+
+def _rooted(path: str | Path) -> Path:
+    """A relative path under the checkout, where runs and their folders live."""
+    return Path(path) if Path(path).is_absolute() else ROOT / path
 
 
 def run_kit(rows: str | Path, steps: int = 6, nproc: int = 2, device: str = "cpu",
