@@ -6,8 +6,8 @@ and how to fix it. Every reader of this knowledge reads it here, so it is writte
 - the doctor's pre-flight runs the `config` and `machine` predicates (kit/doctor/preflight.py),
   its script scan the `script` patterns (script.py), its error explanation the `error` patterns
   (explain.py); each answers with `Pitfall.finding`, so all of them cite one code, message, fix;
-- kit/pitfalls/reproduce.py holds the `wrong` and `fixed` reproductions a record names, run under
-  torchrun by kit.doctor.cases.reproduce for notebooks 08 and 11.
+- kit/lab/reproduce_rank.py holds the `wrong` and `fixed` reproductions a record names, run under
+  torchrun by kit.lab.reproduce.reproduce for notebooks 08 and 11.
 
     get("fsdp1_int_storage").fix
     [p.code for p in PITFALLS if p.wrong]        # the pitfalls reproduced on the tiny model
@@ -58,10 +58,10 @@ class Pitfall:
     script_absent: tuple[str, ...] = ()  # regexes that must match nowhere in it
     error: str = ""  # regex over raw error text (logs, tracebacks)
     raises: str = ""  # the record whose error its reproduction raises ("": this one)
-    wrong: str = ""  # function of kit/pitfalls/reproduce.py: the mistake as a person writes it
+    wrong: str = ""  # function of kit/lab/reproduce_rank.py: the mistake as a person writes it
     fixed: str = ""  # function there: the same step the kit's way (kit.recipe.model.build, ...)
     overrides: tuple[str, ...] = ()  # the kit config that makes the same mistake
-    why: str = ""  # the longer explanation kit.doctor.cases.describe prints ("": the message)
+    why: str = ""  # the longer explanation kit.lab.reproduce.describe prints ("": the message)
     crashes: bool = False  # its wrong side kills a process: it runs last in a launch
 
     @property
@@ -596,12 +596,12 @@ def machine_violations(cfg, machine: dict) -> list[tuple[Pitfall, Violation]]:
 
 
 def source(function: str) -> str:
-    """The source text of a function of kit/pitfalls/reproduce.py, read from the file (no torch)."""
+    """The source text of a function of kit/lab/reproduce_rank.py, read from the file (no torch)."""
     text = REPRODUCE.read_text()
     node = next((n for n in ast.parse(text).body
                  if isinstance(n, ast.FunctionDef) and n.name == function), None)  # fmt: skip
     if node is None:
-        raise KeyError(f"kit/pitfalls/reproduce.py has no function {function!r}")
+        raise KeyError(f"kit/lab/reproduce_rank.py has no function {function!r}")
     return ast.get_source_segment(text, node)
 
 

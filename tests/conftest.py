@@ -112,7 +112,7 @@ def tiny_run(tmp_path_factory) -> Path:
 
 # Notebook 11 run once under papermill (its defaults; out_dir in a temporary folder): its test in
 # test_doctor.py reads what it printed, test_pitfalls.py the reproductions it ran (every pitfall,
-# both sides, one torchrun launch: kit.doctor.cases.read(out=<folder>/runs)), so CI runs that
+# both sides, one torchrun launch: kit.lab.reproduce.read(out=<folder>/runs)), so CI runs that
 # launch once.
 @pytest.fixture(scope="session")
 def notebook_11(tmp_path_factory) -> Path:

@@ -20,7 +20,7 @@ from conftest import ROOT, read_run, torchrun
 from kit.config import Config
 from kit.folder import manifest
 from kit.inference import merge
-from kit.recipe import checkpoint, checks, trainer_state
+from kit.recipe import checkpoint, trainer_state, verify
 
 FP32 = ["model.dtype=float32", "quantization.method=none"]  # exact arithmetic on CPU
 ONE = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))  # a process of one
@@ -149,7 +149,7 @@ def test_manifest_records_files_checksums_and_the_config_that_made_it(tmp_path):
     assert manifest.problem(folder, CONFIG, 2) is None
     assert manifest.problem(folder, changed(training__steps=999), 2) is None
     assert manifest.problem(folder) is None  # files only
-    assert checks.verify_checkpoint(folder, CONFIG)["adapter_tensors"] == 1
+    assert verify.verify_checkpoint(folder, CONFIG)["adapter_tensors"] == 1
     assert manifest.summary(tmp_path) == [{
         "folder": "step-000005", "step": 5, "world_size": 2, "bytes": saved["bytes"],
         "format": "sharded", "seconds": 0.1, "complete": True, "files": 4}]
@@ -382,10 +382,10 @@ def test_verify_rejects_empty_and_wrong_adapters(tmp_path):
     save_file({}, str(tmp_path / "adapter_model.safetensors"))
     expected = {"base_model.model.layer.lora_A.weight": (8, 16)}
     with pytest.raises(checkpoint.CheckpointError, match="1 of 1 LoRA tensors missing \\(holds 0\\)"):
-        checks.verify_adapter(tmp_path, expected)
+        verify.verify_adapter(tmp_path, expected)
     save_file({"base_model.model.layer.lora_A.weight": torch.zeros(4, 16)}, str(tmp_path / "adapter_model.safetensors"))
     with pytest.raises(checkpoint.CheckpointError, match="has shape \\(4, 16\\), expected \\(8, 16\\)"):
-        checks.verify_adapter(tmp_path, expected)
+        verify.verify_adapter(tmp_path, expected)
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The experiment harness (kit.recipe.experiment), for real under torchrun with 2 CPU processes:
+"""The experiment harness (kit.bench.experiment), for real under torchrun with 2 CPU processes:
 one complete JSON row per case and rank, a case that raises recorded on every rank while the next
 case still runs, and the process group destroyed at the end, after a failure too."""
 

@@ -48,7 +48,7 @@ KERNEL_SIDE = [
     "kit.folder.*",  # the run folder's files, what a start may do to it, manifests, JSON lines
     "kit.budget.*",  # memory and speed from a shape and this machine
     "kit.doctor.*",
-    "kit.pitfalls",  # the package __init__ only: the registry of records
+    "kit.pitfalls",  # the registry of records
     "kit.inputs", "kit.inputs.sources", "kit.inputs.datafile",  # known before any process starts
     "kit.inputs.model_folder", "kit.inputs.checks",  # a model folder's files; transformers'
     # view only inside a function (the check step's child process, or a rank's own)
@@ -61,14 +61,18 @@ KERNEL_SIDE = [
     "kit.lab.recompute_sweep", "kit.lab.second_article", "kit.lab.collectives",  # notebooks'
     # experiments, started and read
     "kit.lab.plain_recipe",  # the page without the kit, and the kit's run, under torchrun
+    "kit.lab.reproduce",  # the pitfalls' reproductions, started under torchrun and read
     "kit.lab.claims", "kit.lab.claims_table",  # the articles' claims, read from the notebooks
     "kit.lab.exercises.*",  # the exercises' checks; a solution imports torch when it is called
 ]
 RANK_SIDE = [
-    "kit.train", "kit.recipe.*",  # the recipe
+    "kit.train", "kit.recipe.*",  # the recipe, and its opt-in levers (kit.recipe.levers)
+    "kit.inference.*",  # a trained adapter merged, exported or talked to: torch in one process
+    "kit.sft.*",  # TRL's SFTTrainer under accelerate launch: the second article's path
     "kit.inputs.builtin",  # kit: models, built with torch on first use
     "kit.bench.worker", "kit.bench.article",  # the benchmark's ranks and the article baseline
-    "kit.pitfalls.reproduce",  # the wrong code, run
+    "kit.bench.experiment",  # the harness every experiment on ranks runs on (worker, the lab's)
+    "kit.lab.reproduce_rank",  # the wrong code, run
     "kit.lab.order_rank", "kit.lab.loading_rank", "kit.lab.sharding", "kit.lab.memory",
     "kit.lab.collectives_rank", "kit.lab.article_checks",  # a child process runs the article's code
     "kit.lab.exercise_ranks",  # a hands-on exercise's code, on the ranks a child process forks

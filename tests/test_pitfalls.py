@@ -16,10 +16,10 @@ from conftest import TINY
 
 from kit import doctor, pitfalls
 from kit.config import Config, ConfigError, apply_overrides, load_config
-from kit.doctor.cases import CPU, describe, launches, read, repro_table
 from kit.doctor.context import namespace
 from kit.doctor.script import script_line
 from kit.findings import LEVELS
+from kit.lab.reproduce import CPU, describe, launches, read, repro_table
 from kit.pitfalls import FSDP1, PITFALLS, Violation
 
 REPRODUCED = pitfalls.reproduced()

@@ -195,7 +195,7 @@ def test_sft_trainer_under_accelerate_launch_cpu_ddp_two_processes_saves_a_whole
     from safetensors.torch import load_file
 
     from kit.folder import jsonl
-    from kit.recipe import checkpoint, checks, model, quantize
+    from kit.recipe import checkpoint, model, quantize, verify
 
     config = tmp_path / "accelerate.yaml"
     config.write_text(CPU_DDP_YAML)
@@ -229,8 +229,8 @@ def test_sft_trainer_under_accelerate_launch_cpu_ddp_two_processes_saves_a_whole
     cfg = load_config(out / "config.yaml")
     assert cfg.model.loading == "rank0"  # kit.recipe.loading under accelerate's process group
     unsharded = checkpoint.AdapterLayout(model.build(cfg, torch.device("cpu"), train=False).model)
-    assert checks.saved_shapes(adapter) == unsharded.shapes
-    checks.verify_adapter(adapter, unsharded.shapes)  # reads every tensor back
+    assert verify.saved_shapes(adapter) == unsharded.shapes
+    verify.verify_adapter(adapter, unsharded.shapes)  # reads every tensor back
     tensors = load_file(str(adapter / "adapter_model.safetensors"))
     assert any(t.abs().max() > 0 for k, t in tensors.items() if "lora_B" in k)  # B starts at 0
 

@@ -23,7 +23,7 @@ from conftest import read_run, torchrun
 
 from kit.config import Config
 from kit.folder import manifest
-from kit.recipe import checkpoint, checks, trainer_state
+from kit.recipe import checkpoint, trainer_state, verify
 
 CONFIG = Config().to_dict()
 
@@ -190,7 +190,7 @@ def test_a_checkpoint_is_json_safetensors_and_dcp_and_resumes_exactly(group_of_o
     assert [f for f in files if not f.startswith(("adapter/", "dcp/"))] == sorted(
         FILES[fmt][:3] + FILES[fmt][3:] * (fmt == "full"))
     assert not [f for f in files if f.endswith(".pt")]
-    assert checks.verify_checkpoint(folder, CONFIG, 1)["files"] == len(files)
+    assert verify.verify_checkpoint(folder, CONFIG, 1)["files"] == len(files)
     assert json.loads((folder / "trainer.json").read_text())["state"]["step"] == 3
     other = Trainer(group_of_one, seed=1)  # other weights, other generators' states
     random.seed(1), np.random.seed(1)
@@ -259,7 +259,7 @@ def test_the_recipe_resumes_an_earlier_kits_checkpoint_exactly(straight, tmp_pat
     assert {"trainer.json", "rng-rank0.json", "rng-rank1.safetensors",
             "dcp/.metadata"} <= set(files)
     assert not [f for f in files if f.endswith(".pt")]
-    assert checks.verify_checkpoint(own)["files"] == len(files)
+    assert verify.verify_checkpoint(own)["files"] == len(files)
     folder = step4_copy(straight, tmp_path)
     as_an_earlier_kit_wrote_it(folder)
     assert {"trainer.pt", "rng-rank0.pt", "rng-rank1.pt"} <= set(manifest.read(folder)["files"])

@@ -18,7 +18,7 @@ whose rows are its own (kit.bench.worker streams a JSON line per measurement) de
 the harness then writes none.
 
 The six experiments on it: kit.lab.collectives_rank (the primer), kit.lab.order_rank (05),
-kit.lab.sharding (04), kit.lab.loading_rank (10), kit.pitfalls.reproduce (08, 11),
+kit.lab.sharding (04), kit.lab.loading_rank (10), kit.lab.reproduce_rank (08, 11),
 kit.bench.worker (09); tests/test_experiment.py tests it.
 """
 

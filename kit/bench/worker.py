@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from kit.bench import experiment
 from kit.bench.matrix import load_matrix
 from kit.bench.report import PEAK_BF16_FLOPS
 from kit.budget.shapes import flops_per_token, shape_of
@@ -32,7 +33,7 @@ from kit.config import Config
 from kit.folder import jsonl
 from kit.folder.layout import RunFolder
 from kit.recipe import dist as kdist
-from kit.recipe import experiment, faults
+from kit.recipe import faults
 
 
 def synthetic_batch(step: int, rank: int, batch: int, seq: int, vocab: int, device) -> dict:
@@ -95,7 +96,7 @@ class _Run:
         from kit.recipe import dist as kdist
 
         self.case = case
-        self.env = env  # the group the harness joined (kit.recipe.experiment)
+        self.env = env  # the group the harness joined (kit.bench.experiment)
         if case.get("cap_gib") and env.device.type == "cuda":
             total = torch.cuda.get_device_properties(env.device).total_memory
             torch.cuda.set_per_process_memory_fraction(

@@ -14,17 +14,15 @@ its ranks are kit/recipe/checks.py). One file per moment, read top to bottom:
     script.py     scan_script(path_or_text): article patterns in a user's script
     run.py        diagnose_run(run_dir): a finished or failed run folder
     explain.py    explain(text): raw error strings -> cause and fix
-    cases.py      reproduce(codes): the pitfalls' reproductions under torchrun (notebooks 05, 11);
-                  read(codes): the same, read again from the launch folders they left
 
 What each pitfall is, how each moment recognises it and its fix are one record per pitfall in
-kit/pitfalls; these modules only read them. Every pitfall was reproduced on this stack
-(FINDINGS.md, kit/pitfalls/reproduce.py); messages quote the exact error text a person would
+kit/pitfalls.py; these modules only read them. Every pitfall was reproduced on this stack
+(FINDINGS.md, kit/lab/reproduce_rank.py); messages quote the exact error text a person would
 otherwise meet an hour into a GPU job.
 
-Kernel side: nothing here creates a process group or initialises CUDA. cases.py is imported on
-its own (`from kit.doctor.cases import reproduce`), not from here: it starts runs through
-kit.run.launch, which runs this doctor's pre-flight, and the import graph stays without cycles.
+Kernel side: nothing here creates a process group or initialises CUDA. The pitfalls'
+reproductions under torchrun (notebooks 08 and 11) are the lab's (kit.lab.reproduce): they start
+runs through kit.run.launch, which runs this doctor's pre-flight.
 """
 
 # The in-run checks live rank side (kit.recipe.checks); the doctor offers them too.

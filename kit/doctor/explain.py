@@ -3,7 +3,7 @@ fix. Used on a run's logs (diagnose_run), by the launcher when a run fails, and 
 line (`python -m kit.doctor --explain run.log`).
 
 The patterns are the `error` of the records in kit.pitfalls: they quote the exact text the
-libraries print (FINDINGS.md; kit/pitfalls/reproduce.py reproduces most of them on CPU), so a
+libraries print (FINDINGS.md; kit/lab/reproduce_rank.py reproduces most of them on CPU), so a
 message seen an hour into a GPU job is recognised at once.
 """
 

@@ -2,7 +2,7 @@
 adapter in one process (no FSDP), export a merged standalone model, generate greedily; and the
 command line `kit checkpoints {list,verify,merge}` (also `kit merge RUN OUT`, with `--gguf` a GGUF
 file next to OUT: kit.inference.gguf_export), where every failure is one line on stderr and exit
-code 2. What verifies a saved adapter or checkpoint is the recipe's own (kit.recipe.checks), as
+code 2. What verifies a saved adapter or checkpoint is the recipe's own (kit.recipe.verify), as
 the recipe checks each save with it.
 
 The kit never deletes a user's files: a merge into a folder that exists is refused, and the export
@@ -22,7 +22,7 @@ import torch
 from kit.folder import manifest
 from kit.folder.layout import RunFolder
 from kit.folder.manifest import MARKER, CheckpointError, first_line
-from kit.recipe.checks import saved_shapes, verify_adapter, verify_checkpoint
+from kit.recipe.verify import saved_shapes, verify_adapter, verify_checkpoint
 
 
 def load_for_inference(run_dir, adapter: str | Path | None = None, merged: bool = False):

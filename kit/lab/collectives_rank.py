@@ -4,7 +4,7 @@ collective on small tensors, and one FSDP step written out by hand beside fully_
     torchrun --nproc_per_node=2 -m kit.lab.collectives_rank CONFIG OUT [CASE ...]
 
 Cases, in order (one row per case and rank: OUT/<case>/rank<R>.json, through the experiment
-harness kit.recipe.experiment, which also joins the process group as every rank of the kit does):
+harness kit.bench.experiment, which also joins the process group as every rank of the kit does):
 
   environment     the variables torchrun set for this process, its pid and its parent's
   all_gather, reduce_scatter, all_reduce, broadcast
@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from kit.bench import experiment
 from kit.recipe import dist as kdist
-from kit.recipe import experiment
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                       "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")  # fmt: skip

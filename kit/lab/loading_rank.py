@@ -21,9 +21,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from kit.bench import experiment
 from kit.config import Config
 from kit.recipe import dist as kdist
-from kit.recipe import engines, experiment, loading, meters, model
+from kit.recipe import engines, loading, meters, model
 
 
 def shard_digest(wrapped: torch.nn.Module) -> str:
@@ -97,7 +98,7 @@ def report(cfg: Config, env) -> dict:
 
 
 # One case per model.loading mode, in turn in one process group (by default the config's own
-# mode); every rank writes DIR/<mode>/rank<R>.json (kit.recipe.experiment).
+# mode); every rank writes DIR/<mode>/rank<R>.json (kit.bench.experiment).
 EXPERIMENT = experiment.Experiment(
     prog="kit.lab.loading_rank", doc=__doc__,
     cases={mode: (lambda case: report(case.cfg, case.env))

@@ -11,7 +11,7 @@ carries the pieces they share (load, LoRA, shard, train) and measures what happe
 loss, step 1's layer forwards and the bytes autograd kept for backward, which tensors the
 optimizer holds, whether the adapters are sharded and equal on every rank, where the weights
 were placed, or the exception's first line. The runs are a case table on the experiment harness
-(kit.recipe.experiment: the group, the rows, the cleanup); rank 0 writes
+(kit.bench.experiment: the group, the rows, the cleanup); rank 0 writes
 OUT/cases/<function>-<engine>-<base>.json, and kit.lab.order (kernel side) reads them.
 """
 
@@ -34,9 +34,10 @@ from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+from kit.bench import experiment
 from kit.inputs import builtin
 from kit.recipe import dist as kdist
-from kit.recipe import experiment, quantize
+from kit.recipe import quantize
 from kit.recipe.layers import decoder_layer_classes, decoder_layers
 from kit.recipe.recompute import enable_activation_checkpointing
 

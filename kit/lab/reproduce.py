@@ -6,7 +6,7 @@ torchrun, each rank's outcome read back with what the doctor makes of it.
     print(describe(runs, "full_state_dict_empty_adapter"))
     runs = read(["prepare_kbit_fsdp1", "fsdp1_int_storage"])        # the same, read back later
 
-The ranks run kit/pitfalls/reproduce.py from a run folder written and started by
+The ranks run kit/lab/reproduce_rank.py from a run folder written and started by
 kit.run.launch.run_to_end (config.yaml, run.sh, run.log), like every other run of the kit.
 """
 
@@ -71,7 +71,7 @@ def reproduce(codes=(), sides=SIDES, nproc: int = 2, out: str | Path = "",
         folder = out / f"launch-{i}"
         shutil.rmtree(folder, ignore_errors=True)  # no report of an earlier launch is read
         run_to_end(TINY, [*overrides, f"run.output_dir={folder}", "run.dist_timeout_min=2"],
-                   nproc=nproc, name=f"pitfalls-{i}", module="kit.pitfalls.reproduce",
+                   nproc=nproc, name=f"pitfalls-{i}", module="kit.lab.reproduce_rank",
                    args=["{config}", "{run_dir}", *steps], timeout=timeout, check=False)
     return read(codes, sides, nproc, out)
 

@@ -2,15 +2,15 @@
 (the articles' load: NF4, bf16 compute and storage, LoRA r8 on q_proj/v_proj, and one mistake),
 and the same step the kit's way (kit.recipe.model.build, loading whole as the articles do). Rank side:
 
-    torchrun --nproc_per_node=2 -m kit.pitfalls.reproduce CONFIG OUT fsdp1_int_storage \
+    torchrun --nproc_per_node=2 -m kit.lab.reproduce_rank CONFIG OUT fsdp1_int_storage \
         offload_to_cpu_segfault:fixed offload_to_cpu_segfault:wrong
 
-kit.doctor.cases.reproduce writes and runs the run folder that does this, and reads the results. A
+kit.lab.reproduce.reproduce writes and runs the run folder that does this, and reads the results. A
 step is a pitfall code (wrong side, then fixed side) or CODE:wrong / CODE:fixed. Steps run in turn
 in one process group: a wrong side fails alike on every rank before any collective is left half
 done, rank-0-only work follows a step's last collective, the timeout waits on a group of its own; a
 step that kills a process (crashes=True) comes last. The steps are a case table on the experiment
-harness (kit.recipe.experiment); after each step every rank writes OUT/<code>/<side>.rank<N>.json:
+harness (kit.bench.experiment); after each step every rank writes OUT/<code>/<side>.rank<N>.json:
 ok, the exception, what it observed, the in-run checks.
 
 Longer than 400 lines because it holds every reproduction, both sides of each next to each other.
@@ -38,14 +38,16 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+from kit.bench import experiment
 from kit.config import apply_overrides, config_from_dict
 from kit.inputs import builtin
 from kit.pitfalls import get, reproduced
-from kit.recipe import checkpoint, engines, experiment
+from kit.recipe import checkpoint, engines
 from kit.recipe import dist as kdist
 from kit.recipe.checks import check_adapter, check_checkpointing_active
 from kit.recipe.layers import decoder_layer_classes, decoder_layers
 from kit.recipe.model import build
+from kit.recipe.verify import verify_adapter
 
 # --------------------------------------------------------------------------- the articles' pieces
 
@@ -306,7 +308,7 @@ def saved_the_kit_way(cfg, env, out):
     state = checkpoint.gather_trainable(model)  # a collective: every rank
     if env.is_main:
         folder = checkpoint.save_adapter(layout, state, out / "adapter")
-        n = checkpoint.verify_adapter(folder, layout.shapes)["tensors"]
+        n = verify_adapter(folder, layout.shapes)["tensors"]
         return {"observed": f"kit.recipe.checkpoint.save_adapter wrote {n} tensors (verified)",
                 "findings": check_adapter(folder)}  # fmt: skip
 
@@ -430,7 +432,7 @@ def steps(items: list[str]) -> list[tuple[str, str]]:
 # Every step: its wrong side and its fixed side, in turn in one process group. A failing step
 # that kills a process (crashes=True) ends the launch: no barrier after it.
 EXPERIMENT = experiment.Experiment(
-    prog="kit.pitfalls.reproduce", doc=__doc__,
+    prog="kit.lab.reproduce_rank", doc=__doc__,
     cases={f"{p.code}:{side}": _step(globals()[getattr(p, side)])
            for p in reproduced() for side in ("wrong", "fixed") if getattr(p, side)},
     row_path=lambda out, name, rank: out.joinpath(*name.split(":")).with_suffix(f".rank{rank}.json"),

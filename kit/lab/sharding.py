@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kit.bench import experiment
 from kit.config import Config
 from kit.recipe import dist as kdist
-from kit.recipe import engines, experiment
+from kit.recipe import engines
 from kit.recipe.layers import decoder_layer_classes
 
 
@@ -301,7 +302,7 @@ def report_rank(cfg: Config, env, out, wrap=shard, label: str = "") -> dict:
     }  # fmt: skip
 
 
-# The report as a case table on the experiment harness (kit.recipe.experiment): one case per
+# The report as a case table on the experiment harness (kit.bench.experiment): one case per
 # engine, its config the launch's with sharding.engine set, and fsdp2-whole (FSDP2 with one unit
 # for the whole model); every rank writes OUT/<case>/rank<R>.json.
 EXPERIMENT = experiment.Experiment(

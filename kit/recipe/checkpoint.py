@@ -11,7 +11,7 @@ the model really has, or fails loudly.
 
 Training checkpoints (save every N steps, resume) are the second half. Their manifest, checked
 before any resume trusts a folder, is `kit.folder.manifest` (torch-free); what verifies a saved
-adapter or checkpoint is kit.recipe.checks; reading back, merging and the command line
+adapter or checkpoint is kit.recipe.verify; reading back, merging and the command line
 `kit checkpoints` are kit.inference.merge.
 """
 
@@ -30,7 +30,7 @@ from kit.folder import manifest
 from kit.folder.layout import RunFolder
 from kit.folder.manifest import CheckpointError, first_line, scan
 from kit.recipe import trainer_state
-from kit.recipe.checks import verify_adapter
+from kit.recipe.verify import verify_adapter
 
 
 class AdapterLayout:

@@ -53,7 +53,18 @@ from kit.config import Config, ConfigError, load_config
 from kit.folder import runfolder
 from kit.folder.layout import RunFolder
 from kit.inputs import builtin, datafile
-from kit.recipe import checkpoint, checks, data, engines, lora, meters, model, planning, trackers
+from kit.recipe import (
+    checkpoint,
+    checks,
+    data,
+    engines,
+    lora,
+    meters,
+    model,
+    planning,
+    trackers,
+    verify,
+)
 from kit.recipe import dist as kdist
 from kit.sft.setup import accelerate_engine, fsdp_recomputes, launched_alone, sft_config
 
@@ -315,7 +326,7 @@ def run(cfg: Config) -> dict:
     result = {"lora_checksums": sums, "params": params}
     if cfg.checkpointing.save_adapter and is_main:
         folder = checkpoint.save_adapter(layout, state_dict, RunFolder(out).adapter, tokenizer)
-        info = checks.verify_adapter(folder, layout.shapes)  # reads every tensor back
+        info = verify.verify_adapter(folder, layout.shapes)  # reads every tensor back
         result["adapter"] = {"path": str(folder), **info}
         say(f"adapter: {folder} ({info['tensors']} tensors, {info['bytes']:,} bytes, whole)")
     train = [r["loss"] for r in rec.history if r["split"] == "train"] or [None]
