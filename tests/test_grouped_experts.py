@@ -262,3 +262,31 @@ def test_every_recompute_policy_gives_the_gradients_of_no_recompute_on_the_gpu()
         for name, g in grads.items():
             top = grads0[name].abs().max()
             assert top > 0 and (g - grads0[name]).abs().max() <= 0.01 * top, (keeps, name)
+
+
+def test_a_compiled_layer_runs_the_grouped_gemms_and_equals_eager(monkeypatch):
+    """training.compile on a MoE layer: inductor lays out the LoRA factor B (a permuted view,
+    scaled and cast) with the permutation's strides, which `torch._grouped_mm` refuses; the
+    factors go through kit::dense_copy, whose output is row-major. Compiled, the grouped path
+    gives eager's output and gradients (the same dropout masks: one seed)."""
+    from kit.recipe import experts, grouped_experts
+
+    monkeypatch.setattr(grouped_experts, "grouped_kernel", lambda *_: True)
+    ex, lora = _experts_on("cpu", "qwen3_moe", hidden=64, inner=48, count=8, k=2, ranks=(16,))
+    index, weights = routed(40, 8, 2, unused=3)
+    x0 = torch.randn(40, 64, dtype=torch.bfloat16)
+    cot = torch.randn(40, 64, dtype=torch.bfloat16)
+    factors = [t.requires_grad_() for branches in lora.values() for a, b, _, _ in branches
+               for t in (a, b)]  # fmt: skip
+
+    def layer(x):
+        return experts.forward(ex, x, index, weights.to(torch.bfloat16), lora=lora)
+
+    results = []
+    for fn in (layer, torch.compile(layer, fullgraph=False)):
+        x = x0.clone().requires_grad_()
+        torch.manual_seed(3)
+        out = fn(x)
+        results.append((out, *torch.autograd.grad(out, (x, *factors), cot)))
+    for mine, ref in zip(results[1], results[0], strict=True):
+        assert torch.allclose(mine.float(), ref.float(), rtol=0.02, atol=0.02 * ref.abs().max().item())

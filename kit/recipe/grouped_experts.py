@@ -101,6 +101,25 @@ def stack_of(module: torch.nn.Module, name: str):
     return dequantize
 
 
+@torch.library.custom_op("kit::dense_copy", mutates_args=())
+def dense_copy(t: torch.Tensor) -> torch.Tensor:
+    """A row-major copy of `t`, opaque to the compiler. `torch._grouped_mm` wants a unit stride in
+    each operand's last two dims; a compiled layer (training.compile) lays an element-wise
+    result out as it likes, `.contiguous()` included (torch 2.11-2.13's inductor gives the
+    LoRA factor B, a permuted view scaled and cast, the strides of the permutation, and the
+    kernel refuses them). A custom op's output has the strides its fake says: row-major. Gap
+    filled: inductor's grouped_mm fallback states no stride requirement on its operands."""
+    return t.contiguous().clone()
+
+
+@dense_copy.register_fake
+def _(t):
+    return t.new_empty(t.shape)
+
+
+dense_copy.register_autograd(lambda ctx, grad: grad)
+
+
 def dropout_masks(lora: dict, names: tuple, rows: int, device) -> dict:
     """{name: [bool drop-mask (rows, in) per LoRA branch, or None]}, the rows in token order
     (token*k + choice), drawn in the order of `names` then branches: a layout-free draw, so the
@@ -128,10 +147,7 @@ def _lora(x, down, up, scale, drop, p, experts, groups):
     b = up.reshape(up.shape[0], rank, experts).permute(2, 1, 0)  # (E, r, out)
     dtype = x.dtype if groups.fast else a.dtype  # the grouped kernel computes in bf16
     a = a.to(dtype)
-    # _grouped_mm wants one unit stride in each operand's last two dims: B made contiguous by
-    # its cast (E*r*out values; .contiguous() is then no op, and copies where no cast ran)
-    b = (b * (scale / (1 - p) if drop is not None else scale)).to(
-        dtype, memory_format=torch.contiguous_format).contiguous()
+    b = (b * (scale / (1 - p) if drop is not None else scale)).to(dtype)
     if groups.fast and rank % 8:
         # and 16-byte aligned rows: the rank padded to a multiple of 8 with zero rows (lora.r=4
         # would give 8-byte rows), which adds nothing to the product. Each op is a launch per
@@ -139,6 +155,10 @@ def _lora(x, down, up, scale, drop, p, experts, groups):
         pad = -rank % 8
         a = torch.nn.functional.pad(a, (0, 0, 0, pad))
         b = torch.nn.functional.pad(b, (0, 0, 0, pad))
+    if groups.fast:  # a unit stride in the last two dims, compiled too (E x r x width: MBs)
+        a, b = dense_copy(a), dense_copy(b)
+    else:
+        b = b.contiguous()
     h = x.to(dtype)
     # masked_fill, not a product with the mask: one dtype, so CUDA's vectorized kernel (a bf16 x
     # bool product casts per element: 113 of 974 GPU ms of the 30B-A3B step); autograd keeps
