@@ -183,7 +183,7 @@ def test_split_is_identical_across_ranks_and_slices_differ(tokenizer):
 @pytest.mark.parametrize("kind", ["jsonl", "json", "csv"])
 def test_stdlib_reader_matches_datasets(tmp_path, kind):
     path = write(tmp_path, kind)
-    assert data.read_rows_stdlib(path) == data.read_rows(path)
+    assert datafile.read_rows_stdlib(path) == datafile.read_rows(path)
 
 
 # ---------------------------------------------------------------- packing (data.packing=true)
@@ -335,7 +335,7 @@ def test_a_role_typo_is_refused_naming_the_row_and_the_role(tmp_path):
     cfg = DataConfig(path=chat_rows(tmp_path, "typo.jsonl", rows))
     for stdlib in (True, False):  # the check step's reader and the ranks'
         with pytest.raises(ConfigError) as e:
-            data.check_file(cfg, stdlib=stdlib)
+            datafile.check_file(cfg, stdlib=stdlib)
         assert str(e.value).count("\n") == 0 and "row 4 (line 4)" in str(e.value)
         assert "message 2 has the role 'asistant' (did you mean 'assistant'?), not one of " \
                "system, user, assistant, tool" in str(e.value)

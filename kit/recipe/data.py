@@ -22,18 +22,13 @@ from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
 from kit.config import ConfigError, DataConfig
 
-# Files are read and checked in kit.inputs.datafile (no torch); these names stay importable here.
-from kit.inputs.datafile import (  # noqa: F401
-    BUILDERS,
-    BUNDLED,
+# Files are read and checked in kit.inputs.datafile (no torch).
+from kit.inputs.datafile import (
     PACKED_ROW,
     as_messages,
     check_file,
     read_checked,
-    read_rows,
-    read_rows_stdlib,
     render_chats,
-    resolve_path,
     split_sizes,
     texts_column,
 )

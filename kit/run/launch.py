@@ -34,7 +34,7 @@ from kit.run.check import check as check_start
 from kit.run.check import inputs as check_inputs
 
 # The run handle lives in kit.run.runs; notebooks import it from here with launch.
-from kit.run.runs import DONE, Follow, Run, RunFailed, command, runs  # noqa: F401
+from kit.run.runs import Run, RunFailed
 from kit.run.script import RUN_ENV, TRAIN_ARGS, run_sh
 
 # What a new start in a folder replaces: the files of the start itself, never a run's results or
