@@ -315,7 +315,7 @@ def test_tiles_you_set_are_kept_and_compile_rules_them_out():
     assert _tiles(cpu) == (0, 0, False)
 
 
-def test_offloaded_tensors_must_fit_host_memory_too(monkeypatch):
+def test_offloaded_tensors_must_fit_host_memory_too():
     """Offloaded layer inputs at 131,072 tokens on the 8B shape are 32 GiB of host memory per
     process: with less, the plan is refused in one line that says so and names a length that
     fits; a rank reads its share of the node's available memory."""
@@ -326,12 +326,29 @@ def test_offloaded_tensors_must_fit_host_memory_too(monkeypatch):
     assert "\n" not in line and "32.0 GiB of host memory per process" in line
     assert line.endswith("data.max_seq_len=65536")
     assert kplan.plan(cfg, replace(_gpu(1, 24), host_gib=64), 131072).cfg.training.offload_activations
-    from kit.recipe import planning
+    from kit.budget import hardware
 
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    one = planning.host_gib()
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert one and planning.host_gib() == pytest.approx(one / 4, abs=0.5)
+    machine = {"gpus": [{"name": "H100", "memory_gib": 80.0}], "nproc_per_node": 1,
+               "host_ram_gib": hardware.available_gib()}
+    one = hardware.for_plan(machine, 1, "cuda").host_gib
+    four = hardware.for_plan({**machine, "nproc_per_node": 4}, 4, "cuda").host_gib
+    assert one and four == pytest.approx(one / 4, abs=0.5)
+
+
+def test_one_fp8_rule_from_the_compute_capability():
+    """FP8 tensor cores from compute capability 8.9 on: probed ("capability"), or by the name
+    where only a name is known (`kit plan --gpu NAME`, a doctor's machine as a dict)."""
+    from kit.budget import hardware
+
+    assert hardware.fp8({"name": "NVIDIA H100 80GB HBM3"}) and hardware.fp8({"name": "H200"})
+    assert hardware.fp8({"name": "NVIDIA GeForce RTX 4090"}) and hardware.fp8({"name": "L40S"})
+    assert not hardware.fp8({"name": "NVIDIA A100-SXM4-80GB"}) and not hardware.fp8({"name": "?"})
+    assert hardware.fp8({"name": "some new GPU", "capability": "10.0"})
+    assert not hardware.fp8({"name": "H100 (named)", "capability": "8.6"})  # the probe wins
+    hw = hardware.for_plan({"gpus": [{"name": "X", "memory_gib": 24.0, "capability": "8.9"}]},
+                           2, "cuda")
+    assert hw.fp8 and hw.memory_gib == 24.0 and hw.world_size == 2
+    assert hardware.for_plan({"gpus": []}, 2, "cuda").device == "cpu"
 
 
 def test_half_a_million_tokens_within_80_gib_where_the_host_holds_the_inputs():

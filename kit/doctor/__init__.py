@@ -9,7 +9,8 @@ Every answer is a list of `Finding(level, code, message, fix)`; the CLI prints o
 exits 1 when any is an error (`Finding` is kit/findings.py; the in-run checks the recipe runs on
 its ranks are kit/recipe/checks.py). One file per moment, read top to bottom:
 
-    context.py    the machine (detect_env), the config tree, the model's shape on the meta device
+    context.py    the config tree, the model's parts on the meta device (the machine:
+                  kit.budget.hardware.probe)
     preflight.py  the checks on a config + machine: preflight(cfg, env=None)
     script.py     scan_script(path_or_text): article patterns in a user's script
     run.py        diagnose_run(run_dir): a finished or failed run folder
@@ -26,7 +27,7 @@ runs through kit.run.launch, which runs this doctor's pre-flight.
 """
 
 # The in-run checks live rank side (kit.recipe.checks); the doctor offers them too.
-from kit.doctor.context import detect_env, model_facts, read_config
+from kit.doctor.context import read_config
 from kit.doctor.explain import EXPLAIN, explain
 from kit.doctor.preflight import config_errors, preflight
 from kit.doctor.run import diagnose_run
@@ -44,6 +45,6 @@ from kit.recipe.checks import (
 __all__ = [
     "EXPLAIN", "PATTERNS", "Finding", "check_adapter", "check_checkpointing_active",
     "check_lora_changed", "check_rank_times", "check_step", "codes", "config_errors",
-    "detect_env", "diagnose_run", "errors", "explain", "model_facts", "preflight", "read_config",
+    "diagnose_run", "errors", "explain", "preflight", "read_config",
     "report", "scan_script", "trainable_snapshot",
 ]  # fmt: skip

@@ -11,11 +11,6 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
-import json
-import os
-import re
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,42 +19,13 @@ from kit.config import BUNDLED, Config, ConfigError, apply_overrides, read_yaml
 from kit.findings import Finding
 
 
-def detect_env(vars: dict | None = None, nproc_per_node: int | None = None) -> dict:
-    """The machine a run would start on: env vars, GPUs (via nvidia-smi, which never touches this
-    process's CUDA), host RAM, installed optional packages. `vars` adds or overrides variables
-    (e.g. what a launch script exports); `nproc_per_node` defaults to the GPU count, else 2."""
-    gpus = []
-    if shutil.which("nvidia-smi"):
-        query = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"]
-        try:
-            out = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout
-            for line in out.strip().splitlines():
-                name, mib = (s.strip() for s in line.rsplit(",", 1))
-                gpus.append({"name": name, "memory_gib": round(float(mib) / 1024, 1)})
-        except (OSError, ValueError, subprocess.SubprocessError):
-            gpus = []
-    ram = None
-    try:
-        meminfo = Path("/proc/meminfo").read_text()
-        ram = int(re.search(r"MemAvailable:\s+(\d+)", meminfo).group(1)) / 2**20
-    except (OSError, AttributeError):
-        pass
-    env_vars = {**os.environ, **(vars or {})}
-    nproc = nproc_per_node or int(env_vars.get("LOCAL_WORLD_SIZE", 0)) or len(gpus) or 2
-    return {
-        "vars": env_vars,
-        "gpus": gpus,
-        "host_ram_gib": ram,
-        "nproc_per_node": nproc,
-        "nnodes": int(env_vars.get("NNODES", 1) or 1),
-        "packages": {"flash_attn": importlib.util.find_spec("flash_attn") is not None},
-    }
-
-
 def complete_env(env: dict | None) -> dict:
-    """A caller's env dict with the keys it left out: no GPUs, RAM unknown, 2 ranks."""
+    """A caller's env dict with the keys it left out: no GPUs, RAM unknown, 2 ranks; None: this
+    machine (kit.budget.hardware.probe)."""
     if env is None:
-        return detect_env()
+        from kit.budget import hardware
+
+        return hardware.probe()
     gpus = list(env.get("gpus") or [])
     full = {
         "vars": {},
@@ -156,30 +122,12 @@ def read_config(cfg, overrides: list[str] | None = None) -> tuple[dict | None, l
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"}
 
 
-def model_config(name: str, trust_remote_code: bool = False) -> dict:
-    """The transformers config of model.name as a dict: a kit model's spec, a local folder's
-    config.json, or a hub id already in the local cache (nothing is downloaded)."""
-    from kit.inputs import builtin
-
-    if builtin.is_builtin(name):
-        key = name[len(builtin.PREFIX) :]
-        if key not in builtin.SPECS:
-            allowed = ", ".join(builtin.PREFIX + k for k in builtin.SPECS)
-            raise ValueError(f"{name!r} is not a kit model; allowed: {allowed}")
-        return dict(builtin.SPECS[key])
-    local = Path(name).expanduser() / "config.json"
-    if local.is_file():
-        return json.loads(local.read_text())
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(
-        name, trust_remote_code=trust_remote_code, local_files_only=True
-    )
-    return config.to_dict()
-
-
 @dataclass(frozen=True)
-class ModelFacts:
+class ModelParts:
+    """What the checks count of a model without its weights: its parameters, the linear ones
+    bitsandbytes quantizes, its modules' names (built on the meta device, on demand). What the
+    model allows (attention, the fused loss) is kit.inputs.sources.model_facts."""
+
     name: str
     trust_remote_code: bool
     config: dict  # the transformers config, as a dict (kit.budget.shapes reads it too)
@@ -202,7 +150,7 @@ class ModelFacts:
         return self.linear_4bit_params * 0.53 + (self.params - self.linear_4bit_params) * size
 
 
-def _meta_model(facts: ModelFacts):
+def _meta_model(facts: ModelParts):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -213,11 +161,16 @@ def _meta_model(facts: ModelFacts):
 
 
 @functools.lru_cache(maxsize=8)
-def model_facts(name: str, trust_remote_code: bool = False) -> ModelFacts:
-    """Parameter counts (and, on demand, module names) of model.name, without weights. Raises
-    when the model's config cannot be read offline."""
-    config = model_config(name, trust_remote_code)
-    facts = ModelFacts(name, trust_remote_code, config, 0, 0)
+def model_parts(name: str, trust_remote_code: bool = False) -> ModelParts:
+    """Parameter counts (and, on demand, module names) of model.name from its config.json
+    (kit.inputs.sources.model_config), without weights. Raises ValueError when none is at hand."""
+    from kit.inputs.sources import model_config
+
+    config = model_config(name)
+    if config is None:
+        raise ValueError(f"no config.json of {name!r} at hand (a hub id is read from the local "
+                         "cache only)")
+    facts = ModelParts(name, trust_remote_code, config, 0, 0)
     if config.get("model_type") in LLAMA_LIKE and importlib.util.find_spec("kit.budget.shapes"):
         from kit.budget.shapes import shape_of
 
@@ -234,14 +187,15 @@ def model_facts(name: str, trust_remote_code: bool = False) -> ModelFacts:
             for m in model.modules()
             if isinstance(m, torch.nn.Linear) and m is not head
         )
-    return ModelFacts(name, trust_remote_code, config, params, linear)
+    return ModelParts(name, trust_remote_code, config, params, linear)
 
 
 class Context:
     """What every check sees: the merged tree (defaults + raw), the raw tree, env, device."""
 
-    def __init__(self, raw: dict, env: dict):
+    def __init__(self, raw: dict, env: dict, planned=None):
         self.raw, self.env = raw, env
+        self.given_plan = planned  # the start's plan (kit.run.check.start), or its refusal
         self.tree = _merge(Config().to_dict(), {k: v for k, v in raw.items() if k != "accelerate"})
         self.accelerate = raw.get("accelerate")
         wants = self.get("training.device")
@@ -265,24 +219,28 @@ class Context:
         return self.get("sharding.engine") == "fsdp1"
 
     @functools.cached_property
-    def facts(self) -> ModelFacts | None:
+    def facts(self) -> ModelParts | None:
         if self.accelerate:  # an accelerate config names no model
             return None
         try:
-            return model_facts(
+            return model_parts(
                 str(self.get("model.name")), bool(self.get("model.trust_remote_code"))
             )
         except Exception as e:  # noqa: BLE001 - any failure means: cannot inspect this model
             self.facts_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             return None
 
-    def planned(self, gpu: float):
-        """The plan (kit.budget.plan) of a config with values left at auto on these GPUs; None when
-        nothing is left to plan (or the config is refused elsewhere); a Finding when it cannot be
-        planned here or does not fit."""
+    def planned(self):
+        """The plan (kit.budget.plan) of a config with values left at auto on these GPUs: the
+        start's own where it planned (kit.run.check.start), else planned here; None when nothing
+        is left to plan (or the config is refused elsewhere); a Finding when it cannot be planned
+        here or does not fit."""
+        from kit.budget import hardware
         from kit.budget import plan as kplan
         from kit.config import ConfigError, config_from_dict
 
+        if self.given_plan is not None:
+            return self.given_plan
         try:
             cfg = config_from_dict(self.tree)
         except ConfigError:
@@ -294,16 +252,17 @@ class Context:
                            "recompute policy are planned when the run starts, from the data's rows "
                            "(`kit plan CONFIG` shows the plan now)",
                            "data.max_seq_len=<tokens> to check the memory here", "data.max_seq_len")
-        name = self.env["gpus"][0].get("name", "")
-        ram = self.env.get("host_ram_gib")  # this node's, shared by its processes
-        hw = kplan.Hardware("cuda", self.ranks, gpu, name, fp8=any(k in name for k in ("H100", "H200")),
-                            host_gib=ram / max(1, int(self.env["nproc_per_node"])) if ram else None)
-        config = self.facts.config if isinstance(self.facts.config, dict) else self.facts.config.to_dict()
         try:
-            return kplan.plan(cfg, hw, cfg.data.max_seq_len, config)
+            return kplan.plan(cfg, hardware.for_plan(self.env, self.ranks, "cuda"),
+                              cfg.data.max_seq_len, self.facts.config)
         except ConfigError as e:
-            return Finding("error", "memory_over_gpu", str(e), str(e).rsplit(": ", 1)[-1],
-                           "training.batch_size")
+            return refused_plan(e)
+
+
+def refused_plan(e: Exception) -> Finding:
+    """The planner's refusal (nothing fits the GPUs) as the pre-flight's finding."""
+    return Finding("error", "memory_over_gpu", str(e), str(e).rsplit(": ", 1)[-1],
+                   "training.batch_size")
 
 
 def namespace(tree: dict):

@@ -215,7 +215,7 @@ def _gpu_memory(c: Context) -> list[Finding]:
 
     gpu = min(g["memory_gib"] for g in c.env["gpus"])
     tree = c.tree
-    planned = c.planned(gpu)  # values left at auto: as the run will choose them
+    planned = c.planned()  # values left at auto: as the run will choose them
     if isinstance(planned, Finding):
         return [planned]
     if planned is not None:
@@ -386,14 +386,17 @@ def _data(c: Context) -> list[Finding]:
     return out
 
 
-def preflight(cfg, env: dict | None = None, overrides: list[str] | None = None) -> list[Finding]:
+def preflight(cfg, env: dict | None = None, overrides: list[str] | None = None,
+              planned=None) -> list[Finding]:
     """Findings for a run of `cfg` (a Config, a dict tree, a kit or accelerate YAML path) on
-    `env` (see detect_env; None: this machine). Errors first. Never raises on a bad config: a
-    value load_config would reject becomes a finding, with the specific ones explained."""
+    `env` (kit.budget.hardware.probe's dict; None: this machine). Errors first. Never raises on a
+    bad config: a value load_config would reject becomes a finding, with the specific ones
+    explained. planned: the start's plan of the values left at auto (kit.budget.plan.Planned, or
+    the Finding of its refusal), which the memory check reads instead of planning again."""
     raw, findings = read_config(cfg, overrides)
     if raw is None:
         return findings
-    ctx = Context(raw, complete_env(env))
+    ctx = Context(raw, complete_env(env), planned)
     for check in CHECKS:
         try:
             findings += check(ctx)

@@ -10,37 +10,31 @@ Rank 0 plans and every rank trains with its plan (kit.recipe.dist.on_main): one 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
+from kit.budget import hardware as machine_probe
 from kit.budget import plan as kplan
 from kit.config import AUTO, Config, DataConfig
 from kit.inputs import builtin, sources
 
 
 def hardware(device: torch.device, world_size: int) -> kplan.Hardware:
-    """This process's device as the planner sees it: on a GPU its memory under any cap set with
-    torch.cuda.set_per_process_memory_fraction (kit.bench's caps), its name, FP8 or not."""
+    """This process's device as the planner sees it (kit.budget.hardware.for_plan, its one FP8
+    rule): on a GPU its memory under any cap set with torch.cuda.set_per_process_memory_fraction
+    (kit.bench's caps), its name and compute capability; the node's host memory over its
+    processes (LOCAL_WORLD_SIZE, torchrun's)."""
     if device.type != "cuda":
         return kplan.Hardware("cpu", world_size)
     props = torch.cuda.get_device_properties(device)
     fraction = torch.cuda.get_per_process_memory_fraction(device)
-    return kplan.Hardware("cuda", world_size, round(props.total_memory * fraction / 2**30, 2),
-                          props.name, (props.major, props.minor) >= (8, 9),
-                          importlib.util.find_spec("flash_attn") is not None, host_gib())
-
-
-def host_gib() -> float | None:
-    """This node's available host memory over its processes (LOCAL_WORLD_SIZE, torchrun's), in
-    GiB; None where /proc/meminfo is not there to say (the check is then left out)."""
-    import os
-
-    try:  # the standard library has no portable "available memory" (psutil is not a dependency)
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
-    return round(kib / 2**20 / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))), 1)
+    gpu = {"name": props.name, "memory_gib": round(props.total_memory * fraction / 2**30, 2),
+           "capability": f"{props.major}.{props.minor}"}
+    machine = {"gpus": [gpu], "host_ram_gib": machine_probe.available_gib(),
+               "nproc_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+               "packages": {"flash_attn": importlib.util.find_spec("flash_attn") is not None}}
+    return machine_probe.for_plan(machine, world_size, "cuda")
 
 
 def seq_len(cfg: Config) -> int:

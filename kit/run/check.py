@@ -114,8 +114,9 @@ def check(cfg: Config, nproc_per_node: int = 2, nnodes: int = 1,
     inputs (kit.inputs.checks) before it plans; the machine's it learns as it starts."""
     inputs(cfg)
     from kit import doctor  # the pre-flight: pitfalls with this machine, GPUs, memory
+    from kit.budget import hardware
 
-    machine = doctor.detect_env(vars=env_vars, nproc_per_node=nproc_per_node)
+    machine = hardware.probe(vars=env_vars, nproc_per_node=nproc_per_node)
     machine["nnodes"] = nnodes
     gpu = bool(machine["gpus"]) and cfg.training.device != "cpu"
     facts = {**machine, "ranks": nproc_per_node * nnodes, "device": "cuda" if gpu else "cpu"}

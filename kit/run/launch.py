@@ -82,9 +82,10 @@ def preflight(cfg: Config, force: bool = False, nproc: int = 2, env: dict | None
     print the findings; raise PreflightFailed on an error-level one unless force.
     env: extra variables for the ranks."""
     from kit import doctor
+    from kit.budget import hardware
 
     variables = {**RUN_ENV, **{k: str(v) for k, v in (env or {}).items()}}
-    machine = doctor.detect_env(vars=variables, nproc_per_node=nproc)
+    machine = hardware.probe(vars=variables, nproc_per_node=nproc)
     findings = list(doctor.preflight(cfg, machine))
     errors = [f for f in findings if f.level == "error"]
     if errors and not force:

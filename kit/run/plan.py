@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus", type=int, help="GPUs (one process each); default: this machine's")
     parser.add_argument("--gpu-mem", type=float, help="GiB per GPU the run may use")
     parser.add_argument("--gpu", default="", help="the GPU's name, e.g. H100, H200, A100 (its "
-                        "bf16 peak gives the expected speed; H100/H200 also FP8)")
+                        "bf16 peak gives the expected speed; its compute capability, FP8: "
+                        "kit.budget.hardware.CAPABILITY)")
     parser.add_argument("--host-mem", type=float, help="GiB of host memory per GPU's process "
                         "for offloaded tensors (default: not checked, or this machine's)")
     parser.add_argument("--nproc", type=int, default=2, help="processes on a CPU (default 2)")
@@ -95,6 +96,7 @@ def _duration(seconds: float) -> str:
 
 
 def _hardware(args):
+    from kit.budget import hardware
     from kit.budget.plan import Hardware
 
     if args.gpus is None and args.gpu_mem is None:
@@ -110,8 +112,7 @@ def _hardware(args):
                           "both, a whole number of GPUs >= 1 and GiB per GPU > 0")
     if args.host_mem is not None and args.host_mem <= 0:
         raise ConfigError(f"--host-mem {args.host_mem}: not allowed; expected GiB > 0")
-    return Hardware("cuda", args.gpus, args.gpu_mem, args.gpu,
-                    fp8=any(k in args.gpu for k in ("H100", "H200", "B200", "L40", "4090")),
+    return Hardware("cuda", args.gpus, args.gpu_mem, args.gpu, hardware.fp8({"name": args.gpu}),
                     host_gib=args.host_mem)
 
 
