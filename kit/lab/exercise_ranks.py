@@ -4,6 +4,7 @@ kit/lab/exercises/ call these through kit.run.child, so a notebook's kernel impo
 
     child.call("kit.lab.exercise_ranks:collective", source=SOURCE, name="all_reduce_by_parts",
                lengths=[4, 8])    # [{"rank": 0, "length": 4, "output": [...], "error": ""}, ...]
+    child.call("kit.lab.exercise_ranks:wrap_step", source=SOURCE, name="wrap")  # notebook 04
 
 The ranks are forked from the child process (torch imported once, before the fork; no operation
 has run yet, so no thread pool is copied) and meet through a FileStore in a temporary folder. A
@@ -88,14 +89,87 @@ def collective(source: str, name: str, lengths: list[int], world: int = 2,
     length (rank r's t: inputs(r, length)); one row per rank and length: its input, what the
     function returned (flattened) or the first line of what it raised. A rank that has not
     answered `timeout_s` + 20 s after the start is killed; its row says so."""
+    return _on_ranks(_rank, (source, name, lengths, timeout_s), world, timeout_s)
+
+
+class Toy(torch.nn.Module):
+    """A decoder in miniature for notebook 04's wrap: embeddings, `layers` blocks (a linear layer
+    and an activation each, the units a wrap policy would pick) and a head."""
+
+    def __init__(self, layers: int = 4, width: int = 32, vocab: int = 64):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
+            for _ in range(layers))  # fmt: skip
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def _wrap_rank(rank: int, world: int, store_path: str, source: str, name: str, layers: int,
+               timeout_s: float, pipe) -> None:  # fmt: skip
+    """One training step of Toy, wrapped by the learner's `name(model, mesh)`, inside the
+    notebook's own instruments (kit.lab.sharding.Timeline and Collectives)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from kit.lab.sharding import Collectives, Timeline
+
+    row = {"rank": rank, "error": ""}
+    try:
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
+                                world_size=world, timeout=timedelta(seconds=timeout_s))  # fmt: skip
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(0)
+        model = Toy(layers)
+        fn = learner_function(source, name, {"fully_shard": fully_shard})
+        try:
+            wrapped = fn(model, mesh)
+        except Exception as e:  # the learner's mistake: a row, not a crash
+            row["error"] = first_line(e)
+            return
+        wrapped = model if wrapped is None else wrapped
+        row["sharded"] = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
+        ids = torch.arange(2 * 8).reshape(2, 8) % 64
+        timeline = Timeline(wrapped)
+        with Collectives() as counts, timeline:
+            loss = wrapped(ids).float().pow(2).mean()
+            timeline.mark("backward")
+            loss.backward()
+        row.update(units=timeline.units, timeline=timeline.segments(), collectives=counts)
+    except Exception as e:
+        row["error"] = first_line(e)
+    finally:
+        pipe.send([row])
+        pipe.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def wrap_step(source: str, name: str, layers: int = 4, world: int = 2,
+              timeout_s: float = 10.0) -> list[dict]:
+    """Toy(layers) wrapped by `name(model, mesh)` from `source` on every rank of a gloo group, one
+    forward and backward measured: per rank, the units, the timeline's segments, the collectives,
+    which parameters are sharded (DTensors), or the first line of the error."""
+    return _on_ranks(_wrap_rank, (source, name, layers, timeout_s), world, timeout_s)
+
+
+def _on_ranks(target, args: tuple, world: int, timeout_s: float) -> list[dict]:
+    """Fork `world` processes that run target(rank, world, store, *args, pipe); their rows."""
     ctx = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory() as tmp:
         store = str(Path(tmp) / "store")
         pipes, procs = [], []
         for rank in range(world):
             ours, theirs = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_rank, args=(rank, world, store, source, name, lengths,
-                                                   timeout_s, theirs), daemon=True)  # fmt: skip
+            proc = ctx.Process(target=target, args=(rank, world, store, *args, theirs),
+                               daemon=True)  # fmt: skip
             proc.start()
             theirs.close()
             pipes.append(ours)

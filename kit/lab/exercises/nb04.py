@@ -1,10 +1,16 @@
-"""Notebook 04's exercises: what one rank holds under FSDP2, how many gathers a step issues, and
-what loading costs before the first shard (answers computed with bitsandbytes and the kit's
-shapes and estimator: no torchrun)."""
+"""Notebook 04's exercises: what one rank holds under FSDP2 and how many gathers a step issues
+(answers computed with bitsandbytes and the kit's shapes: no torchrun). Hands-on: the learner's
+own wrap, `fully_shard` on the units they choose, run for one step on 2 gloo processes inside the
+notebook's instruments (kit.lab.sharding.Timeline, Collectives), and read back as the notebook's
+timeline tables read the report: a unit per decoder layer (04.3), and the layers kept gathered
+between forward and backward (04.4, stretch)."""
 
 from __future__ import annotations
 
-from kit.lab.exercises import Exercise, close_to, one_of
+from functools import cache
+
+from kit.lab.exercises import Exercise, one_of
+from kit.lab.exercises.checks import source_of
 
 
 def _lazy(make):
@@ -39,24 +45,122 @@ def fsdp2_all_gathers_8b() -> int:
     return (layers + 2) + layers
 
 
-def stream_load_gib_70b_on_4() -> float:
-    from kit.budget.estimate import Setup, estimate
+# ---- hands-on: your own wrap, one step on 2 gloo processes, its timeline read ----
 
-    return round(estimate("kit:llama-70b", Setup(world_size=4, loading="stream")).load_gib, 1)
+LAYERS = 4  # the decoder layers of the model the wrap is tried on (kit.lab.exercise_ranks.Toy)
 
 
-def check_stream_load(answer) -> str | None:
-    """04.3: right within 2%; the full-loading figure and the other rank counts get their hint."""
-    from kit.budget.estimate import Setup, estimate
+def wrap_per_layer(model, mesh):
+    """The kit's wrap (kit.recipe.engines.FSDP2): a unit per decoder layer, then the root, which
+    takes whatever is left (the embeddings and the head)."""
+    from torch.distributed.fsdp import fully_shard
 
-    hint = close_to(stream_load_gib_70b_on_4(), rel=0.02)(answer)
-    if hint is None or not isinstance(answer, (int, float)):
-        return hint
-    full = estimate("kit:llama-70b", Setup(world_size=4, loading="full")).load_gib
-    if abs(answer - full) <= 0.02 * full:
-        return "that is loading=full: every rank holds the whole 4-bit model before it shards"
-    return ("not this number: run the estimator of section 11 with world_size=4 and "
-            "loading='stream', and read its load_gib (the table shows 2 and 8 ranks)")
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def wrap_kept_gathered(model, mesh):
+    """FSDP1's SHARD_GRAD_OP in FSDP2 terms: each layer stays gathered from its forward to its
+    backward, so backward gathers nothing again."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    return fully_shard(model, mesh=mesh)
+
+
+def _one_unit(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(model, mesh=mesh)
+
+
+def _no_root(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    return model
+
+
+def _every_other_layer(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers[::2]:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+@cache
+def _step(source: str, name: str) -> dict:
+    """Rank 0's row of one step under the learner's wrap (kit.lab.exercise_ranks.wrap_step, in a
+    child process: the notebook's kernel joins no process group), with what the notebook's
+    tables read from a timeline. Cached by source."""
+    from kit.run import child
+
+    rows = child.call("kit.lab.exercise_ranks:wrap_step", source=source, name=name,
+                      layers=LAYERS, timeout=180, env={"CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
+    failed = next((r for r in rows if r["error"]), None)
+    if failed:
+        return {"error": f"rank {failed['rank']} raised {failed['error']}"}
+    row = min(rows, key=lambda r: r["rank"])
+    tl = row["timeline"]
+    units, backward, ops = tl["units"], tl["marks"]["backward"], tl["ops"]
+
+    def held(i, t):
+        return any(a <= t < b for a, b in tl["gathered"][i])
+
+    layer_units = [i for i, u in enumerate(units) if u.startswith("layers.")]
+    at_once = {name: max((sum(held(i, t) for i in layer_units) for t in range(lo, hi)), default=0)
+               for name, lo, hi in (("forward", 0, backward), ("backward", backward, ops))}
+    whole = sum(all(held(i, t) for i in range(len(units))) for t in range(ops)) / max(ops, 1)
+    return {"error": "", "units": units, "layer units": [units[i] for i in layer_units],
+            "all-gathers": row["collectives"].get("allgather_base", {}).get("calls", 0),
+            "layers at once, forward": at_once["forward"],
+            "layers at once, backward": at_once["backward"],
+            "whole model gathered": f"{whole:.0%} of the step",
+            "not sharded": [n for n, s in row["sharded"].items() if not s]}  # fmt: skip
+
+
+def measured(wrap) -> dict:
+    """What one step under `wrap(model, mesh)` measured on 2 gloo processes: its units, the
+    all-gathers it issued, the most decoder layers held gathered at once in forward and in
+    backward, how much of the step the whole model was gathered, the parameters left unsharded."""
+    return _step(source_of(wrap), wrap.__name__)
+
+
+def _wrap_hint(wrap, kept: bool) -> str | None:
+    if not callable(wrap):
+        return "give the function itself (no parentheses)"
+    m = measured(wrap)
+    if m["error"]:
+        return (f"{m['error']}. The function gets the model and the mesh: call "
+                "fully_shard(module, mesh=mesh) on each unit, the decoder layers first")
+    layers = [f"layers.{i}" for i in range(LAYERS)]
+    if m["not sharded"]:
+        return (f"{', '.join(m['not sharded'])} stayed whole on every rank: no unit holds them. "
+                "End with fully_shard(model, mesh=mesh), the root, which takes what the layer "
+                "units left")
+    if not m["layer units"]:
+        return (f"one unit for the whole model: all {LAYERS} layers were gathered at once in "
+                f"forward ({m['whole model gathered']} with the whole model gathered), as "
+                "section 10's one unit: give each decoder layer (model.layers[i]) a unit first")
+    missing = [u for u in layers if u not in m["layer units"]]
+    if missing:
+        return (f"{', '.join(missing)} has no unit of its own: its weights are gathered with "
+                "the root's, for the whole step")
+    forward = m["layers at once, forward"]
+    if not kept and forward > 1:
+        return (f"{forward} layers were held gathered at once in forward: each stayed gathered "
+                "after its forward (reshard_after_forward=False, the stretch's setting); the "
+                "kit's wrap frees each layer as soon as its forward is done")
+    if kept and forward < LAYERS:
+        return (f"{forward} layer(s) held at once in forward, {m['all-gathers']} all-gathers: "
+                "each layer was freed after its forward and gathered again in backward. "
+                "fully_shard(..., reshard_after_forward=False) keeps a unit gathered until its "
+                "backward")
+    return None
 
 
 EXERCISES = [
@@ -88,11 +192,25 @@ EXERCISES = [
     ),
     Exercise(
         key="04.3",
-        question=("With model.loading=stream, how many GiB per GPU does the estimator put on each "
-                  "of 4 ranks while loading the 70B shape? Section 11's cell computes it for 2 and "
-                  "8 ranks; one decimal."),
-        check=check_stream_load,
-        solution=stream_load_gib_70b_on_4,
-        wrong=(34.6, 17.6, 4.8),
+        question=("Hands-on, quick: write wrap_per_layer(model, mesh), FSDP2 the kit's way: a unit for each "
+                  "decoder layer (model.layers[i]), then the root, each with "
+                  "fully_shard(module, mesh=mesh). The check runs one step of a 4-layer model "
+                  "under your wrap on 2 gloo processes and reads its timeline: every parameter "
+                  "sharded, a unit per layer, one layer gathered at a time in forward."),
+        check=lambda fn: _wrap_hint(fn, kept=False),
+        solution=lambda: wrap_per_layer,
+        wrong=(_one_unit, _no_root, wrap_kept_gathered),
+        hands_on=True,
+    ),
+    Exercise(
+        key="04.4",
+        question=("Hands-on, stretch: write wrap_kept_gathered(model, mesh), the same units with every "
+                  "decoder layer kept gathered from its forward to its backward (FSDP1's "
+                  "SHARD_GRAD_OP; section 8's table). Predict the all-gathers and the layers held "
+                  "at once, then compare with measured(wrap_kept_gathered)."),
+        check=lambda fn: _wrap_hint(fn, kept=True),
+        solution=lambda: wrap_kept_gathered,
+        wrong=(wrap_per_layer, _one_unit),
+        hands_on=True,
     ),
 ]
