@@ -449,22 +449,31 @@ def _set_override(tree: dict, item: str) -> None:
 RUN_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 
 
+def _need(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: {value!r} is not allowed; {allowed}")
+
+
 def _check(cfg: Config) -> None:
-    """Range and combination checks that types alone cannot express."""
+    """Range and combination checks that types alone cannot express, part by part (the first
+    value refused is the one named)."""
+    for part in (_check_names_and_counts, _check_recompute, _check_optimizer, _check_data,
+                 _check_tiles_and_offload, _check_model_and_lora):
+        part(cfg)
+    for _, violation in pitfalls.config_violations(cfg):  # FSDP1 and attention combinations
+        raise ConfigError(str(violation))
 
-    def need(ok: bool, name: str, value: Any, allowed: str) -> None:
-        if not ok:
-            raise ConfigError(f"{name}: {value!r} is not allowed; {allowed}")
 
-    t, d, lo, m, rc = cfg.training, cfg.data, cfg.lora, cfg.model, cfg.training.recompute
-    need(m.name.strip() != "", "model.name", m.name, "expected a hub id, a local path or kit:<name>")
+def _check_names_and_counts(cfg: Config) -> None:
+    t, rc, m = cfg.training, cfg.training.recompute, cfg.model
+    _need(m.name.strip() != "", "model.name", m.name, "expected a hub id, a local path or kit:<name>")
     # A name stays a name: launch/<run.name>/ must not climb out of launch/ (run.output_dir is the
     # key for a folder elsewhere).
-    need(re.fullmatch(RUN_NAME, cfg.run.name) is not None, "run.name", cfg.run.name,
-         "expected letters, digits, '.', '_' or '-', starting with a letter or digit (it names a "
-         "folder under launch/; run.output_dir=<path> writes elsewhere)")
+    _need(re.fullmatch(RUN_NAME, cfg.run.name) is not None, "run.name", cfg.run.name,
+          "expected letters, digits, '.', '_' or '-', starting with a letter or digit (it names a "
+          "folder under launch/; run.output_dir=<path> writes elsewhere)")
     # Every generator the run seeds takes seed + rank, and torch's take at most 2**64 - 1.
-    need(0 <= t.seed < 2**63, "training.seed", t.seed, "expected an integer from 0 to 2**63 - 1")
+    _need(0 <= t.seed < 2**63, "training.seed", t.seed, "expected an integer from 0 to 2**63 - 1")
     ranges = [  # (field, its value, smallest allowed)
         *((f"training.{n}", getattr(t, n), 1)
           for n in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every")),
@@ -477,73 +486,93 @@ def _check(cfg: Config) -> None:
         if value == AUTO:  # training.batch_size: the planner's (kit.budget.plan)
             continue
         unit = " (minutes)" if name == "run.dist_timeout_min" else ""
-        need(value >= low, name, value, f"expected an integer >= {low}{unit}")
-    need(0 < t.activation_memory_budget <= 1, "training.activation_memory_budget",
-         t.activation_memory_budget, "expected a number in (0, 1]")
-    need(t.compile is not False or t.activation_memory_budget == 1, "training.activation_memory_budget",
-         t.activation_memory_budget, "only 1.0 without training.compile=true (the budget steers "
-         "the compiler's recompute)")
-    need(rc.enabled or rc.keeps in ("inputs", AUTO), "training.recompute.keeps",
-         rc.keeps, "only 'inputs' with training.recompute.enabled=false")
-    need(rc.keeps in ("inputs", AUTO) or t.activation_memory_budget == 1,
-         "training.activation_memory_budget", t.activation_memory_budget,
-         f"only 1.0 with training.recompute.keeps={rc.keeps!r} (its policy decides "
-         "what is recomputed)")
-    need(rc.matmul_layers >= 0, "training.recompute.matmul_layers", rc.matmul_layers,
-         "expected an integer >= 0")
-    need(rc.matmul_layers == 0 or (rc.enabled and rc.keeps in
-                                           ("mlp_matmuls", "attention_matmuls", AUTO)),
-         "training.recompute.matmul_layers", rc.matmul_layers,
-         "only 0 unless training.recompute.keeps is mlp_matmuls or attention_matmuls (the "
-         "layers it names keep every matmul instead)")
-    need(not (lo.recompute and rc.enabled and rc.keeps not in ("inputs", AUTO)),
-         "lora.recompute", lo.recompute, "only false with training.recompute.keeps="
-         f"{rc.keeps!r} (its policy already recomputes the adapters' branch)")
+        _need(value >= low, name, value, f"expected an integer >= {low}{unit}")
+
+
+def _check_recompute(cfg: Config) -> None:
+    t, rc, lo = cfg.training, cfg.training.recompute, cfg.lora
+    _need(0 < t.activation_memory_budget <= 1, "training.activation_memory_budget",
+          t.activation_memory_budget, "expected a number in (0, 1]")
+    _need(t.compile is not False or t.activation_memory_budget == 1, "training.activation_memory_budget",
+          t.activation_memory_budget, "only 1.0 without training.compile=true (the budget steers "
+          "the compiler's recompute)")
+    _need(rc.enabled or rc.keeps in ("inputs", AUTO), "training.recompute.keeps",
+          rc.keeps, "only 'inputs' with training.recompute.enabled=false")
+    _need(rc.keeps in ("inputs", AUTO) or t.activation_memory_budget == 1,
+          "training.activation_memory_budget", t.activation_memory_budget,
+          f"only 1.0 with training.recompute.keeps={rc.keeps!r} (its policy decides "
+          "what is recomputed)")
+    _need(rc.matmul_layers >= 0, "training.recompute.matmul_layers", rc.matmul_layers,
+          "expected an integer >= 0")
+    _need(rc.matmul_layers == 0 or (rc.enabled and rc.keeps in
+                                            ("mlp_matmuls", "attention_matmuls", AUTO)),
+          "training.recompute.matmul_layers", rc.matmul_layers,
+          "only 0 unless training.recompute.keeps is mlp_matmuls or attention_matmuls (the "
+          "layers it names keep every matmul instead)")
+    _need(not (lo.recompute and rc.enabled and rc.keeps not in ("inputs", AUTO)),
+          "lora.recompute", lo.recompute, "only false with training.recompute.keeps="
+          f"{rc.keeps!r} (its policy already recomputes the adapters' branch)")
+
+
+def _check_optimizer(cfg: Config) -> None:
+    """Steps between evaluations and warm-up, the best checkpoint, the optimizer's numbers."""
+    t, c = cfg.training, cfg.checkpointing
     for name in ("warmup_steps", "eval_every"):
-        need(getattr(t, name) >= 0, f"training.{name}", getattr(t, name), "expected an integer >= 0")
-    c = cfg.checkpointing
-    need(not c.keep_best or (c.save_every > 0 and t.eval_every > 0 and c.save_every % t.eval_every
-                             == 0), "checkpointing.keep_best", c.keep_best, "only false unless "
-         "every checkpoint has a held-out loss: checkpointing.save_every > 0 a multiple of "
-         f"training.eval_every > 0 (they are {c.save_every} and {t.eval_every})")
-    need(t.lr > 0, "training.lr", t.lr, "expected a number > 0")
-    need(t.weight_decay >= 0, "training.weight_decay", t.weight_decay, "expected a number >= 0")
-    need(t.max_grad_norm >= 0, "training.max_grad_norm", t.max_grad_norm, "expected >= 0 (0: off)")
-    need(d.max_seq_len == AUTO or d.max_seq_len >= 2, "data.max_seq_len", d.max_seq_len, "expected an integer >= 2")
-    need(0 <= d.val_fraction < 1, "data.val_fraction", d.val_fraction, "expected 0 <= x < 1")
-    need(rc.mlp_tile_tokens == AUTO or rc.mlp_tile_tokens >= 0, "training.recompute.mlp_tile_tokens",
-         rc.mlp_tile_tokens, "expected an integer >= 0 (tokens per tile; 0: off) or auto")
-    need(rc.mlp_tile_tokens in (0, AUTO) or (t.compile is not True and rc.keeps in ("inputs", AUTO)),
-         "training.recompute.mlp_tile_tokens", rc.mlp_tile_tokens,
-         "only 0 with training.compile=true or a selective training.recompute.keeps (the tiles "
-         "run outside their graph and policy)")
-    need(rc.attention_tile_tokens == AUTO or rc.attention_tile_tokens >= 0,
-         "training.recompute.attention_tile_tokens", rc.attention_tile_tokens,
-         "expected an integer >= 0 (queries per tile; 0: off) or auto")
-    need(rc.attention_tile_tokens in (0, AUTO) or (t.compile is not True and rc.keeps in ("inputs", AUTO)
-                                          and lo.group_inputs is not True),
-         "training.recompute.attention_tile_tokens", rc.attention_tile_tokens,
-         "only 0 with training.compile=true, a selective training.recompute.keeps or "
-         "lora.group_inputs=true (the tiles run outside their graph, policy and groups)")
-    need(rc.lean_norms in (False, AUTO) or (t.compile is not True and rc.keeps in ("inputs", AUTO)),
-         "training.recompute.lean_norms", rc.lean_norms,
-         "only false with training.compile=true or a selective training.recompute.keeps (the "
-         "norms' own backward runs outside their graph and policy)")
-    need(not (t.offload_activations is True and t.compile is True), "training.offload_activations", True,
-         "only without training.compile (compiled layers keep their own saved tensors)")
-    need(m.loading != "stream" or cfg.sharding.engine != "ddp", "model.loading", m.loading,
-         "only with sharding.engine=fsdp2 or fsdp1 (it shards as it loads); with ddp: full "
-         "or rank0")
-    need(not cfg.quantization.fp8_matmul or cfg.quantization.method != "none",
-         "quantization.fp8_matmul", True, "only with quantization.method nf4 or fp4 (it runs the "
-         "4-bit layers' matmuls)")
-    need(lo.r >= 1, "lora.r", lo.r, "expected an integer >= 1")
-    need(lo.alpha >= 1, "lora.alpha", lo.alpha, "expected an integer >= 1")
-    need(0 <= lo.dropout < 1, "lora.dropout", lo.dropout, "expected 0 <= x < 1")
-    need(lo.target_modules not in ([], ""), "lora.target_modules", lo.target_modules,
-         'expected "all-linear" or a non-empty list of module names')
-    for _, violation in pitfalls.config_violations(cfg):  # FSDP1 and attention combinations
-        raise ConfigError(str(violation))
+        _need(getattr(t, name) >= 0, f"training.{name}", getattr(t, name), "expected an integer >= 0")
+    _need(not c.keep_best or (c.save_every > 0 and t.eval_every > 0 and c.save_every % t.eval_every
+                              == 0), "checkpointing.keep_best", c.keep_best, "only false unless "
+          "every checkpoint has a held-out loss: checkpointing.save_every > 0 a multiple of "
+          f"training.eval_every > 0 (they are {c.save_every} and {t.eval_every})")
+    _need(t.lr > 0, "training.lr", t.lr, "expected a number > 0")
+    _need(t.weight_decay >= 0, "training.weight_decay", t.weight_decay, "expected a number >= 0")
+    _need(t.max_grad_norm >= 0, "training.max_grad_norm", t.max_grad_norm, "expected >= 0 (0: off)")
+
+
+def _check_data(cfg: Config) -> None:
+    d = cfg.data
+    _need(d.max_seq_len == AUTO or d.max_seq_len >= 2, "data.max_seq_len", d.max_seq_len,
+          "expected an integer >= 2")
+    _need(0 <= d.val_fraction < 1, "data.val_fraction", d.val_fraction, "expected 0 <= x < 1")
+
+
+def _check_tiles_and_offload(cfg: Config) -> None:
+    """The long-sequence levers run outside a compiled graph and a selective recompute policy."""
+    t, rc, lo = cfg.training, cfg.training.recompute, cfg.lora
+    _need(rc.mlp_tile_tokens == AUTO or rc.mlp_tile_tokens >= 0, "training.recompute.mlp_tile_tokens",
+          rc.mlp_tile_tokens, "expected an integer >= 0 (tokens per tile; 0: off) or auto")
+    _need(rc.mlp_tile_tokens in (0, AUTO) or (t.compile is not True and rc.keeps in ("inputs", AUTO)),
+          "training.recompute.mlp_tile_tokens", rc.mlp_tile_tokens,
+          "only 0 with training.compile=true or a selective training.recompute.keeps (the tiles "
+          "run outside their graph and policy)")
+    _need(rc.attention_tile_tokens == AUTO or rc.attention_tile_tokens >= 0,
+          "training.recompute.attention_tile_tokens", rc.attention_tile_tokens,
+          "expected an integer >= 0 (queries per tile; 0: off) or auto")
+    _need(rc.attention_tile_tokens in (0, AUTO) or (t.compile is not True and rc.keeps in ("inputs", AUTO)
+                                            and lo.group_inputs is not True),
+          "training.recompute.attention_tile_tokens", rc.attention_tile_tokens,
+          "only 0 with training.compile=true, a selective training.recompute.keeps or "
+          "lora.group_inputs=true (the tiles run outside their graph, policy and groups)")
+    _need(rc.lean_norms in (False, AUTO) or (t.compile is not True and rc.keeps in ("inputs", AUTO)),
+          "training.recompute.lean_norms", rc.lean_norms,
+          "only false with training.compile=true or a selective training.recompute.keeps (the "
+          "norms' own backward runs outside their graph and policy)")
+    _need(not (t.offload_activations is True and t.compile is True), "training.offload_activations", True,
+          "only without training.compile (compiled layers keep their own saved tensors)")
+
+
+def _check_model_and_lora(cfg: Config) -> None:
+    m, lo = cfg.model, cfg.lora
+    _need(m.loading != "stream" or cfg.sharding.engine != "ddp", "model.loading", m.loading,
+          "only with sharding.engine=fsdp2 or fsdp1 (it shards as it loads); with ddp: full "
+          "or rank0")
+    _need(not cfg.quantization.fp8_matmul or cfg.quantization.method != "none",
+          "quantization.fp8_matmul", True, "only with quantization.method nf4 or fp4 (it runs the "
+          "4-bit layers' matmuls)")
+    _need(lo.r >= 1, "lora.r", lo.r, "expected an integer >= 1")
+    _need(lo.alpha >= 1, "lora.alpha", lo.alpha, "expected an integer >= 1")
+    _need(0 <= lo.dropout < 1, "lora.dropout", lo.dropout, "expected 0 <= x < 1")
+    _need(lo.target_modules not in ([], ""), "lora.target_modules", lo.target_modules,
+          'expected "all-linear" or a non-empty list of module names')
 
 
 class DuplicateKey(yaml.YAMLError):
