@@ -20,14 +20,14 @@ opt-in (they move the loss); the plan says what they would add.
 Longer than 400 lines because each constant of the step model carries the measurement it was
 fitted to, and each choice and note carries its reason and its record: what `kit plan` prints.
 The choices depend on one another in order (loss, groups, policy and batch, offload, tiles,
-compile), which one function reads best as.
+compile): `plan` calls one function for each step, in that order.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from kit.budget.estimate import Setup, estimate
 from kit.budget.shapes import SHARED_INPUT_GROUPS, Shape, flops_per_token, shape_of
@@ -171,6 +171,23 @@ class Planned:
         rows += self.notes
         return "\n".join(rows)
 
+    def to_json(self) -> dict:
+        """The whole plan as JSON, read back by `from_json`: what a start hands its ranks
+        (kit.folder.start: they train with it instead of planning again)."""
+        return {"config": self.cfg.to_dict(), "hardware": asdict(self.hardware),
+                "seq_len": self.seq_len, "choices": [asdict(c) for c in self.choices],
+                "predicted_gib": self.predicted_gib, "needed_gib": self.needed_gib,
+                "tokens_per_s": self.tokens_per_s, "notes": list(self.notes)}
+
+    @classmethod
+    def from_json(cls, found: dict) -> Planned:
+        from kit.config import config_from_dict
+
+        return cls(config_from_dict(found["config"]), Hardware(**found["hardware"]),
+                   found["seq_len"], [Choice(**c) for c in found["choices"]],
+                   found["predicted_gib"], found["needed_gib"], found["tokens_per_s"],
+                   list(found["notes"]))
+
     def as_dict(self) -> dict:
         return {"line": self.line(), "seq_len": self.seq_len, "predicted_gib": self.predicted_gib,
                 "needed_gib": self.needed_gib, "tokens_per_s": self.tokens_per_s,
@@ -241,17 +258,37 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
          facts: dict | None = None) -> Planned:
     """The config with every "auto" chosen (see the module's doc); `facts`: what the model allows
     (kit.inputs.sources.model_facts). Raises ConfigError in one line when nothing fits the GPUs'
-    memory, naming the smallest change that does."""
-    from kit.inputs import families
-    from kit.inputs.sources import fused_blocked
+    memory, naming the smallest change that does. The choices, in order: `_everywhere` (every
+    device), then on a GPU `_loss_and_groups`, `_fit` (policy and batch; offload, tiles) and
+    `_compile_keeps_batch`; `_predict` says the peak and the speed."""
     if model_config is None:  # its config.json where one is at hand (kit models, folders, cache)
         from kit.inputs.sources import model_config as config_of
 
         model_config = config_of(cfg.model.name)
-    out = copy.deepcopy(cfg)
-    t, rc = out.training, out.training.recompute
-    planned = Planned(out, hw, seq_len)
-    say = planned.choices.append
+    planned = Planned(copy.deepcopy(cfg), hw, seq_len)
+    _everywhere(planned, facts)
+    if not (hw.device == "cuda" and planned.cfg.training.plan == AUTO):
+        _plain_values(planned)
+        _fill_memory(planned, _shape(cfg, model_config))
+        return planned
+    shape = _shape(cfg, model_config)
+    if shape is None:
+        raise ConfigError(f"model.name: {cfg.model.name!r} has no config.json at hand to plan "
+                          "from; allowed: a local folder or a cached hub id, or training.plan=off")
+    tiles_auto = _loss_and_groups(planned, model_config, facts)
+    search = _Search(planned, cfg, shape, model_config, tiles_auto)
+    best = search.fit()
+    search.say_fit()
+    _compile_keeps_batch(planned, shape, best)
+    _predict(planned, shape)
+    return planned
+
+
+def _everywhere(planned: Planned, facts: dict | None) -> None:
+    """What is chosen on every device: the length, compile for a memory budget, attention (what
+    the model's class supports)."""
+    out, hw, say = planned.cfg, planned.hardware, planned.choices.append
+    t, seq_len = out.training, planned.seq_len
     if out.data.max_seq_len == AUTO:
         out.data.max_seq_len = seq_len
         say(Choice("data.max_seq_len", seq_len, "plan", "the data's longest row (kit.recipe.data)"))
@@ -261,30 +298,37 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
         t.compile = True
         say(Choice("training.compile", True, "plan", "training.activation_memory_budget < 1 "
                    "steers the compiler's recompute"))
-    by, why = "you", "set in the config"  # attention on every device: what the class supports
+    by, why = "you", "set in the config"
     if out.attention.implementation == AUTO:
+        from kit.inputs import families
+
         by, (out.attention.implementation, why) = "plan", families.pick_attention(
             facts, hw.device, out.model.dtype, hw.flash_attn)
     say(Choice("attention.implementation", out.attention.implementation, by, why))
-    gpu = hw.device == "cuda" and t.plan == AUTO
-    if not gpu:
-        why = "training.plan=off" if t.plan != AUTO else "a CPU: the recipe's plain value"
-        for name, value in PLAIN.items():
-            if any(c.field == name for c in planned.choices):
-                continue
-            if _get(out, name) == AUTO:
-                _set(out, name, value)
-                say(Choice(name, value, "plain", why))
-            else:
-                say(Choice(name, _get(out, name), "you", "set in the config"))
-        _fill_memory(planned, _shape(cfg, model_config))
-        return planned
 
-    shape = _shape(cfg, model_config)
-    if shape is None:
-        raise ConfigError(f"model.name: {cfg.model.name!r} has no config.json at hand to plan "
-                          "from; allowed: a local folder or a cached hub id, or training.plan=off")
-    # The loss, compile and groups first: they move memory little and speed much (measured).
+
+def _plain_values(planned: Planned) -> None:
+    """A CPU, or training.plan=off: every value left at auto takes the recipe's plain one."""
+    out, say = planned.cfg, planned.choices.append
+    why = "training.plan=off" if out.training.plan != AUTO else "a CPU: the recipe's plain value"
+    for name, value in PLAIN.items():
+        if any(c.field == name for c in planned.choices):
+            continue
+        if _get(out, name) == AUTO:
+            _set(out, name, value)
+            say(Choice(name, value, "plain", why))
+        else:
+            say(Choice(name, _get(out, name), "you", "set in the config"))
+
+
+def _loss_and_groups(planned: Planned, model_config: dict | None,
+                     facts: dict | None) -> list[str]:
+    """The loss and the adapters' groups first: they move memory little and speed much
+    (measured). The tiles left at auto start off (the last resort, `_Search`); returns them."""
+    from kit.inputs.sources import fused_blocked
+
+    out, say = planned.cfg, planned.choices.append
+    t, rc = out.training, out.training.recompute
     if t.loss == AUTO:
         blocked = fused_blocked(out, model_config, facts)
         t.loss = "chunked" if blocked else "fused"
@@ -292,83 +336,120 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
                    else "the head and the loss a chunk at a time: no logits of the batch"))
     else:
         say(Choice("training.loss", t.loss, "you", "set in the config"))
-    # The tiles: yours are kept; those left at auto start off, the last resort below.
-    tiles_auto = [f for f in TILE_FIELDS if _get(out, f) == AUTO]
+    tiles_auto = [f for f in TILE_FIELDS if _get(out, f) == AUTO]  # yours are kept
     for name in tiles_auto:
         _set(out, name, PLAIN[name])
-    if out.lora.group_inputs == AUTO:
-        family = (model_config or {}).get("model_type")
-        targets = out.lora.target_modules
-        whole = targets == "all-linear" or any(all(n in targets for n in g)
-                                               for g in SHARED_INPUT_GROUPS)
-        why = ("attention tiles run each projection on its own" if rc.attention_tile_tokens
-               else f"measured under {MEASURED_ENGINE} only" if out.sharding.engine != MEASURED_ENGINE
-               else f"measured for {', '.join(GROUPED_FAMILIES)} only" if family not in
-               GROUPED_FAMILIES else "no q/k/v or gate/up group among the targets" if not whole
-               else None)
-        out.lora.group_inputs = why is None
-        say(Choice("lora.group_inputs", why is None, "plan", why or
-                   "q/k/v and gate/up drop their input once, one down-projection each group"))
-    else:
+    if out.lora.group_inputs != AUTO:
         say(Choice("lora.group_inputs", out.lora.group_inputs, "you", "set in the config"))
+        return tiles_auto
+    family = (model_config or {}).get("model_type")
+    targets = out.lora.target_modules
+    whole = targets == "all-linear" or any(all(n in targets for n in g)
+                                           for g in SHARED_INPUT_GROUPS)
+    why = ("attention tiles run each projection on its own" if rc.attention_tile_tokens
+           else f"measured under {MEASURED_ENGINE} only" if out.sharding.engine != MEASURED_ENGINE
+           else f"measured for {', '.join(GROUPED_FAMILIES)} only" if family not in
+           GROUPED_FAMILIES else "no q/k/v or gate/up group among the targets" if not whole
+           else None)
+    out.lora.group_inputs = why is None
+    say(Choice("lora.group_inputs", why is None, "plan", why or
+               "q/k/v and gate/up drop their input once, one down-projection each group"))
+    return tiles_auto
 
-    policies = ([rc.keeps] if rc.keeps != AUTO else
-                ["inputs"] if (not rc.enabled or rc.mlp_tile_tokens or rc.attention_tile_tokens
-                               or rc.lean_norms
-                               or out.lora.recompute
-                               or t.activation_memory_budget < 1) else
-                list(LEAN) if rc.matmul_layers else list(POLICIES))
-    batches = [t.batch_size] if t.batch_size != AUTO else list(range(1, MAX_BATCH + 1))
-    # In GPU memory first; activations offloaded to host memory only when nothing fits so.
-    offload, chose_offload = t.offload_activations, t.offload_activations == AUTO
-    best = None
-    if offload is not True:
-        t.offload_activations = False
-        best = _search(out, hw, seq_len, shape, policies, batches)
-    # Past GPU memory (offloaded inputs, tiles) the adapters go ungrouped where the plan grouped
-    # them: every offloaded and tiled run was measured so (their saving under whole-layer
-    # recompute was never measured, and the estimate counted grouped MLP tiles at 98,304 tokens
-    # into 24 GiB, where ungrouped ones measured out of memory).
-    def ungroup():
-        if out.lora.group_inputs and cfg.lora.group_inputs == AUTO:
+
+class _Search:
+    """The recompute policy and the batch that fit, fastest first: in GPU memory; else with the
+    layers' inputs offloaded to host memory; else a tile at a time (`_tile_stages`)."""
+
+    def __init__(self, planned: Planned, given: Config, shape: Shape, model_config: dict | None,
+                 tiles_auto: list[str]):
+        self.planned, self.given, self.shape = planned, given, shape
+        self.model_config, self.tiles_auto = model_config, tiles_auto
+        out = planned.cfg
+        t, rc = out.training, out.training.recompute
+        self.policies = ([rc.keeps] if rc.keeps != AUTO else
+                         ["inputs"] if (not rc.enabled or rc.mlp_tile_tokens
+                                        or rc.attention_tile_tokens or rc.lean_norms
+                                        or out.lora.recompute
+                                        or t.activation_memory_budget < 1) else
+                         list(LEAN) if rc.matmul_layers else list(POLICIES))
+        self.batches = [t.batch_size] if t.batch_size != AUTO else list(range(1, MAX_BATCH + 1))
+        self.offload = t.offload_activations  # as given: True, False or auto
+        self.tiled, self.blocked = False, {}
+
+    def _search(self, policies):
+        p = self.planned
+        return _search(p.cfg, p.hardware, p.seq_len, self.shape, policies, self.batches)
+
+    def _ungroup(self) -> None:
+        """Past GPU memory (offloaded inputs, tiles) the adapters go ungrouped where the plan
+        grouped them: every offloaded and tiled run was measured so (their saving under
+        whole-layer recompute was never measured, and the estimate counted grouped MLP tiles at
+        98,304 tokens into 24 GiB, where ungrouped ones measured out of memory)."""
+        out, choices = self.planned.cfg, self.planned.choices
+        if out.lora.group_inputs and self.given.lora.group_inputs == AUTO:
             out.lora.group_inputs = False
-            planned.choices[:] = [c for c in planned.choices if c.field != "lora.group_inputs"]
-            say(Choice("lora.group_inputs", False, "plan", "measured ungrouped past GPU memory "
-                       "(offloaded inputs, tiles)"))
+            choices[:] = [c for c in choices if c.field != "lora.group_inputs"]
+            choices.append(Choice("lora.group_inputs", False, "plan", "measured ungrouped past "
+                                  "GPU memory (offloaded inputs, tiles)"))
 
-    # Offloaded, only whole layers' inputs: what layers keep without recompute would fill host
-    # memory (the estimate counts it, the plan does not choose it).
-    if (best is None and offload is not False and t.compile is not True and rc.enabled
-            and "inputs" in policies):
-        ungroup()
-        t.offload_activations = True
-        best = _search(out, hw, seq_len, shape, ["inputs"], batches)
-    stages, blocked = _tile_stages(out, model_config, shape, seq_len, tiles_auto, policies,
-                                   cfg.lora.group_inputs is True)
-    tiled = False
-    for stage in stages if best is None else []:
-        ungroup()
-        for name, value in stage.items():
-            _set(out, name, value)
-        t.offload_activations = offload if offload != AUTO else rc.enabled
-        best, tiled = _search(out, hw, seq_len, shape, ["inputs"], batches), True
-        if best is not None:
-            break
-    if best is None:  # after tiles, the refusal counts with them (a shorter length it names
-        # is planned with them too); before, as you set it
-        t.offload_activations = offload if offload != AUTO else tiled and t.offload_activations
-        raise ConfigError(_refusal(out, hw, seq_len, shape, policies, batches))
-    say(Choice("training.offload_activations", t.offload_activations,
-               "plan" if chose_offload else "you", "set in the config" if not chose_offload else
-               "nothing fits in GPU memory otherwise" if t.offload_activations else
-               "what the layers keep fits in GPU memory"))
-    for name in TILE_FIELDS:
-        value = _get(out, name)
-        say(Choice(name, value, "you", "set in the config") if name not in tiles_auto else
-            Choice(name, value, "plan", f"nothing fits otherwise ({TILE_TOKENS:,}-token tiles, "
-                   "measured on one H100: 2026-11-27-lean-norms-context-24gib-8b-1xh100)" if value else
-                   blocked.get(name) if tiled and name in blocked else
-                   "the rows fit without" if not tiled else "the MLP's tiles were enough"))
+    def fit(self):
+        """((keeps, batch), needed GiB) of the fastest that fits, or ConfigError (one line)."""
+        p, offload = self.planned, self.offload
+        t, rc = p.cfg.training, p.cfg.training.recompute
+        best = None
+        if offload is not True:  # in GPU memory first
+            t.offload_activations = False
+            best = self._search(self.policies)
+        # Offloaded, only whole layers' inputs: what layers keep without recompute would fill
+        # host memory (the estimate counts it, the plan does not choose it).
+        if (best is None and offload is not False and t.compile is not True and rc.enabled
+                and "inputs" in self.policies):
+            self._ungroup()
+            t.offload_activations = True
+            best = self._search(["inputs"])
+        stages, self.blocked = _tile_stages(p.cfg, self.model_config, self.shape, p.seq_len,
+                                            self.tiles_auto, self.policies,
+                                            self.given.lora.group_inputs is True)
+        for stage in stages if best is None else []:
+            self._ungroup()
+            for name, value in stage.items():
+                _set(p.cfg, name, value)
+            t.offload_activations = offload if offload != AUTO else rc.enabled
+            best, self.tiled = self._search(["inputs"]), True
+            if best is not None:
+                break
+        if best is None:  # after tiles, the refusal counts with them (a shorter length it names
+            # is planned with them too); before, as you set it
+            t.offload_activations = (offload if offload != AUTO
+                                     else self.tiled and t.offload_activations)
+            raise ConfigError(_refusal(p.cfg, p.hardware, p.seq_len, self.shape, self.policies,
+                                       self.batches))
+        return best
+
+    def say_fit(self) -> None:
+        """The choices `fit` made: offloaded activations, the tiles."""
+        out, say = self.planned.cfg, self.planned.choices.append
+        chose = self.offload == AUTO
+        value = out.training.offload_activations
+        say(Choice("training.offload_activations", value, "plan" if chose else "you",
+                   "set in the config" if not chose else "nothing fits in GPU memory otherwise"
+                   if value else "what the layers keep fits in GPU memory"))
+        for name in TILE_FIELDS:
+            value = _get(out, name)
+            say(Choice(name, value, "you", "set in the config") if name not in self.tiles_auto
+                else Choice(name, value, "plan", f"nothing fits otherwise ({TILE_TOKENS:,}-token "
+                            "tiles, measured on one H100: "
+                            "2026-11-27-lean-norms-context-24gib-8b-1xh100)" if value else
+                            self.blocked.get(name) if self.tiled and name in self.blocked else
+                            "the rows fit without" if not self.tiled
+                            else "the MLP's tiles were enough"))
+
+
+def _compile_keeps_batch(planned: Planned, shape: Shape, best) -> None:
+    """Compiled layers where nothing runs outside a compiled graph; the policy and batch found."""
+    out, hw, say = planned.cfg, planned.hardware, planned.choices.append
+    t, rc = out.training, out.training.recompute
     if t.compile == AUTO:
         outside = ("training.offload_activations" if t.offload_activations else
                    "training.recompute.mlp_tile_tokens" if rc.mlp_tile_tokens else
@@ -392,9 +473,16 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
     t.batch_size = batch
     say(Choice("training.batch_size", batch, by_batch, "set in the config" if by_batch == "you"
                else f"the fastest that fits {hw.memory_gib:g} GiB"))
+
+
+def _predict(planned: Planned, shape: Shape) -> None:
+    """The estimate's peak, the step model's speed, and what the plan left for you to choose."""
+    out, hw, seq_len = planned.cfg, planned.hardware, planned.seq_len
+    rc = out.training.recompute
     _fill_memory(planned, shape)
-    planned.tokens_per_s = (speed(shape, seq_len, batch, rc.keeps if rc.enabled else None, hw,
-                                  rc.matmul_layers, 0 < rc.attention_tile_tokens < seq_len)
+    planned.tokens_per_s = (speed(shape, seq_len, out.training.batch_size,
+                                  rc.keeps if rc.enabled else None, hw, rc.matmul_layers,
+                                  0 < rc.attention_tile_tokens < seq_len)
                             if hw.peak_flops and not shape.experts else None)
     if shape.experts and hw.peak_flops:  # the step model counts matmuls, not the host's share
         planned.notes.append(
@@ -408,7 +496,6 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
             "not chosen: quantization.fp8_matmul=true (this GPU has FP8 tensor cores; measured "
             "+15-19% tokens/s on one H100, benchmarks/records/2026-11-24-grouped-adapters-8b-1xh100; it changes "
             "the numerics, so it stays yours to choose)")
-    return planned
 
 
 def _tile_stages(cfg: Config, model_config: dict | None, shape: Shape, seq_len: int,
