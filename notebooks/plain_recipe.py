@@ -84,7 +84,7 @@ while step < args.steps:
         dist.all_reduce(mean := loss.detach().double())
         step += 1
         if rank == 0:
-            print(f"step {step} loss {mean.item() / world:.6f}", flush=True)
+            print(f"step {step} loss {mean.item() / world:.8f}", flush=True)
         if step == args.steps:
             break
 dist.destroy_process_group()

@@ -142,12 +142,23 @@ def run_kit(rows: str | Path, steps: int = 6, nproc: int = 2, device: str = "cpu
     return [r["loss"] for r in run.metrics() if r["split"] == "train"]
 
 
-def table(plain: list[float], kit: list[float]) -> str:
+class MarkdownText(str):
+    """Markdown that a notebook renders (a table) and that stays readable as plain text where no
+    frontend does (an executed copy read as text, a terminal)."""
+
+    def _repr_markdown_(self) -> str:
+        return str(self)
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def table(plain: list[float], kit: list[float]) -> MarkdownText:
     """A Markdown table: step, the page's loss, the kit's, their relative difference."""
     lines = ["| step | plain_recipe.py | kit.train | relative difference |", "|---:|---:|---:|---:|"]
     for step, (a, b) in enumerate(zip(plain, kit, strict=True), 1):
-        lines.append(f"| {step} | {a:.6f} | {b:.6f} | {abs(a - b) / abs(b):.1e} |")
-    return "\n".join(lines)
+        lines.append(f"| {step} | {a:.8f} | {b:.8f} | {abs(a - b) / abs(b):.1e} |")
+    return MarkdownText("\n".join(lines))
 
 
 def plot(plain: list[float], kit: list[float]):
@@ -159,9 +170,11 @@ def plot(plain: list[float], kit: list[float]):
     for ax, (name, losses, color), (_, other, other_color) in zip(axes, runs, runs[::-1],
                                                                   strict=True):
         steps = range(1, len(losses) + 1)
-        ax.plot(range(1, len(other) + 1), other, color=other_color, lw=6, alpha=0.25)
-        ax.plot(steps, losses, "o-", color=color)
+        ax.plot(range(1, len(other) + 1), other, color=other_color, lw=6, alpha=0.25,
+                label="the other run")
+        ax.plot(steps, losses, "o-", color=color, label=name.split(" ")[0])
         ax.set(title=name, xlabel="step", xticks=list(steps))
+        ax.legend(frameon=False)
     axes[0].set_ylabel("training loss (mean over ranks)")
     fig.tight_layout()
     return axes
@@ -252,7 +265,7 @@ def defined(target: str) -> bool:
     return True
 
 
-def additions() -> str:
+def additions() -> MarkdownText:
     """ADDITIONS as a Markdown table; a function that moved or was renamed raises."""
     missing = [t for *_, targets, _ in ADDITIONS for t in targets if not defined(t)]
     if missing:
@@ -262,7 +275,7 @@ def additions() -> str:
     for page, kit, targets, notebooks in ADDITIONS:
         names = ", ".join(f"`{t.replace(':', '.')}`" for t in targets)
         lines.append(f"| {page} | {kit} | {names} | {notebooks} |")
-    return "\n".join(lines)
+    return MarkdownText("\n".join(lines))
 
 
 def summary(plain: list[float], kit: list[float]) -> str:
