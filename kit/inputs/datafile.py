@@ -6,9 +6,12 @@ and not a row that silently trains on the text "None".
     check_file(cfg.data)                      # the pre-flight and the check step: raises or not
     rows = read_rows(resolve_path(cfg.data.path))
     check_rows(cfg.data.path, rows, cfg.data)
+    with read_once():                         # a start, a rank's setup: each file read once
 
 Imports no torch (nor `datasets` at import time): the notebook kernel and the launcher import it
 before any process starts; kit.recipe.data (the rank side) tokenizes what it returns.
+Longer than 400 lines because every refusal names the file, the row and what is allowed, and the
+one read per process (read_once) stays beside the readers it stands in for.
 """
 
 from __future__ import annotations
@@ -258,8 +261,7 @@ def texts_column(rows: list[dict], cfg: DataConfig, name: str,
 
 def check_rows(name: str, rows: list[dict], cfg: DataConfig, field: str = "data.path") -> None:
     """Every row holds a text (a string) or chat messages (a non-empty list of {role, content});
-    otherwise one line naming the first bad row (and the numbers of the others): a .jsonl file's
-    rows are numbered by line, the others' by record (from 1, a CSV's header not counted)."""
+    otherwise one line naming the first bad row and the numbers of the others (refuse_rows)."""
     where = f"{field}: {name!r}"
     if not rows:
         raise ConfigError(f"{where} holds no rows")
@@ -278,12 +280,10 @@ def check_rows(name: str, rows: list[dict], cfg: DataConfig, field: str = "data.
 def refuse_rows(name: str, field: str, column: str, bad: list[tuple[int, str]],
                 allowed: str) -> None:
     """Raise one line naming the first bad row (index i, its problem) and the numbers of the
-    others: a .jsonl file's rows are numbered by line, the others' by record (from 1, a CSV's
-    header not counted). Nothing bad: nothing raised."""
+    others: a .jsonl file's rows are numbered by line (blank lines count: datasets skips them),
+    the others' by record (from 1, a CSV's header not counted). Nothing bad: nothing raised."""
     if not bad:
         return
-    # Row numbers: a .jsonl file's line numbers (datasets skips blank lines, they count here),
-    # else the record's place in the file, from 1.
     if str(name).endswith(".jsonl") or name in BUNDLED:
         path = resolve_path(name, field)
         text = read_text(path, f"{field}: {name!r}")
@@ -374,17 +374,33 @@ def split_sizes(rows: int, val_fraction: float) -> tuple[int, int]:
     return rows - held, held
 
 
+_ONCE: list[dict] = []  # read_once's scopes (the innermost last): rows by the file's path
+
+
+@contextlib.contextmanager
+def read_once(stdlib: bool = False):
+    """Within it each file is read once in this process, by one reader (stdlib: as the check
+    step reads, else as the ranks do), however many steps check, plan or split its rows."""
+    _ONCE.append({"stdlib": stdlib})
+    try:
+        yield
+    finally:
+        _ONCE.pop()
+
+
 def read_checked(path: str, cfg: DataConfig, field: str = "data.path",
                  stdlib: bool = False) -> list[dict]:
     """The rows of data.path (or data.val_path: `field`), every one checked. stdlib: read
     json/jsonl/csv with the standard library (the check step: no second of importing datasets
-    before every start; the ranks read with datasets)."""
-    resolved = resolve_path(path, field)
+    before every start; the ranks read with datasets); within `read_once`, as it says."""
+    resolved, held = resolve_path(path, field), _ONCE[-1] if _ONCE else {}
     try:
-        if stdlib and resolved.suffix != ".parquet":
-            rows = read_rows_stdlib(resolved, field, path)
+        if resolved in held:
+            rows = held[resolved]
+        elif held.get("stdlib", stdlib) and resolved.suffix != ".parquet":
+            rows = held[resolved] = read_rows_stdlib(resolved, field, path)
         else:
-            rows = read_rows(resolved, field, path)
+            rows = held[resolved] = read_rows(resolved, field, path)
     except Unreadable as e:
         if e.rows:
             check_rows(path, e.rows, cfg, field)  # names the bad row, when a row is bad
