@@ -1,6 +1,7 @@
-"""The course's start page (notebooks/README.md) against the notebooks it maps: every stage
-notebook on the map and nothing else, and every GPU-route parameter one its notebook declares
-(and the one the maintainers' GPU script injects)."""
+"""The course's start page (notebooks/00-start-here.ipynb, markdown only) against the notebooks it
+maps: every stage notebook on the map and nothing else, its study minutes those the notebooks'
+text gives, a core path of about two hours, links that lead somewhere, and every GPU-route
+parameter one its notebook declares (and the one the maintainers' GPU script injects)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ from conftest import ROOT
 
 from kit.run import tour
 
-START = ROOT / "notebooks" / "README.md"
+START = ROOT / "notebooks" / tour.START
+
+
+def start_text() -> str:
+    """The start page's markdown, its cells one after the other."""
+    return "\n\n".join(c.source for c in tour._read(START).cells)
 
 
 def section(text: str, heading: str) -> str:
@@ -54,11 +60,11 @@ def problems(text: str, notebooks: list[Path]) -> list[str]:
 
 
 def test_start_page_maps_every_notebook_and_their_gpu_parameters():
-    assert problems(START.read_text(), tour.notebooks()) == []
+    assert problems(start_text(), tour.notebooks()) == []
 
 
 def test_the_check_finds_a_missing_notebook_a_ghost_and_a_wrong_parameter():
-    text, books = START.read_text(), tour.notebooks()
+    text, books = start_text(), tour.notebooks()
     without = "\n".join(line for line in text.splitlines()
                         if "(03-lora-adapters.ipynb)" not in line)
     assert problems(without, books) == ["the map misses 03-lora-adapters"]
@@ -87,7 +93,7 @@ def gpu_script() -> dict[str, list[str]]:
 
 def test_the_gpu_script_sets_what_the_start_page_documents():
     """The maintainers' GPU runs and the page's GPU route name the same parameters."""
-    script = START.read_text()
+    script = start_text()
     documented, ran = gpu_parameters(script), gpu_script()
     assert ran, "no notebook found in benchmarks/tools/gpu_notebooks.sh"
     for stem, names in ran.items():
@@ -112,13 +118,48 @@ def test_parameters_cell_comments_the_gpu_route(path):
             last += 1  # a comment line continuing this assignment's
         if any("GPU route" in line for line in lines[node.lineno - 1:last]):
             commented.add(node.targets[0].id)
-    names = gpu_parameters(START.read_text())[path.stem]
+    names = gpu_parameters(start_text())[path.stem]
     assert set(names) <= commented, set(names) - commented
 
 
 def test_the_repo_readme_starts_with_the_start_page():
     head = (ROOT / "README.md").read_text().splitlines()[:6]
-    assert any("Start here: notebooks/README.md" in line for line in head), head
+    assert any("Start here: notebooks/00-start-here.ipynb" in line for line in head), head
+    folder = (ROOT / "notebooks" / "README.md").read_text()  # what GitHub shows in notebooks/
+    assert "(00-start-here.ipynb)" in folder and len(folder.splitlines()) <= 15
+
+
+def test_the_start_page_is_markdown_only_and_its_links_lead_somewhere():
+    """It opens rendered in JupyterLab and runs nothing (the tour leaves it out); every relative
+    link names a file of the repository."""
+    cells = tour._read(START).cells
+    assert cells and all(c.cell_type == "markdown" for c in cells)
+    assert START not in tour.notebooks()
+    links = re.findall(r"\]\(([^)#\s]+)\)", start_text())
+    assert links and all((START.parent / link).exists() for link in links if "://" not in link), \
+        [link for link in links if not (START.parent / link).exists()]
+
+
+def study_column(text: str) -> dict[str, int]:
+    """Notebook -> the study minutes its row on the map states."""
+    rows = re.findall(r"^\| (★?) \| \[`(\d\d[a-z]?-[\w-]+)`\]\([^)]+\) \| (\d+) \|",
+                      section(text, "The map"), re.M)
+    return {stem: int(minutes) for _, stem, minutes in rows}
+
+
+def test_study_minutes_are_the_notebooks_estimate_and_the_core_path_about_two_hours():
+    """The map's study minutes stay near kit.run.tour.study_minutes of each notebook as it is
+    (within 5 minutes or a quarter): a notebook that grows or shrinks moves its row. The core
+    path (★) is about two hours, as its heading says."""
+    text = start_text()
+    stated = study_column(text)
+    off = {p.stem: (stated.get(p.stem), tour.study_minutes(p)) for p in tour.notebooks()
+           if p.stem not in stated
+           or abs(stated[p.stem] - tour.study_minutes(p)) > max(5, tour.study_minutes(p) / 4)}
+    assert off == {}, f"(stated, estimated) minutes: {off}"
+    core = re.findall(r"^\| ★ \| \[`(\d\d[a-z]?-[\w-]+)`\]", section(text, "The map"), re.M)
+    assert 90 <= sum(stated[s] for s in core) <= 150, core
+    assert "about 2 hours" in section(text, "The core path: about 2 hours")
 
 
 SECTION_REF = re.compile(r"(?:[Nn]otebook (\d\d)[,']?s?\s+)?\b[Ss]ection (\d+)\b")

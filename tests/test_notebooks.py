@@ -20,8 +20,9 @@ ALL = tour.notebooks()
 # The stage notebooks whose checked cells (# NBVAL_CHECK_OUTPUT, tagged keep_output) are compared
 # with a fresh run of their defaults. 07, 08, 10 and 11 run in their modules' tests
 # (test_launch, test_checkpoint, test_jobs, test_doctor); 05a's two torchrun launches and its
-# checked cell are test_plain_recipe's (CI time: not the same two runs twice).
-ELSEWHERE = {"05a-plain-recipe"}
+# checked cell are test_plain_recipe's (CI time: not the same two runs twice); 00a's fine-tune is
+# test_whole_game's.
+ELSEWHERE = {"00a-whole-game", "05a-plain-recipe"}
 STAGES = ["00b-primer-ranks-and-collectives", "00c-setup-and-hardware", "01-memory-budget",
           "02-quantize-nf4", "03-lora-adapters", "04-fsdp-sharding", "05-order-of-operations",
           "06-attention-and-checkpointing", "09-benchmarks"]  # fmt: skip

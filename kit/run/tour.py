@@ -37,6 +37,22 @@ def _read(path: Path):
     return nbformat.read(str(path), as_version=4)
 
 
+# The start page's study minutes: reading at 200 words a minute, half a minute to run and read
+# each code cell, 3 minutes an exercise (a check cell). An estimate, stated on the start page.
+WORDS_PER_MIN, MIN_PER_CELL, MIN_PER_EXERCISE = 200, 0.5, 3
+
+
+def study_minutes(path: Path) -> int:
+    """A learner's minutes for one notebook: its markdown words read, its code cells run and read,
+    its exercises done (WORDS_PER_MIN, MIN_PER_CELL, MIN_PER_EXERCISE), rounded to 5."""
+    cells = _read(path).cells
+    words = sum(len(c.source.split()) for c in cells if c.cell_type == "markdown")
+    code = [c.source for c in cells if c.cell_type == "code"]
+    checks = sum(s.count("exercises.check(") for s in code)
+    minutes = words / WORDS_PER_MIN + MIN_PER_CELL * len(code) + MIN_PER_EXERCISE * checks
+    return max(5, 5 * round(minutes / 5))
+
+
 def parameters_of(path: Path) -> dict:
     """The literals of the notebook's `parameters` cell; ValueError if it holds anything else."""
     cells = [c for c in _read(path).cells if "parameters" in c.metadata.get("tags", [])]
