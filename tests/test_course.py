@@ -162,7 +162,7 @@ def test_study_minutes_are_the_notebooks_estimate_and_the_core_path_about_two_ho
     assert "about 2 hours" in section(text, "The core path: about 2 hours")
 
 
-SECTION_REF = re.compile(r"(?:[Nn]otebook (\d\d)[,']?s?\s+)?\b[Ss]ection (\d+)\b")
+SECTION_REF = re.compile(r"(?:[Nn]otebook (\d\d[a-z]?)[,']?s?\s+)?\b[Ss]ection (\d+)\b")
 
 
 def dangling_sections(notebooks: list[Path]) -> list[str]:
@@ -170,8 +170,8 @@ def dangling_sections(notebooks: list[Path]) -> list[str]:
     has no heading "## N · ...": one line each."""
     import nbformat
 
-    cells = {p.stem[:2]: [c for c in nbformat.read(str(p), as_version=4).cells
-                          if c.cell_type == "markdown"] for p in notebooks}  # fmt: skip
+    cells = {p.stem.split("-")[0]: [c for c in nbformat.read(str(p), as_version=4).cells
+                                    if c.cell_type == "markdown"] for p in notebooks}  # fmt: skip
     headings = {nn: {m.group(1) for c in cs for m in re.finditer(r"^## (\d+) ·", c.source, re.M)}
                 for nn, cs in cells.items()}  # fmt: skip
     out = []
