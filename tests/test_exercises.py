@@ -14,7 +14,7 @@ import nbformat
 import pytest
 
 from kit.lab import exercises
-from kit.lab.exercises.checks import unwritten
+from kit.lab.exercises.checks import same_code, unwritten
 from kit.run import tour
 
 ALL = exercises.registry()
@@ -52,42 +52,53 @@ def test_every_notebook_has_a_hands_on_exercise_and_at_most_three_questions():
     assert all(1 <= hands_on <= 2 and questions <= 3 for hands_on, questions in counts.values()), counts
 
 
+def defined_by(before: str, key: str) -> dict:
+    """What the exercise cell defines, defined as IPython defines a cell (its source kept where
+    inspect finds it)."""
+    filename = f"<cell {key}>"
+    linecache.cache[filename] = (len(before), None, before.splitlines(True), filename)
+    scope = {}
+    exec(compile(before, filename, "exec"), scope)
+    return scope
+
+
 def test_each_exercise_cell_is_marked_for_the_learner():
-    """A question's cell holds `answer = ...`; a hands-on one the function to write, whose body is
-    still the placeholder, named as the check cell passes it (and as the solution names it)."""
+    """A question's cell holds `answer = ...`; a hands-on one the function to write (its body
+    still the placeholder) or to change (the code the exercise gives), named as the check cell
+    passes it and as the solution names it."""
     for p in tour.notebooks():
         for key, name, before in exercise_cells(p):
+            ex = ALL[key]
             assert f"# EXERCISE {key}" in before, (p.name, key)
-            if not ALL[key].hands_on or name == "answer":
+            if not ex.hands_on or name == "answer":
                 assert "answer = ..." in before, (p.name, key)
                 continue
             defined = [f.name for f in ast.parse(before).body if isinstance(f, ast.FunctionDef)]
-            assert name in defined and "NotImplementedError" in before, (p.name, key, defined)
-            right = ALL[key].solution()
+            assert name in defined, (p.name, key, defined)
+            fn = defined_by(before, key)[name]
+            assert unwritten(fn) or (ex.given is not None and same_code(fn, ex.given)), (p.name, key)
+            right = ex.solution()
             assert not callable(right) or right.__name__ == name, (p.name, key, right)
 
 
 def test_an_unwritten_hands_on_cell_asks_its_question(capsys):
-    """The hands-on cells as they stand in the notebooks: defined as IPython defines a cell (its
-    source where inspect finds it), checked, they say what is asked and run nothing."""
+    """The hands-on cells as they stand in the notebooks, checked, say what is asked and run
+    nothing."""
     for p in tour.notebooks():
         for key, name, before in exercise_cells(p):
             if not ALL[key].hands_on or name == "answer":
                 continue
-            filename = f"<cell {p.stem} {key}>"
-            linecache.cache[filename] = (len(before), None, before.splitlines(True), filename)
-            scope = {}
-            exec(compile(before, filename, "exec"), scope)
-            assert unwritten(scope[name]), (p.name, key)
-            exercises.check(key, scope[name])
+            exercises.check(key, defined_by(before, key)[name])
             assert capsys.readouterr().out.startswith(f"exercise {key}: not answered yet."), key
 
 
 @pytest.mark.parametrize("key", sorted(ALL))
 def test_the_solution_is_right_and_the_likely_mistakes_get_a_hint(key, capsys):
     ex = ALL[key]
-    assert ex.check(ex.solution()) is None
     assert ex.wrong, f"{key}: name at least one likely wrong answer"
+    if ex.prepare:  # the solution and the mistakes run together (one child process for all)
+        ex.prepare([ex.solution(), *ex.wrong])
+    assert ex.check(ex.solution()) is None
     for bad in ex.wrong:
         hint = ex.check(bad)
         assert isinstance(hint, str) and hint, (key, bad)

@@ -5,6 +5,7 @@ kit/lab/exercises/ call these through kit.run.child, so a notebook's kernel impo
     child.call("kit.lab.exercise_ranks:collective", source=SOURCE, name="all_reduce_by_parts",
                lengths=[4, 8])    # [{"rank": 0, "length": 4, "output": [...], "error": ""}, ...]
     child.call("kit.lab.exercise_ranks:wrap_step", source=SOURCE, name="wrap")  # notebook 04
+    child.call("kit.lab.exercise_ranks:order_cases", cases=[["fixed", SOURCE]])  # notebook 05
 
 The ranks are forked from the child process (torch imported once, before the fork; no operation
 has run yet, so no thread pool is copied) and meet through a FileStore in a temporary folder. A
@@ -158,6 +159,41 @@ def wrap_step(source: str, name: str, layers: int = 4, world: int = 2,
     forward and backward measured: per rank, the units, the timeline's segments, the collectives,
     which parameters are sharded (DTensors), or the first line of the error."""
     return _on_ranks(_wrap_rank, (source, name, layers, timeout_s), world, timeout_s)
+
+
+def order_cases(cases: list, steps: int = 3) -> dict:
+    """Notebook 05: the learner's cases, [name, source] each, beside recipe_order, each run as the
+    notebook's cases run (kit.lab.order_rank.Trial: the tiny Llama in NF4, LoRA, FSDP2, AdamW
+    steps), here on a gloo group of one in this process. {"recipe_order": what its Trial
+    measured, "cases": the same for each case, in order}, each with ok and the first line of an
+    error. A case sees order_rank's names (torch, trainable, enable_activation_checkpointing),
+    as the notebook's cases do."""
+    import gc
+
+    from kit.config import load_config
+    from kit.lab import order_rank
+    from kit.recipe import dist as kdist
+
+    env = kdist.init("cpu")
+    cfg = load_config("tiny-cpu", ["training.device=cpu", f"training.steps={steps}"])
+
+    def run(make) -> dict:
+        trial = order_rank.Trial(cfg, env, "fsdp2", "nf4", {})
+        torch.manual_seed(cfg.training.seed)
+        try:
+            make()(trial)
+            return {"ok": True, "error": "", **trial.notes}
+        except Exception as e:  # the learner's mistake: what it measured, and the error
+            return {"ok": False, "error": first_line(e), **trial.notes}
+        finally:
+            gc.collect()
+
+    try:
+        return {"recipe_order": run(lambda: order_rank.recipe_order),
+                "cases": [run(lambda n=name, src=source: learner_function(src, n, vars(order_rank)))
+                          for name, source in cases]}  # fmt: skip
+    finally:
+        kdist.cleanup()
 
 
 def _on_ranks(target, args: tuple, world: int, timeout_s: float) -> list[dict]:
