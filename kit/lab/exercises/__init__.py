@@ -47,9 +47,10 @@ class Exercise:
     solution: Callable[[], Any]
     wrong: tuple = field(default=())
     hands_on: bool = False  # the learner writes code (a function, config values), not a value
-    # The code a "change it" exercise starts from (a function's source): checked unchanged, it is
-    # not answered yet, like a function whose body is still `raise NotImplementedError`.
-    given: str | None = None
+    # What a "change it" exercise starts from (a function's source, or a value such as a list of
+    # settings): checked unchanged, it is not answered yet, like a function whose body is still
+    # `raise NotImplementedError`.
+    given: Any = None
     # Computes several answers' checks at once (one child process for all), so that checking each
     # afterwards costs nothing: the tests call it with the solution and the likely mistakes.
     prepare: Callable[[list], None] | None = None
@@ -97,10 +98,10 @@ def check(key: str, answer: Any) -> None:
     """The check cell: prints right, or wrong with a hint, or (answer `...`) the question. Returns
     nothing (a returned value would show under the cell as `False`) and never raises on a wrong
     answer: the notebook runs on."""
-    from kit.lab.exercises.checks import same_code, unwritten
+    from kit.lab.exercises.checks import as_given, unwritten
 
     ex = registry()[key]
-    if answer is ... or unwritten(answer) or (ex.given is not None and same_code(answer, ex.given)):
+    if answer is ... or unwritten(answer) or as_given(answer, ex.given):
         print(f"exercise {key}: not answered yet. {ex.question}")
         return
     try:

@@ -94,6 +94,19 @@ def same_code(fn: Any, source: str) -> bool:
         return False
 
 
+def as_given(answer: Any, given: Any) -> bool:
+    """True when the answer is still what a change-it exercise gave: the same code (`given` a
+    function's source), or the same value."""
+    if given is None:
+        return False
+    if isinstance(given, str) and inspect.isfunction(answer):
+        return same_code(answer, given)
+    try:
+        return bool(answer == given)
+    except Exception:  # an answer whose == is not a bool (a tensor): not the given value
+        return False
+
+
 def calls_of(fn: Callable | str) -> set[str]:
     """The names a function's code calls (`dist.all_reduce(...)` -> 'all_reduce'): what a check
     reads to tell the learner which call the exercise asks them to write without."""
