@@ -1,18 +1,14 @@
-"""Notebook 07's exercises: which rank and GPU torchrun's variables give a process, which file of
-the run folder says how a run ended, and the dtype FSDP2 computes the adapters in (answers from
-the kit's run-folder layout and config: no torchrun)."""
+"""Notebook 07's exercises. Hands-on: what a process of a run does with the variables torchrun
+gives it, written as functions of those variables and checked on every process of two layouts
+(07.1: its rank, the world, its GPU, whether it is the one that writes; 07.2, stretch: the
+samples it trains on, against torch's own DistributedSampler in a child process). Then which file
+of the run folder says how a run ended (07.3, from the kit's run-folder layout)."""
 
 from __future__ import annotations
 
+from functools import cache
+
 from kit.lab.exercises import Exercise, one_of
-
-
-def rank_and_gpu() -> tuple[int, int]:
-    """run.sh on NNODES=2 nodes of NPROC=4: torchrun numbers the processes node by node (RANK =
-    NODE_RANK x nproc_per_node + LOCAL_RANK), and the kit puts each on GPU LOCAL_RANK
-    (kit.recipe.dist.init: torch.device("cuda", local_rank)): GPU indices restart on every node."""
-    nproc_per_node, node_rank, local_rank = 4, 1, 2
-    return node_rank * nproc_per_node + local_rank, local_rank  # the device: cuda:<local_rank>
 
 
 def exit_file() -> str:
@@ -21,43 +17,162 @@ def exit_file() -> str:
     return RunFolder.EXIT_CODE
 
 
-def fsdp2_compute_dtype() -> str:
-    """What FSDP2's MixedPrecisionPolicy gathers the fp32 LoRA shards as, for the notebook's config
-    (kit.recipe.engines.FSDP2.wrap: param_dtype is model.dtype when mixed precision is on)."""
-    from kit.config import load_config
-    from kit.recipe.quantize import DTYPES
+# ---- hands-on: a process's place, from torchrun's variables ----
 
-    cfg = load_config("tiny-cpu")
-    dtype = DTYPES[cfg.model.dtype] if cfg.sharding.mixed_precision else DTYPES["float32"]
-    return str(dtype).removeprefix("torch.")
+LAYOUTS = ((1, 2), (2, 4))  # (nodes, processes per node) the functions are called on
 
 
-def check_dtype(answer) -> str | None:
-    name = str(answer).removeprefix("torch.").strip().lower()
-    name = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(name, name)
-    if name == fsdp2_compute_dtype():
-        return None
-    if name == "float32":
-        return "float32 is how FSDP2 stores the LoRA shard, and what DDP computes with; what does it gather?"
-    return "read the mixed-precision bullets of notebook 04, section 7, and the config's model.dtype"
+def torchrun_env(nodes: int, per_node: int, node: int, local: int) -> dict[str, str]:
+    """The variables torchrun sets in one process (strings, as os.environ holds them): the
+    primer prints them for a real run, notebook 10 for two nodes."""
+    return {"RANK": str(node * per_node + local), "LOCAL_RANK": str(local),
+            "WORLD_SIZE": str(nodes * per_node), "LOCAL_WORLD_SIZE": str(per_node),
+            "GROUP_RANK": str(node), "MASTER_ADDR": "node-0", "MASTER_PORT": "29500"}
+
+
+def every_process():
+    for nodes, per_node in LAYOUTS:
+        for node in range(nodes):
+            for local in range(per_node):
+                yield (nodes, per_node), torchrun_env(nodes, per_node, node, local)
+
+
+def placement(env):
+    """What this process is: its rank among all, how many there are, its GPU, and whether it is
+    the one that prints, writes metrics and saves."""
+    rank, local = int(env["RANK"]), int(env["LOCAL_RANK"])
+    return {"rank": rank, "world_size": int(env["WORLD_SIZE"]), "device": f"cuda:{local}",
+            "is_main": rank == 0}
+
+
+def my_samples(env, samples):
+    """The samples this process trains on, as torch's DistributedSampler (shuffle=False) hands
+    them: every WORLD_SIZE-th from its RANK, after padding the list with its first samples to a
+    multiple of the world size, so that every process takes as many."""
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    per_rank = -(-samples // world)
+    padded = list(range(samples)) * 2
+    return padded[: per_rank * world][rank::world]
+
+
+def _device_from_rank(env):
+    return {**placement(env), "device": f"cuda:{env['RANK']}"}
+
+
+def _world_per_node(env):
+    return {**placement(env), "world_size": int(env["LOCAL_WORLD_SIZE"])}
+
+
+def _main_per_node(env):
+    return {**placement(env), "is_main": env["LOCAL_RANK"] == "0"}
+
+
+def _samples_by_local_rank(env, samples):
+    return my_samples({**env, "RANK": env["LOCAL_RANK"]}, samples)
+
+
+def _samples_in_blocks(env, samples):
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    per_rank = -(-samples // world)
+    return list(range(samples))[rank * per_rank:(rank + 1) * per_rank]
+
+
+def _check_placement(fn) -> str | None:
+    if not callable(fn):
+        return "give the function itself: exercises.check(\"07.1\", placement) (no parentheses)"
+    for (nodes, per_node), env in every_process():
+        where = (f"on {nodes} node(s) x {per_node}, the process with RANK={env['RANK']}, "
+                 f"LOCAL_RANK={env['LOCAL_RANK']}")
+        try:
+            got = fn(dict(env))
+        except Exception as e:  # the learner's code: its error is the hint
+            return f"{where}: it raised {type(e).__name__}: {e}"
+        want = placement(env)
+        if not isinstance(got, dict) or set(got) != set(want):
+            return f"return a dict with the keys {sorted(want)}; it returned {got!r}"
+        for key in ("rank", "world_size", "device", "is_main"):
+            if got[key] == want[key]:
+                continue
+            if str(got[key]) == str(want[key]):
+                return (f"{where}: {key} is {got[key]!r}, a string: torchrun's variables are "
+                        f"strings, int() them")
+            hint = {"rank": "RANK numbers the processes of every node together",
+                    "world_size": "WORLD_SIZE counts every process of the job; LOCAL_WORLD_SIZE "
+                                  "those of this node",
+                    "device": "GPU indices restart on every node: the GPU comes from LOCAL_RANK",
+                    "is_main": "one process of the whole job prints, writes and saves: RANK 0 "
+                               "(LOCAL_RANK 0 is one per node, and two writers collide)"}[key]
+            return f"{where}: {key} is {got[key]!r}, it should be {want[key]!r}. {hint}"
+    return None
+
+
+@cache
+def _sampler(samples: int, nodes: int, per_node: int) -> dict[int, list[int]]:
+    """torch's DistributedSampler, by global rank (kit.lab.article_checks, in a child process:
+    this kernel imports no torch)."""
+    from kit.run import child
+
+    shares = child.call("kit.lab.article_checks:sampler_shares", samples=samples, nodes=nodes,
+                        per_node=per_node, timeout=300)  # fmt: skip
+    return {int(rank): share for rank, share in shares["RANK"].items()}
+
+
+def _check_samples(fn) -> str | None:
+    if not callable(fn):
+        return "give the function itself: exercises.check(\"07.2\", my_samples) (no parentheses)"
+    for samples in (16, 10):
+        for (nodes, per_node), env in every_process():
+            where = (f"{samples} samples on {nodes} node(s) x {per_node}, RANK={env['RANK']} "
+                     f"(LOCAL_RANK={env['LOCAL_RANK']})")
+            try:
+                got = list(fn(dict(env), samples))
+            except Exception as e:  # the learner's code: its error is the hint
+                return f"{where}: it raised {type(e).__name__}: {e}"
+            want = _sampler(samples, nodes, per_node)[int(env["RANK"])]
+            if got == want:
+                continue
+            if env["RANK"] != env["LOCAL_RANK"] and got == _sampler(samples, nodes, per_node)[
+                    int(env["LOCAL_RANK"])]:
+                return (f"{where}: {got} are the samples of the process with RANK="
+                        f"{env['LOCAL_RANK']} on the first node: by LOCAL_RANK the second node "
+                        "trains on the first one's share again (the primer, section 1)")
+            if sorted(got) == got and len(got) > 1 and got[1] == got[0] + 1:
+                return (f"{where}: {got}, a block; torch's sampler strides: the process of RANK "
+                        "r takes r, r + WORLD_SIZE, r + 2 x WORLD_SIZE, ...")
+            if samples % (nodes * per_node) and len(got) < len(want):
+                return (f"{where}: {got}, {len(got)} samples, torch's sampler {want}: it pads "
+                        "the list with its first samples to a multiple of WORLD_SIZE, so every "
+                        "process takes as many (and no rank waits for another's last batch)")
+            return f"{where}: {got}; torch's DistributedSampler gives {want}"
+    return None
 
 
 EXERCISES = [
     Exercise(
         key="07.1",
-        question=("run.sh on 2 nodes with 4 GPUs each (NNODES=2, nproc 4): on the node with "
-                  "NODE_RANK=1, the process torchrun gives LOCAL_RANK=2. Which RANK does it get, "
-                  "and which GPU index does the kit put it on? Answer a tuple (rank, gpu)."),
-        check=one_of(rank_and_gpu(), hints={
-            (2, 2): "RANK numbers the processes of every node together; LOCAL_RANK restarts per node",
-            (6, 6): "a node has GPUs 0 to 3: the device comes from LOCAL_RANK, not RANK",
-            (5, 1): "ranks and GPU indices count from 0",
-        }, default="RANK = NODE_RANK x processes per node + LOCAL_RANK; the GPU: cuda:LOCAL_RANK"),
-        solution=rank_and_gpu,
-        wrong=((2, 2), (6, 6), (5, 1)),
+        question=("Hands-on, quick: write placement(env), what a process of a run is, from the "
+                  "variables torchrun gives it (env: a dict of strings, as os.environ): a dict "
+                  "with its rank among all processes, the world size, its GPU ('cuda:N') and "
+                  "is_main, whether it is the one process that prints, writes and saves. The "
+                  "check calls it for every process of 1 node x 2 and 2 nodes x 4."),
+        check=_check_placement,
+        solution=lambda: placement,
+        wrong=(_device_from_rank, _world_per_node, _main_per_node),
+        hands_on=True,
     ),
     Exercise(
         key="07.2",
+        question=("Hands-on, stretch: write my_samples(env, samples), the samples (of "
+                  "range(samples)) this process trains on, as torch's DistributedSampler "
+                  "(shuffle=False) hands them out. The check compares every process of both "
+                  "layouts with the real sampler, for 16 samples and for 10."),
+        check=_check_samples,
+        solution=lambda: my_samples,
+        wrong=(_samples_by_local_rank, _samples_in_blocks),
+        hands_on=True,
+    ),
+    Exercise(
+        key="07.3",
         question=("A kernel restarted while a run went on. Which file of launch/<run>/ says how "
                   "the whole process tree ended, whether it finished, crashed or was stopped? "
                   "Its name, a string."),
@@ -69,13 +184,5 @@ EXERCISES = [
         }, default="look at what Run.attach reads: section 3's text names the files"),
         solution=exit_file,
         wrong=("result.json", "run.log", "pid"),
-    ),
-    Exercise(
-        key="07.3",
-        question=("FSDP2 and DDP losses differ in the last digits. In which dtype does FSDP2 compute "
-                  "with the LoRA weights in this notebook's runs (DDP uses float32)? A dtype name."),
-        check=check_dtype,
-        solution=fsdp2_compute_dtype,
-        wrong=("float32", "float16"),
     ),
 ]
