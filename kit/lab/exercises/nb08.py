@@ -1,4 +1,8 @@
-"""Exercises of notebook 08 (checkpoints, resume, merge)."""
+"""Exercises of notebook 08 (checkpoints, resume, merge): which checkpoint resume=auto takes
+(08.1) and the data position after a restart on fewer processes (08.2). Hands-on: the overrides
+that continue a stopped run (08.3), and which single changes resume accepts (08.4, stretch), each
+asked of the kit's own resume (kit.recipe.checkpoint.find_resume) on checkpoint folders with real
+manifests, written by the stopped run's config."""
 
 from __future__ import annotations
 
@@ -42,6 +46,95 @@ def _samples_seen() -> int:
     return 12 * per_rank * 2 + (40 - 12) * per_rank * 1
 
 
+# ---- hands-on: continue a stopped run, change one thing ----
+
+# The run of section 2 that stopped: 20 steps planned, a checkpoint every 5, stopped after 10.
+STOPPED = ["training.steps=20", "checkpointing.save_every=5", "training.stop_at_step=10"]
+CONTINUED = ["training.resume=auto", "training.steps=40", "checkpointing.save_every=10",
+             "training.stop_at_step=0"]  # fmt: skip
+CHANGES = ("training.steps=40", "training.lr=1e-4", "lora.r=16", "checkpointing.save_every=2",
+           "data.max_seq_len=128", "training.seed=1", "training.eval_every=5")  # fmt: skip
+
+
+def resumes(overrides: list[str]) -> dict:
+    """What training.resume does for the stopped run started again with `overrides` added to its
+    command: its checkpoints (step-000005, step-000010, with manifests written by the stopped
+    run's config, 2 ranks) are asked to kit.recipe.checkpoint.find_resume with the new config.
+    {"config": the new Config, "resumes_from": a step or None, "notes": why checkpoints were
+    skipped}; a ConfigError is raised as load_config raises it."""
+    from kit import ROOT
+    from kit.config import load_config
+    from kit.folder import manifest
+    from kit.recipe import checkpoint
+
+    base = ROOT / "kit" / "configs" / "tiny-cpu.yaml"
+    made, cfg = load_config(base, STOPPED), load_config(base, STOPPED + list(overrides))
+    with tempfile.TemporaryDirectory() as tmp:
+        for step in (5, 10):
+            folder = Path(tmp) / "checkpoints" / f"step-{step:06d}"
+            (folder / "dcp").mkdir(parents=True)
+            (folder / "dcp" / "__0_0.distcp").write_bytes(bytes(range(256)) * 4)
+            manifest.write(folder, made.to_dict(), step, world_size=2)
+        folder, notes = checkpoint.find_resume(cfg.training.resume, tmp, cfg=cfg, world_size=2)
+        notes = [n.replace(f"{Path(tmp) / 'checkpoints'}/", "") for n in notes]  # no temp paths
+    step = int(folder.name.removeprefix("step-")) if folder else None
+    return {"config": cfg, "resumes_from": step, "notes": notes}
+
+
+def _check_continue(overrides) -> str | None:
+    from kit.config import ConfigError
+
+    if not isinstance(overrides, (list, tuple)) or not all(isinstance(o, str) for o in overrides):
+        return "continue_with is a list of 'key=value' strings"
+    try:
+        found = resumes(list(overrides))
+    except ConfigError as e:
+        return f"the kit refused them: {str(e).splitlines()[0]}"
+    t, c = found["config"].training, found["config"].checkpointing
+    if not t.resume:
+        return ("nothing asks to resume (training.resume is empty): this start would train "
+                "from step 0 again")
+    if found["resumes_from"] is None:
+        why = found["notes"][0] if found["notes"] else "no checkpoint passed its checks"
+        return (f"resume would skip every checkpoint: {why}. The manifest records the fields "
+                "that shape the run (kit.folder.manifest.RESUME_FIELDS): change one and it is "
+                "another run")
+    if t.steps != 40:
+        return f"it resumes, then trains to step {t.steps}: training.steps is where a run ends"
+    if t.stop_at_step and t.stop_at_step < t.steps:
+        return (f"training.stop_at_step is still {t.stop_at_step}, from the first command: the "
+                "continued run would stop there again (0: never)")
+    if c.save_every != 10:
+        return f"checkpointing.save_every is {c.save_every}: the question asks for one every 10 steps"
+    return None
+
+
+def accepted() -> dict[str, bool]:
+    """For each change of CHANGES alone: does resume=auto still take step-000010?"""
+    return {change: resumes([change, "training.resume=auto"])["resumes_from"] == 10
+            for change in CHANGES}  # fmt: skip
+
+
+def _check_predictions(answer) -> str | None:
+    if not isinstance(answer, dict) or set(answer) != set(CHANGES):
+        return f"predictions is a dict with one True or False for each of {list(CHANGES)}"
+    unset = [k for k, v in answer.items() if not isinstance(v, bool)]
+    if unset:
+        return f"{unset[0]}: predict True (resume takes step-000010) or False (it skips it)"
+    truth = accepted()
+    wrong = [k for k in CHANGES if answer[k] != truth[k]]
+    if not wrong:
+        return None
+    first = wrong[0]
+    if truth[first]:
+        return (f"{len(wrong)} of {len(CHANGES)} wrong; the first, {first}: resume takes "
+                "step-000010 (it is not one of the fields the manifest compares). "
+                "exercises.nb08.resumes([...]) asks the kit for any change")
+    note = resumes([first, "training.resume=auto"])["notes"]
+    return (f"{len(wrong)} of {len(CHANGES)} wrong; the first, {first}: resume skips the "
+            f"checkpoints ({note[0] if note else 'no checkpoint passed'})")
+
+
 EXERCISES = [
     Exercise(
         key="08.1",
@@ -75,5 +168,32 @@ EXERCISES = [
             "remains."))(answer),
         solution=_samples_seen,
         wrong=(640, 320, 224),
+    ),
+    Exercise(
+        key="08.3",
+        question=("Hands-on, quick: the run that stopped after step 10 (20 steps planned, a "
+                  "checkpoint every 5: exercises.nb08.STOPPED) is started again with your "
+                  "overrides added to its command. Write continue_with so that it resumes from "
+                  "step 10 and trains to step 40, with a checkpoint every 10 steps. The check asks "
+                  "the kit's resume, on checkpoints whose manifests the stopped run wrote."),
+        check=_check_continue,
+        solution=lambda: list(CONTINUED),
+        wrong=(["training.steps=40", "checkpointing.save_every=10"],
+               CONTINUED[:3], [*CONTINUED, "training.lr=1e-4"], []),
+        hands_on=True,
+        given=[],
+    ),
+    Exercise(
+        key="08.4",
+        question=("Hands-on, stretch: for each single change of exercises.nb08.CHANGES added to "
+                  "the stopped run's command with training.resume=auto, predict whether resume "
+                  "still takes step-000010 (True) or skips it (False). "
+                  "exercises.nb08.resumes([...]) asks the kit, once you have predicted."),
+        check=_check_predictions,
+        solution=accepted,
+        wrong=(dict.fromkeys(CHANGES, True), dict.fromkeys(CHANGES, False),
+               dict.fromkeys(CHANGES)),
+        hands_on=True,
+        given=dict.fromkeys(CHANGES),
     ),
 ]
