@@ -66,45 +66,11 @@ def _fmt(x, spec=",.0f", none="-"):
 
 
 def render(rows: list[dict], matrix: dict) -> str:
-    best, largest = best_by_case(rows), largest_by_case(rows)
-    cases = [c["name"] for c in matrix["cases"]]
-    by_case = {n: [r for r in rows if r["case"] == n] for n in cases}
-    first = next((r for r in rows if r.get("device")), {})
-    lines = [f"Device: {first.get('device', '?')} x {first.get('world', '?')}; model "
-             f"{matrix['model']}, sequence length {matrix['seq_len']}; model FLOPs per token "
-             f"{_fmt(first.get('flops_per_token', 0) / 1e9, '.3g')} G (LoRA: forward + input "
-             "gradients, attention included, recompute not counted)"
-             + ("; MFU against 989 TFLOP/s dense bf16." if first.get("device", "cpu") != "cpu"
-                else "; no MFU on CPU."), ""]
-
-    def status(name: str) -> str:
-        rs = by_case.get(name, [])
-        if not rs:
-            return "not run"
-        if any(r.get("kind") == "failed" for r in rs):
-            return "failed (see logs/" + name + ".log)"
-        skip = next((r for r in rs if r.get("kind") == "skipped"), None)
-        if skip:
-            return f"skipped: {skip['why']}"
-        oom = next((r for r in rs if r.get("status") == "oom"), None)
-        ended = next((r for r in rs if r.get("kind") == "ended"), None)
-        end = (f"; then rc {ended['rc']}" + (" at the timeout" if ended["rc"] == -9 else "")
-               + f", after its last row (see logs/{name}.log)") if ended else ""
-        return (f"OOM at batch {oom['batch']}" if oom else "ok") + end
-
-    article = [c for c in matrix["cases"] if c.get("table") == "article"]
-    if article:
-        lines += ["### The article's table", "",
-                  "| configuration | cap GiB | largest batch/GPU | peak GiB | tokens/s/GPU | status |",
-                  "|---|---|---|---|---|---|"]
-        for c in article:
-            r = largest.get(c["name"])
-            lines.append(f"| {c.get('label', c['name'])} | {_fmt(c.get('cap_gib'), 'g')} | "
-                         f"{r['batch'] if r else 'none fits'} | "
-                         f"{_fmt(r and r['peak_alloc_gib'], '.1f')} | "
-                         f"{_fmt(r and r['tokens_per_s_gpu'])} | {status(c['name'])} |")
-        lines.append("")
-
+    """The report's markdown: the header line, then each table the matrix's cases call for."""
+    best = best_by_case(rows)
+    status = _statuses(rows, matrix)
+    lines = [_header(rows, matrix), ""]
+    lines += article_table(largest_by_case(rows), matrix, status)
     ran = {r["case"] for r in rows}  # caps of cases not run (--only) get no row
     caps = sorted({c.get("cap_gib") for c in matrix["cases"]
                    if c.get("role") in ("baseline", "kit", "peer") and c["name"] in ran},
@@ -112,59 +78,118 @@ def render(rows: list[dict], matrix: dict) -> str:
     if caps and any(c.get("role") == "peer" for c in matrix["cases"]):
         lines += peer_table(rows, best, matrix, caps)
     elif caps:
-        lines += ["### Kit vs the article recipe, per memory cap (best batch of each)", "",
-                  "| cap GiB/GPU | baseline tokens/s/GPU (batch, MFU) | kit best tokens/s/GPU "
-                  "(batch, MFU) | kit config | speed-up |", "|---|---|---|---|---|"]
-        for cap in caps:
-            b, k = fastest(best, matrix, "baseline", cap), fastest(best, matrix, "kit", cap)
-            ratio = f"{k['tokens_per_s_gpu'] / b['tokens_per_s_gpu']:.2f}x" if b and k else "-"
-            def cell(r):
-                return (f"{_fmt(r['tokens_per_s_gpu'])} ({r['batch']}, {_fmt(r['mfu'], '.1%')})"
-                        if r else "-")
-            lines.append(f"| {_fmt(cap, 'g')} | {cell(b)} | {cell(k)} | "
-                         f"{k['label'] if k else '-'} | {ratio} |")
-        lines.append("")
-
+        lines += cap_table(best, matrix, caps)
     sweeps = [c for c in matrix["cases"] if c.get("seq_lens")]
     if sweeps:
         lines += context_table(rows, sweeps)
     lines += scaling_table(best, matrix)
-    lines += ["### Every case", "",
-              "| case | recipe | cap GiB | load s (host peak GiB, largest rank) | "
-              "batches tried: tokens/s/GPU (peak GiB) | best | status |",
-              "|---|---|---|---|---|---|---|"]
-    for name in cases:
-        setup = next((r for r in by_case[name] if r.get("kind") == "setup"), {})
+    lines += case_table(rows, best, matrix, status)
+    lines += curve_table(rows)
+    return "\n".join(lines)
+
+
+def _header(rows: list[dict], matrix: dict) -> str:
+    first = next((r for r in rows if r.get("device")), {})
+    return (f"Device: {first.get('device', '?')} x {first.get('world', '?')}; model "
+            f"{matrix['model']}, sequence length {matrix['seq_len']}; model FLOPs per token "
+            f"{_fmt(first.get('flops_per_token', 0) / 1e9, '.3g')} G (LoRA: forward + input "
+            "gradients, attention included, recompute not counted)"
+            + ("; MFU against 989 TFLOP/s dense bf16." if first.get("device", "cpu") != "cpu"
+               else "; no MFU on CPU."))
+
+
+def _statuses(rows: list[dict], matrix: dict) -> dict[str, str]:
+    """case name -> how it ended: ok, OOM at a batch, skipped, failed, not run."""
+    out = {}
+    for c in matrix["cases"]:
+        name = c["name"]
+        rs = [r for r in rows if r["case"] == name]
+        skip = next((r for r in rs if r.get("kind") == "skipped"), None)
+        oom = next((r for r in rs if r.get("status") == "oom"), None)
+        ended = next((r for r in rs if r.get("kind") == "ended"), None)
+        end = (f"; then rc {ended['rc']}" + (" at the timeout" if ended["rc"] == -9 else "")
+               + f", after its last row (see logs/{name}.log)") if ended else ""
+        out[name] = ("not run" if not rs
+                     else "failed (see logs/" + name + ".log)" if any(r.get("kind") == "failed"
+                                                                    for r in rs)
+                     else f"skipped: {skip['why']}" if skip
+                     else (f"OOM at batch {oom['batch']}" if oom else "ok") + end)
+    return out
+
+
+def article_table(largest: dict[str, dict], matrix: dict, status: dict[str, str]) -> list[str]:
+    """The article's configurations: the largest batch each fits under its cap."""
+    article = [c for c in matrix["cases"] if c.get("table") == "article"]
+    if not article:
+        return []
+    lines = ["### The article's table", "",
+             "| configuration | cap GiB | largest batch/GPU | peak GiB | tokens/s/GPU | status |",
+             "|---|---|---|---|---|---|"]
+    for c in article:
+        r = largest.get(c["name"])
+        lines.append(f"| {c.get('label', c['name'])} | {_fmt(c.get('cap_gib'), 'g')} | "
+                     f"{r['batch'] if r else 'none fits'} | "
+                     f"{_fmt(r and r['peak_alloc_gib'], '.1f')} | "
+                     f"{_fmt(r and r['tokens_per_s_gpu'])} | {status[c['name']]} |")
+    return lines + [""]
+
+
+def cap_table(best: dict[str, dict], matrix: dict, caps: list) -> list[str]:
+    """The kit against the article recipe, per memory cap: the fastest of each."""
+    lines = ["### Kit vs the article recipe, per memory cap (best batch of each)", "",
+             "| cap GiB/GPU | baseline tokens/s/GPU (batch, MFU) | kit best tokens/s/GPU "
+             "(batch, MFU) | kit config | speed-up |", "|---|---|---|---|---|"]
+    for cap in caps:
+        b, k = fastest(best, matrix, "baseline", cap), fastest(best, matrix, "kit", cap)
+        ratio = f"{k['tokens_per_s_gpu'] / b['tokens_per_s_gpu']:.2f}x" if b and k else "-"
+        lines.append(f"| {_fmt(cap, 'g')} | {_cell(b)} | {_cell(k)} | "
+                     f"{k['label'] if k else '-'} | {ratio} |")
+    return lines + [""]
+
+
+def case_table(rows: list[dict], best: dict[str, dict], matrix: dict,
+               status: dict[str, str]) -> list[str]:
+    """Every case: its load, each batch tried, its best, how it ended."""
+    lines = ["### Every case", "",
+             "| case | recipe | cap GiB | load s (host peak GiB, largest rank) | "
+             "batches tried: tokens/s/GPU (peak GiB) | best | status |",
+             "|---|---|---|---|---|---|---|"]
+    for c in matrix["cases"]:
+        name = c["name"]
+        mine = [r for r in rows if r["case"] == name]
+        setup = next((r for r in mine if r.get("kind") == "setup"), {})
         load = (f"{setup['load_s']:.1f} ({max(setup['peak_host_mib']) / 1024:.1f})"
                 if setup.get("load_s") is not None else "-")
-        rs = [r for r in by_case[name] if r.get("kind") == "batch"]
         tried = ", ".join(f"{_tried(r)}: {_fmt(r['tokens_per_s_gpu'])} ({r['peak_alloc_gib']:.1f})"
-                          if r["status"] == "ok" else f"{_tried(r)}: OOM" for r in rs)
+                          if r["status"] == "ok" else f"{_tried(r)}: OOM"
+                          for r in mine if r.get("kind") == "batch")
         b = best.get(name)
-        c = next(c for c in matrix["cases"] if c["name"] == name)
         lines.append(f"| {c.get('label', name)} | {c['recipe']} | {_fmt(c.get('cap_gib'), 'g')} | "
                      f"{load} | {tried or '-'} | {_fmt(b and b['tokens_per_s_gpu'])} | "
-                     f"{status(name)} |")
-    lines.append("")
+                     f"{status[name]} |")
+    return lines + [""]
 
+
+def curve_table(rows: list[dict]) -> list[str]:
+    """What is learned: each case's loss curve held against the first baseline's (two or more)."""
     curves = {r["case"]: r for r in rows if r.get("kind") == "curve"}
-    if len(curves) >= 2:
-        names = list(curves)  # held against the first baseline's curve
-        first = next((n for n in names if curves[n].get("role") == "baseline"), names[0])
-        ref = curves[first]
-        val = all("val_loss" in c for c in curves.values())  # equivalence.data: sample
-        lines += [f"### What is learned: loss per step, {len(ref['losses'])} steps at batch "
-                  f"{ref['batch']}, same data", "",
-                  "| case | loss step 1 | loss last step | max abs diff vs " + first + " |"
-                  + (" validation loss after |" if val else ""),
-                  "|---|---|---|---|" + ("---|" if val else "")]
-        for n in names:
-            c = curves[n]["losses"]
-            diff = max(abs(a - b) for a, b in zip(c, ref["losses"], strict=False))
-            lines.append(f"| {curves[n]['label']} | {c[0]:.4f} | {c[-1]:.4f} | {diff:.4f} |"
-                         + (f" {curves[n]['val_loss']:.4f} |" if val else ""))
-        lines.append("")
-    return "\n".join(lines)
+    if len(curves) < 2:
+        return []
+    names = list(curves)  # held against the first baseline's curve
+    first = next((n for n in names if curves[n].get("role") == "baseline"), names[0])
+    ref = curves[first]
+    val = all("val_loss" in c for c in curves.values())  # equivalence.data: sample
+    lines = [f"### What is learned: loss per step, {len(ref['losses'])} steps at batch "
+             f"{ref['batch']}, same data", "",
+             "| case | loss step 1 | loss last step | max abs diff vs " + first + " |"
+             + (" validation loss after |" if val else ""),
+             "|---|---|---|---|" + ("---|" if val else "")]
+    for n in names:
+        c = curves[n]["losses"]
+        diff = max(abs(a - b) for a, b in zip(c, ref["losses"], strict=False))
+        lines.append(f"| {curves[n]['label']} | {c[0]:.4f} | {c[-1]:.4f} | {diff:.4f} |"
+                     + (f" {curves[n]['val_loss']:.4f} |" if val else ""))
+    return lines + [""]
 
 
 def _cell(r: dict | None) -> str:

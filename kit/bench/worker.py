@@ -178,6 +178,57 @@ def _peaks(device) -> tuple[float | None, float | None]:
             round(torch.cuda.max_memory_reserved(device) / 2**30, 3))
 
 
+def _curve(run: _Run, eq: dict, model: str) -> dict:
+    """The matrix's `equivalence`: a few steps from the initial adapter, their losses (and, on the
+    bundled sample text, the held-out loss after); then the adapter and optimizer as before."""
+    env = run.env
+    trainable = [p for p in run.model.parameters() if p.requires_grad]
+    start = [p.detach().clone() for p in trainable]
+    from kit.recipe.lora import sample_rows  # (train, held-out) rows of the bundled sample text
+
+    text = sample_rows(model, run.seq) if eq.get("data") == "sample" else None
+    batches = ((text_batch(text[0], s, env.rank, env.world_size, eq["batch"], env.device)
+                if text else run.batch(10_000 + s, eq["batch"])) for s in range(eq["steps"]))
+    losses = [run.step(b) for b in batches]
+    curve = {"kind": "curve", "batch": eq["batch"], "losses": losses}
+    if text:  # what the adapter learned, on rows it never trained on
+        curve["val_loss"] = _val_loss(run, text[1], eq["batch"])
+    with torch.no_grad():  # back to the initial adapter and a fresh optimizer
+        for p, p0 in zip(trainable, start, strict=True):
+            p.copy_(p0)
+    run.optimizer.state.clear()
+    return curve
+
+
+def _timed_steps(run: _Run, size: int, warmup: int, measure: int, step_no: int,
+                 fail_at: int) -> dict:
+    """warmup + measure steps of batch `size` (batches from `step_no` on): the measured steps'
+    times, the first step's, every loss; or where it ran out of memory (oom, error, step)."""
+    device = run.env.device
+    out = {"times": [], "losses": [], "first": None, "oom": False, "error": None, "step": 0,
+           "steps": 0}
+    try:
+        for i in range(warmup + measure):
+            out["step"] = i
+            batch = run.batch(step_no + i, size)
+            out["steps"] += 1
+            if fail_at and size >= fail_at:
+                raise torch.OutOfMemoryError(f"injected (KIT_BENCH_OOM_AT_BATCH={fail_at})")
+            _sync(device)
+            t = time.perf_counter()
+            out["losses"].append(run.step(batch))
+            _sync(device)
+            if i == 0:  # with no warm-up step, the measured step is the first
+                out["first"] = time.perf_counter() - t
+            if i >= warmup:
+                out["times"].append(time.perf_counter() - t)
+    except torch.OutOfMemoryError as e:
+        # the allocator's whole first line (allocated, reserved but unallocated) and the peaks
+        # so far: what a planned case that runs out of memory needs to be traced
+        out["oom"], out["error"] = True, str(e).splitlines()[0]
+    return out
+
+
 def worker(this: experiment.Case) -> None:
     """One case of the matrix on this rank (the harness's case `this`: the case's name, its config
     with the run's overrides, the group, OUT); its rows stream into OUT/cases/CASE.jsonl."""
@@ -213,27 +264,11 @@ def worker(this: experiment.Case) -> None:
 
     eq = matrix.get("equivalence", {})
     if case.get("equivalence") and eq:
-        trainable = [p for p in run.model.parameters() if p.requires_grad]
-        start = [p.detach().clone() for p in trainable]
-        from kit.recipe.lora import sample_rows  # (train, held-out) rows of the bundled sample text
-
-        text = sample_rows(cfg.model.name, run.seq) if eq.get("data") == "sample" else None
-        batches = ((text_batch(text[0], s, env.rank, env.world_size, eq["batch"], env.device)
-                    if text else run.batch(10_000 + s, eq["batch"])) for s in range(eq["steps"]))
-        losses = [run.step(b) for b in batches]
-        curve = {"kind": "curve", "batch": eq["batch"], "losses": losses}
-        if text:  # what the adapter learned, on rows it never trained on
-            curve["val_loss"] = _val_loss(run, text[1], eq["batch"])
-        emit(curve)
-        with torch.no_grad():  # back to the initial adapter and a fresh optimizer
-            for p, p0 in zip(trainable, start, strict=True):
-                p.copy_(p0)
-        run.optimizer.state.clear()
-        del start
+        emit(_curve(run, eq, cfg.model.name))
 
     warmup, measure = case.get("warmup_steps", matrix.get("warmup_steps", 1)), \
         case.get("measure_steps", matrix.get("measure_steps", 3))
-    step_no = 0
+    step_no, oom = 0, False
     # A context sweep (`seq_lens`): each sequence length in ascending order, its batches each.
     for seq, size in [(q, b) for q in case.get("seq_lens", [run.seq]) for b in run.batches]:
         run.set_seq(seq)
@@ -243,40 +278,22 @@ def worker(this: experiment.Case) -> None:
         if env.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(env.device)
-        times, losses, oom, error, i = [], [], False, None, 0
-        try:
-            for i in range(warmup + measure):
-                batch = run.batch(step_no, size)
-                step_no += 1
-                if fail_at and size >= fail_at:
-                    raise torch.OutOfMemoryError(f"injected (KIT_BENCH_OOM_AT_BATCH={fail_at})")
-                _sync(env.device)
-                t = time.perf_counter()
-                losses.append(run.step(batch))
-                _sync(env.device)
-                if i == 0:  # with no warm-up step, the measured step is the first
-                    first = time.perf_counter() - t
-                if i >= warmup:
-                    times.append(time.perf_counter() - t)
-        except torch.OutOfMemoryError as e:
-            # the allocator's whole first line (allocated, reserved but unallocated) and the peaks
-            # so far: what a planned case that runs out of memory needs to be traced
-            oom, error = True, str(e).splitlines()[0]
+        steps = _timed_steps(run, size, warmup, measure, step_no, fail_at)
+        step_no, oom = step_no + steps["steps"], steps["oom"]
+        row = {"kind": "batch", "batch": size, "seq_len": seq, "flops_per_token": run.flops}
         if _any_rank(oom, env):
             alloc, reserved = _peaks(env.device) if oom else (None, None)
-            emit({"kind": "batch", "batch": size, "seq_len": seq, "flops_per_token": run.flops,
-                  "status": "oom", "error": error, "step": i, "peak_alloc_gib": alloc,
-                  "peak_reserved_gib": reserved})
+            emit({**row, "status": "oom", "error": steps["error"], "step": steps["step"],
+                  "peak_alloc_gib": alloc, "peak_reserved_gib": reserved})
             break  # larger batches will not fit either; the process state after an OOM is spent
-        step_s = statistics.median(times)
+        step_s = statistics.median(steps["times"])
         tps = size * run.seq / step_s
         alloc, reserved = _peaks(env.device)
-        emit({"kind": "batch", "batch": size, "seq_len": seq, "flops_per_token": run.flops,
-              "status": "ok", "step_s": round(step_s, 4),
-              "first_step_s": round(first, 2), "tokens_per_s_gpu": round(tps, 1),
+        emit({**row, "status": "ok", "step_s": round(step_s, 4),
+              "first_step_s": round(steps["first"], 2), "tokens_per_s_gpu": round(tps, 1),
               "mfu": round(tps * run.flops / peak, 4) if peak else None,
               "peak_alloc_gib": alloc, "peak_reserved_gib": reserved,
-              "loss_first": losses[0], "loss_last": losses[-1]})
+              "loss_first": steps["losses"][0], "loss_last": steps["losses"][-1]})
     if case.get("profile") and env.device.type == "cuda" and not oom and run.batches:
         emit({"kind": "profile", "batch": size, **profile_step(run, run.batch(step_no, size))})
     seconds = round(time.perf_counter() - started, 1)
