@@ -143,9 +143,9 @@ def _auto_placement(cfg) -> dict[str, str]:
     keep, gpus = meta._no_split_modules, {0: 80 * 2**30, 1: 80 * 2**30}
     budget = get_balanced_memory(meta, max_memory=gpus, no_split_module_classes=keep,
                                  dtype=torch.bfloat16)  # fmt: skip
-    plan = infer_auto_device_map(meta, max_memory=budget, no_split_module_classes=keep,
+    device_map = infer_auto_device_map(meta, max_memory=budget, no_split_module_classes=keep,
                                  dtype=torch.bfloat16)  # fmt: skip
-    return {k: f"cuda:{v}" for k, v in plan.items()}
+    return {k: f"cuda:{v}" for k, v in device_map.items()}
 
 
 def flash_attention_without_the_package(cfg, env, out):

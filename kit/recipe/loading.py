@@ -351,7 +351,7 @@ def receive_from_rank0(model: torch.nn.Module, device: torch.device) -> int:
     every = list(slots(model))
     # What rank 0 holds, described once: shape, dtype, grad flag, an alias's first slot, and for
     # a 4-bit weight its quantization constants (bitsandbytes' own serialised form, all tensors).
-    plan: list = [None]
+    description: list = [None]
     if main:
         seen: dict[int, int] = {}
         described = []
@@ -363,12 +363,12 @@ def receive_from_rank0(model: torch.nn.Module, device: torch.device) -> int:
                               alias if alias != i else None,
                               {k: (tuple(v.shape), v.dtype) for k, v in stats.items()}
                               if stats is not None else None))  # fmt: skip
-        plan[0] = described
-    dist.broadcast_object_list(plan, src=0)
+        description[0] = described
+    dist.broadcast_object_list(description, src=0)
     sent = 0
     placed: list = []
     for (module, kind, name, tensor), (shape, dtype, grad, alias, stats) in zip(
-            every, plan[0], strict=True):  # fmt: skip
+            every, description[0], strict=True):  # fmt: skip
         if alias is not None:  # tied: the same object as an earlier slot
             if not main:
                 getattr(module, kind)[name] = placed[alias]

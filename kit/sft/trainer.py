@@ -249,7 +249,7 @@ def recorder(*a, **kw):
     return type("KitRecorder", (Recorder, TrainerCallback), {})(*a, **kw)
 
 
-def _plan(cfg: Config, world: int, is_main: bool) -> runfolder.Plan:
+def _folder_start(cfg: Config, world: int, is_main: bool) -> runfolder.Plan:
     box: list = [None]
     if is_main:
         try:
@@ -278,9 +278,9 @@ def run(cfg: Config) -> dict:
     state = args.distributed_state  # joins the process group (gloo on CPU, nccl on GPUs)
     world, is_main, out = args.world_size, args.process_index == 0, cfg.output_dir
     say = (lambda line: print(line, flush=True)) if is_main else (lambda line: None)
-    plan = _plan(cfg, world, is_main)  # never replaces a run (kit.folder.runfolder)
+    start = _folder_start(cfg, world, is_main)  # never replaces a run (kit.folder.runfolder)
     if is_main:
-        plan.keep_earlier(out)
+        start.keep_earlier(out)
         out.mkdir(parents=True, exist_ok=True)
         RunFolder(out).config.write_text(given.to_yaml())
     with state.main_process_first():  # rank 0 builds kit models / fills caches first
