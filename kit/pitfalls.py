@@ -29,7 +29,7 @@ from typing import Any
 
 from kit.findings import Finding
 
-REPRODUCE = Path(__file__).with_name("reproduce.py")
+REPRODUCE = Path(__file__).parent / "lab" / "reproduce_rank.py"
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from kit import doctor
 from kit.doctor.__main__ import main as cli
 from kit.findings import LEVELS
+from kit.recipe import checks
 
 CPU = {"gpus": [], "vars": {}, "host_ram_gib": 24.0, "nproc_per_node": 2}
 H100 = {
@@ -399,13 +400,13 @@ def test_requires_grad_error_is_not_mistaken_for_a_dtype_error():
 
 
 def test_check_step_nan_inf_and_zero_gradient():
-    assert doctor.codes(doctor.check_step({"step": 3, "loss": math.nan})) == ["loss_nonfinite"]
-    assert doctor.codes(doctor.check_step({"step": 3, "loss": 2.0, "grad_norm": math.inf})) == [
+    assert doctor.codes(checks.check_step({"step": 3, "loss": math.nan})) == ["loss_nonfinite"]
+    assert doctor.codes(checks.check_step({"step": 3, "loss": 2.0, "grad_norm": math.inf})) == [
         "loss_nonfinite"]  # fmt: skip
-    assert doctor.codes(doctor.check_step({"step": 1, "loss": 6.9, "grad_norm": 0.0})) == [
+    assert doctor.codes(checks.check_step({"step": 1, "loss": 6.9, "grad_norm": 0.0})) == [
         "lora_not_training"]  # fmt: skip
-    assert doctor.check_step({"split": "train", "step": 1, "loss": 6.9, "grad_norm": 0.7}) == []
-    assert doctor.check_step({"split": "val", "step": 10, "loss": 6.5}) == []
+    assert checks.check_step({"split": "train", "step": 1, "loss": 6.9, "grad_norm": 0.7}) == []
+    assert checks.check_step({"split": "val", "step": 10, "loss": 6.5}) == []
 
 
 def tiny_peft_model():
@@ -424,7 +425,7 @@ def tiny_peft_model():
 @pytest.mark.parametrize(("lr", "trains"), [(1e-2, True), (0.0, False)])
 def test_check_lora_changed_on_a_real_peft_model(lr, trains):
     model = tiny_peft_model()
-    before = doctor.trainable_snapshot(model)
+    before = checks.trainable_snapshot(model)
     assert before and all("lora_" in k for k in before)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     ids = torch.randint(3, 1024, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -432,15 +433,15 @@ def test_check_lora_changed_on_a_real_peft_model(lr, trains):
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
-    found = doctor.check_lora_changed(before, doctor.trainable_snapshot(model), step=2)
+    found = checks.check_lora_changed(before, checks.trainable_snapshot(model), step=2)
     assert doctor.codes(found) == ([] if trains else ["lora_not_training"])
 
 
 def test_check_rank_times_names_the_slow_rank():
-    assert doctor.check_rank_times([1.0, 1.1]) == []
-    slow = doctor.check_rank_times([1.0, 2.0], step=7)
+    assert checks.check_rank_times([1.0, 1.1]) == []
+    slow = checks.check_rank_times([1.0, 2.0], step=7)
     assert doctor.codes(slow) == ["slow_rank"] and slow[0].message.startswith("rank 1 ")
-    assert "rank 3 " in doctor.check_rank_times([1.0, 1.1, 0.9, 3.0])[0].message
+    assert "rank 3 " in checks.check_rank_times([1.0, 1.1, 0.9, 3.0])[0].message
 
 
 def test_rising_held_out_loss_is_said_once_by_the_recipe_with_its_steps_and_values():
@@ -480,9 +481,9 @@ def test_check_checkpointing_active_in_eval_mode_only():
     model = tiny_peft_model()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.eval()  # as from_pretrained leaves a model
-    assert doctor.codes(doctor.check_checkpointing_active(model)) == ["eval_mode_checkpointing"]
+    assert doctor.codes(checks.check_checkpointing_active(model)) == ["eval_mode_checkpointing"]
     model.train()
-    assert doctor.check_checkpointing_active(model) == []
+    assert checks.check_checkpointing_active(model) == []
 
 
 def write_adapter(folder, tensors: dict):
@@ -505,8 +506,8 @@ LORA_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
 ])  # fmt: skip
 def test_check_adapter(tmp_path, tensors, code):
     folder = write_adapter(tmp_path / "adapter", tensors)
-    assert doctor.codes(doctor.check_adapter(folder)) == ([code] if code else [])
-    assert doctor.codes(doctor.check_adapter(tmp_path / "none")) == ["adapter_missing"]
+    assert doctor.codes(checks.check_adapter(folder)) == ([code] if code else [])
+    assert doctor.codes(checks.check_adapter(tmp_path / "none")) == ["adapter_missing"]
 
 
 # --------------------------------------------------------------------------- diagnosing run folders
@@ -587,7 +588,7 @@ def test_diagnose_a_real_tiny_run_finds_nothing_wrong(tiny_run):
     out = tiny_run  # the session's shared run (conftest): read, not changed
     found = doctor.diagnose_run(out)
     assert doctor.errors(found) == [], doctor.report(found)
-    assert doctor.check_adapter(out / "adapter") == []
+    assert checks.check_adapter(out / "adapter") == []
     assert cli(["--run", str(out)]) == 0
 
 

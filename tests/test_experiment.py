@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent('''
     import torch
     import torch.distributed as dist
 
-    from kit.recipe import experiment
+    from kit.bench import experiment
 
 
     def fine(case):

@@ -7,7 +7,7 @@
 
 Every answer is a list of `Finding(level, code, message, fix)`; the CLI prints one line each and
 exits 1 when any is an error (`Finding` is kit/findings.py; the in-run checks the recipe runs on
-its ranks are kit/recipe/checks.py). One file per moment, read top to bottom:
+its ranks are kit/recipe/checks.py, read from there). One file per moment, read top to bottom:
 
     context.py    the config tree, the model's parts on the meta device (the machine:
                   kit.budget.hardware.probe)
@@ -26,25 +26,15 @@ reproductions under torchrun (notebooks 08 and 11) are the lab's (kit.lab.reprod
 runs through kit.run.launch, which runs this doctor's pre-flight.
 """
 
-# The in-run checks live rank side (kit.recipe.checks); the doctor offers them too.
+# The doctor's own answers, one module per moment; a Finding and its helpers are kit.findings'.
 from kit.doctor.context import read_config
 from kit.doctor.explain import EXPLAIN, explain
 from kit.doctor.preflight import config_errors, preflight
 from kit.doctor.run import diagnose_run
 from kit.doctor.script import PATTERNS, scan_script
 from kit.findings import Finding, codes, errors, report
-from kit.recipe.checks import (
-    check_adapter,
-    check_checkpointing_active,
-    check_lora_changed,
-    check_rank_times,
-    check_step,
-    trainable_snapshot,
-)
 
 __all__ = [
-    "EXPLAIN", "PATTERNS", "Finding", "check_adapter", "check_checkpointing_active",
-    "check_lora_changed", "check_rank_times", "check_step", "codes", "config_errors",
-    "diagnose_run", "errors", "explain", "preflight", "read_config",
-    "report", "scan_script", "trainable_snapshot",
+    "EXPLAIN", "PATTERNS", "Finding", "codes", "config_errors", "diagnose_run", "errors",
+    "explain", "preflight", "read_config", "report", "scan_script",
 ]  # fmt: skip
