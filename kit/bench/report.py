@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kit.budget.plan import PEAK_BF16_FLOPS  # noqa: F401 - MFU's denominator, by device name
-
 
 def _top_by_case(rows: list[dict], key: str) -> dict[str, dict]:
     """case -> its ok batch row with the largest `key`."""

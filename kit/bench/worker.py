@@ -27,7 +27,7 @@ import torch
 
 from kit.bench import experiment
 from kit.bench.matrix import load_matrix
-from kit.bench.report import PEAK_BF16_FLOPS
+from kit.budget.plan import PEAK_BF16_FLOPS
 from kit.budget.shapes import flops_per_token, shape_of
 from kit.config import Config
 from kit.folder import jsonl

@@ -63,11 +63,11 @@ def _planned_row() -> dict:
 
 def _mfu() -> float:
     """tokens/s per GPU x model FLOPs per token / the GPU's dense bf16 peak."""
-    from kit.bench import report
     from kit.budget import shapes
+    from kit.budget.plan import PEAK_BF16_FLOPS
 
     flops = shapes.flops_per_token(shapes.shape_of("kit:llama-8b"), 2048)
-    return _planned_row()["tokens_per_s_gpu"] * flops / report.PEAK_BF16_FLOPS["H100"]
+    return _planned_row()["tokens_per_s_gpu"] * flops / PEAK_BF16_FLOPS["H100"]
 
 
 def _check_mfu(answer) -> str | None:
@@ -99,7 +99,7 @@ EXERCISES = [
         question=(
             "The Llama-3-8B plan at 80 GiB trained 13,999 tokens/s on one H100. With the model "
             "FLOPs per token from shapes.flops_per_token(shapes.shape_of('kit:llama-8b'), 2048) "
-            "and the H100's dense bf16 peak (bench_report.PEAK_BF16_FLOPS['H100']), what is its "
+            "and the H100's dense bf16 peak (kplan.PEAK_BF16_FLOPS['H100']), what is its "
             "MFU? (answer: a fraction, e.g. 0.3)"),
         check=_check_mfu,
         solution=_mfu,
