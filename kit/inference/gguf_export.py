@@ -1,5 +1,5 @@
-"""A merged model folder (kit.inference.merge.merge_adapter's) -> one GGUF file that llama.cpp-family
-runtimes (llama.cpp, Ollama, LM Studio) and transformers' GGUF loader read.
+"""A merged model folder (kit.inference.merge.merge_adapter's) -> one GGUF file that
+llama.cpp-family runtimes (llama.cpp, Ollama, LM Studio) and transformers' GGUF loader read.
 
     refusal(merged_config)                       # one line when the family cannot be exported
     export(merged_folder, out_file, "f16")       # f16 | bf16 | q8_0; returns out_file

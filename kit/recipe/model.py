@@ -6,8 +6,8 @@
 The recipe (kit.train), notebook 04's per-rank report (kit.lab.sharding), the memory measurements
 (kit.lab.memory), the pitfall reproductions' fixed side and the benchmarks/ scripts all call this, so
 the order of operations lives in one place. Each step is its own module: kit.recipe.loading and
-kit.recipe.quantize (load), kit.recipe.lora, kit.recipe.recompute, kit.recipe.levers.loss. Sharding comes after, and is the
-caller's: what it wraps depends on the engine (kit.lab.sharding).
+kit.recipe.quantize (load), kit.recipe.lora, kit.recipe.recompute, kit.recipe.levers.loss.
+Sharding comes after, and is the caller's: what it wraps depends on the engine (kit.lab.sharding).
 """
 
 from __future__ import annotations

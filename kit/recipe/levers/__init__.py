@@ -3,7 +3,8 @@ each is off unless its config key asks for it (or the planner, for a key left at
 
     fp8.py              quantization.fp8_matmul: the 4-bit layers' matmuls in FP8
     offload.py          training.offload_activations: saved activations in host memory
-    attention_tiles.py  training.recompute.attention_tile_tokens: attention a tile of queries at a time
+    attention_tiles.py  training.recompute.attention_tile_tokens: attention, a tile of queries
+                        at a time
     tile_kernels.py     one attention tile's forward and backward (attention_tiles' kernels)
     norms.py            training.recompute.lean_norms: RMSNorms that keep their input only
     lora_groups.py      lora.group_inputs: adapters that read one input run as a group
