@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fill .whl/gpu (ignored by git) with what the GPU machines lack, for Python 3.12 / x86_64, small
 # enough to travel (64 MiB): bitsandbytes with only its CUDA 13 libraries, the notebook stack,
-# kit.recipe.sft's trl + datasets (benchmarks/tools/gpu_sft_check.sh), and the peer stack's liger-kernel.
+# kit.sft.trainer's trl + datasets (benchmarks/tools/gpu_sft_check.sh), and the peer stack's liger-kernel.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dest=$PWD/.whl/gpu; tmp=$(mktemp -d); mkdir -p "$dest"
@@ -12,7 +12,7 @@ pip download -q $plat papermill ipykernel ipywidgets nbformat nbclient matplotli
   && rm -f bitsandbytes/libbitsandbytes_cuda1{18,21,24,26,28}.so \
   && grep -v -E "libbitsandbytes_cuda1(18|21|24|26|28)" bitsandbytes-*.dist-info/RECORD > R && mv R bitsandbytes-*.dist-info/RECORD \
   && zip -qr "$dest/$(basename ../*.whl)" .)
-# kit.recipe.sft: trl 1.16.0, the newest 1.x (requirements.txt: trl>=1.16,<2), asks transformers>=4.56.2,
+# kit.sft.trainer: trl 1.16.0, the newest 1.x (requirements.txt: trl>=1.16,<2), asks transformers>=4.56.2,
 # accelerate>=1.10.1, datasets>=4.7 (the image: transformers 5.17, accelerate 1.15); datasets 5.2.0
 # with the two of its dependencies the image lacks, dill and multiprocess. The others (pandas,
 # pyarrow, fsspec, xxhash, huggingface_hub, filelock) are the image's: install these --no-deps

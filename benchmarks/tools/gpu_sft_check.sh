@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# kit.recipe.sft (TRL's SFTTrainer under `accelerate launch`) on ONE GPU with FSDP, for real: a 1.24B
+# kit.sft.trainer (TRL's SFTTrainer under `accelerate launch`) on ONE GPU with FSDP, for real: a 1.24B
 # Llama (kit:llama-1b, random weights the kit builds on the GPU), NF4 + LoRA r16, packed rows of
 # up to 512 tokens, batch 4, 40 steps. Each launcher is written by `python -m kit jobs` into a
 # new run folder; each saved adapter is verified as the kit does (kit checkpoints
 # verify) and reloaded with plain peft.PeftModel.from_pretrained on the base (its logits and its
 # loss on the sample must change). FSDP2 first; then FSDP1 on one process, which kit.run.jobs
 # refuses, launched anyway through accelerate (its FSDP1 config for 2 processes,
-# --num_processes 1): kit.recipe.sft refuses it too, in one line (before, it trained step 1 and then
+# --num_processes 1): kit.sft.trainer refuses it too, in one line (before, it trained step 1 and then
 # failed gathering the adapter: benchmarks/records/2026-11-23-sft-fsdp-1xh100).
 # With NPROC=2 (two GPUs; issue 19, run 2) both engines train on 2 processes through the
 # generated FSDP2 and FSDP1 accelerate YAMLs, loading on rank 0 (model.loading=auto under
@@ -50,12 +50,12 @@ launch() {
   # shellcheck disable=SC2086
   python3 -m kit jobs "$CONFIG" "${OVR[@]}" $over --nnodes 1 --nproc-per-node "$nproc" \
     --out "$dir" > "$OUT/$name.log" 2>&1 || { echo "$name: kit jobs rc=$?"; return; }
-  local cmd="${ACC[*]} launch --config_file $dir/accelerate.yaml $accargs -m kit.recipe.sft $dir/config.yaml"
+  local cmd="${ACC[*]} launch --config_file $dir/accelerate.yaml $accargs -m kit.sft.trainer $dir/config.yaml"
   echo "$cmd" > "$RUNS/$name.cmd"; echo "+ $cmd" | tee -a "$OUT/$name.log"
   local t; t=$(date +%s)
   # shellcheck disable=SC2086
   timeout "$limit" "${ACC[@]}" launch --config_file "$dir/accelerate.yaml" $accargs \
-    -m kit.recipe.sft "$dir/config.yaml" >> "$OUT/$name.log" 2>&1
+    -m kit.sft.trainer "$dir/config.yaml" >> "$OUT/$name.log" 2>&1
   local rc=$?
   echo "$rc $(( $(date +%s) - t ))" > "$RUNS/$name.rc"
   echo "$name: rc=$rc in $(( $(date +%s) - t ))s (at $(( $(date +%s) - start ))s)"
@@ -123,7 +123,7 @@ for name in ("fsdp2", "fsdp1"):
     train = [x for x in rows if x["split"] == "train"]
     tps = sorted(x["tokens_per_s"] for x in train[3:] or train)
     peak = max((x["peak_mem_gib"] for x in rows), default=None)
-    errors = [x.strip() for x in read(out / f"{name}.log").splitlines()  # kit.recipe.sft's own lines
+    errors = [x.strip() for x in read(out / f"{name}.log").splitlines()  # kit.sft.trainer's own lines
               if x.startswith("[rank") and "Error" in x and "Warning" not in x]
     status = r.get("status") or f"failed (rc {rc})" + (f": `{errors[-1][:160]}`" if errors else "")
     a = r.get("adapter") or {}

@@ -1,4 +1,4 @@
-"""Attention tiles' kernels on a GPU (kit.recipe.tile_kernels against round 5's SDPA path).
+"""Attention tiles' kernels on a GPU (kit.recipe.levers.tile_kernels against round 5's SDPA path).
 
     python benchmarks/tools/tile_attention_bench.py [--lengths 131072 262144] [--paths sdpa:flash ...]
         [--skip-check] [--out FILE.jsonl]
@@ -27,8 +27,8 @@ import types
 
 import torch
 
-from kit.recipe import tile_kernels
-from kit.recipe.attention_tiles import _attend
+from kit.recipe.levers import tile_kernels
+from kit.recipe.levers.attention_tiles import _attend
 
 DEV, BF = torch.device("cuda"), torch.bfloat16
 HEADS, KV, D, TILE = 32, 8, 128, 8192

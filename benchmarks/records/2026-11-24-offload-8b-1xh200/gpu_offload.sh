@@ -2,7 +2,7 @@
 # training.offload_activations on ONE GPU at the 8B shape (kit:llama-8b, a local checkpoint of
 # random weights): the recipe's 10 steps of 2,048-token rows, with and without offloading, under
 # whole-layer recompute (what a layer keeps is its input) and with recompute off (everything the
-# layers keep), in one invocation; then the GPU test of kit.recipe.offload. table.md: peak GPU memory,
+# layers keep), in one invocation; then the GPU test of kit.recipe.levers.offload. table.md: peak GPU memory,
 # tokens/s, loss per run.
 #   setsid nohup bash benchmarks/gpu_offload.sh /tmp/offload > /tmp/offload.log 2>&1 &   # there
 set -uo pipefail

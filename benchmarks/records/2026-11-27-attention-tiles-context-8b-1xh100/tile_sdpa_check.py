@@ -1,4 +1,4 @@
-"""Attention tiles on a GPU (kit.recipe.attention_tiles): a tile of queries over the keys up to its
+"""Attention tiles on a GPU (kit.recipe.levers.attention_tiles): a tile of queries over the keys up to its
 end, causal at its lower right, with grouped-query heads. Checks its result and gradients against
 the math path with an explicit mask (small sizes), then the peak memory, time and kernel of one
 8,192-query tile over 131,072 keys at the 8B shape's heads. `python benchmarks/tile_sdpa_check.py`
@@ -9,7 +9,7 @@ import types
 
 import torch
 
-from kit.recipe.attention_tiles import _attend
+from kit.recipe.levers.attention_tiles import _attend
 
 dev, bf = torch.device("cuda"), torch.bfloat16
 attn = types.SimpleNamespace(scaling=128**-0.5)
