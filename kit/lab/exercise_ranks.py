@@ -5,6 +5,7 @@ kit/lab/exercises/ call these through kit.run.child, so a notebook's kernel impo
     child.call("kit.lab.exercise_ranks:collective", source=SOURCE, name="all_reduce_by_parts",
                lengths=[4, 8])    # [{"rank": 0, "length": 4, "output": [...], "error": ""}, ...]
     child.call("kit.lab.exercise_ranks:wrap_step", source=SOURCE, name="wrap")  # notebook 04
+    child.call("kit.lab.exercise_ranks:wrap_steps", cases=[[SOURCE, "wrap"], ...])  # several at once
     child.call("kit.lab.exercise_ranks:order_cases", cases=[["fixed", SOURCE]])  # notebook 05
 
 The ranks are forked from the child process (torch imported once, before the fork; no operation
@@ -93,6 +94,12 @@ def collective(source: str, name: str, lengths: list[int], world: int = 2,
     return _on_ranks(_rank, (source, name, lengths, timeout_s), world, timeout_s)
 
 
+def collectives(cases: list, world: int = 2, timeout_s: float = 10.0) -> list[list[dict]]:
+    """collective() for each of `cases` ([source, name, lengths] each), in turn, from this one
+    process: torch is imported once for all of them."""
+    return [collective(source, name, lengths, world, timeout_s) for source, name, lengths in cases]
+
+
 class Toy(torch.nn.Module):
     """A decoder in miniature for notebook 04's wrap: embeddings, `layers` blocks (a linear layer
     and an activation each, the units a wrap policy would pick) and a head."""
@@ -116,12 +123,15 @@ def _wrap_rank(rank: int, world: int, store_path: str, source: str, name: str, l
                timeout_s: float, pipe) -> None:  # fmt: skip
     """One training step of Toy, wrapped by the learner's `name(model, mesh)`, inside the
     notebook's own instruments (kit.lab.sharding.Timeline and Collectives)."""
+    import warnings
+
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     from kit.lab.sharding import Collectives, Timeline
 
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # Toy's head returns a view
     row = {"rank": rank, "error": ""}
     try:
         dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
@@ -158,7 +168,20 @@ def wrap_step(source: str, name: str, layers: int = 4, world: int = 2,
     """Toy(layers) wrapped by `name(model, mesh)` from `source` on every rank of a gloo group, one
     forward and backward measured: per rank, the units, the timeline's segments, the collectives,
     which parameters are sharded (DTensors), or the first line of the error."""
+    import torch._dynamo  # what fully_shard's first call imports: 2 s, once here, not per rank
+    import torch.distributed.device_mesh
+    import torch.distributed.fsdp
+    import torch.distributed.tensor  # noqa: F401
+
+    import kit.lab.sharding  # noqa: F401
+
     return _on_ranks(_wrap_rank, (source, name, layers, timeout_s), world, timeout_s)
+
+
+def wrap_steps(cases: list, layers: int = 4, world: int = 2,
+               timeout_s: float = 10.0) -> list[list[dict]]:
+    """wrap_step() for each of `cases` ([source, name] each), in turn, from this one process."""
+    return [wrap_step(source, name, layers, world, timeout_s) for source, name in cases]
 
 
 def order_cases(cases: list, steps: int = 3) -> dict:

@@ -5,8 +5,6 @@ are in nb00c.py."""
 
 from __future__ import annotations
 
-from functools import cache
-
 from kit.lab import collectives
 from kit.lab.exercises import Exercise
 from kit.lab.exercises.checks import calls_of, number, source_of
@@ -96,15 +94,27 @@ def _keeps_the_padding(t):
     return whole
 
 
-@cache
-def _on_ranks(source: str, name: str, lengths: tuple[int, ...]) -> list[dict]:
-    """What each of 2 gloo processes got from the learner's function (kit.lab.exercise_ranks, in a
-    child process: this kernel imports no torch). Cached by source: checking the same code again
-    costs nothing."""
+_RAN: dict[tuple, list[dict]] = {}  # (source, name, lengths) -> what each rank got
+
+
+def prepare(fns: list, lengths: tuple[int, ...]) -> None:
+    """Run every function of `fns` not run yet on 2 gloo processes (kit.lab.exercise_ranks, in
+    one child process for all of them: this kernel imports no torch), on tensors of `lengths`."""
     from kit.run import child
 
-    return child.call("kit.lab.exercise_ranks:collective", source=source, name=name,
-                      lengths=list(lengths), world=WORLD, timeout=120)  # fmt: skip
+    todo = list(dict.fromkeys((source_of(fn), fn.__name__, tuple(lengths)) for fn in fns
+                              if callable(fn) and "all_reduce" not in calls_of(fn)))  # fmt: skip
+    todo = [case for case in todo if case not in _RAN]
+    if todo:
+        found = child.call("kit.lab.exercise_ranks:collectives",
+                           cases=[[src, name, list(n)] for src, name, n in todo], world=WORLD,
+                           timeout=120 * len(todo), env={"CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
+        _RAN.update(zip(todo, found, strict=True))
+
+
+def _on_ranks(fn, lengths: tuple[int, ...]) -> list[dict]:
+    prepare([fn], lengths)
+    return _RAN[(source_of(fn), fn.__name__, tuple(lengths))]
 
 
 def _expected(length: int) -> list[float]:
@@ -166,7 +176,7 @@ def _check_parts(fn, name: str, lengths: tuple[int, ...], stretch: bool = False)
     if "all_reduce" in calls_of(fn):
         return ("it calls dist.all_reduce: the exercise is to build it from its two halves, "
                 "dist.reduce_scatter_tensor and dist.all_gather_into_tensor")
-    return _diagnose(_on_ranks(source_of(fn), fn.__name__, lengths), stretch)
+    return _diagnose(_on_ranks(fn, lengths), stretch)
 
 
 EXERCISES = [
@@ -214,6 +224,7 @@ EXERCISES = [
         solution=lambda: all_reduce_by_parts,
         wrong=(_uses_all_reduce, _slice_only, _gathers_inputs),
         hands_on=True,
+        prepare=lambda fns: prepare(fns, (4, 8)),
     ),
     Exercise(
         key="00.4",
@@ -225,5 +236,6 @@ EXERCISES = [
         solution=lambda: all_reduce_any_length,
         wrong=(all_reduce_by_parts, _keeps_the_padding),
         hands_on=True,
+        prepare=lambda fns: prepare(fns, (5, 4)),
     ),
 ]

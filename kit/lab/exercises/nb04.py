@@ -7,8 +7,6 @@ between forward and backward (04.4, stretch)."""
 
 from __future__ import annotations
 
-from functools import cache
-
 from kit.lab.exercises import Exercise, one_of
 from kit.lab.exercises.checks import source_of
 
@@ -92,15 +90,26 @@ def _every_other_layer(model, mesh):
     return fully_shard(model, mesh=mesh)
 
 
-@cache
-def _step(source: str, name: str) -> dict:
-    """Rank 0's row of one step under the learner's wrap (kit.lab.exercise_ranks.wrap_step, in a
-    child process: the notebook's kernel joins no process group), with what the notebook's
-    tables read from a timeline. Cached by source."""
+_RAN: dict[str, dict] = {}  # source -> rank 0's row of one step under that wrap
+
+
+def prepare(wraps: list) -> None:
+    """One step under each wrap of `wraps` not run yet, on 2 gloo processes, all in one child
+    process (kit.lab.exercise_ranks.wrap_steps: the notebook's kernel joins no process group)."""
     from kit.run import child
 
-    rows = child.call("kit.lab.exercise_ranks:wrap_step", source=source, name=name,
-                      layers=LAYERS, timeout=180, env={"CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
+    todo = {source_of(w): w.__name__ for w in wraps if callable(w)}
+    todo = {src: name for src, name in todo.items() if src not in _RAN}
+    if not todo:
+        return
+    found = child.call("kit.lab.exercise_ranks:wrap_steps", cases=[[s, n] for s, n in todo.items()],
+                       layers=LAYERS, timeout=180 * len(todo),
+                       env={"CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
+    _RAN.update((src, _read(rows)) for src, rows in zip(todo, found, strict=True))
+
+
+def _read(rows: list[dict]) -> dict:
+    """What the notebook's timeline tables read, from the ranks' rows of one step."""
     failed = next((r for r in rows if r["error"]), None)
     if failed:
         return {"error": f"rank {failed['rank']} raised {failed['error']}"}
@@ -127,7 +136,8 @@ def measured(wrap) -> dict:
     """What one step under `wrap(model, mesh)` measured on 2 gloo processes: its units, the
     all-gathers it issued, the most decoder layers held gathered at once in forward and in
     backward, how much of the step the whole model was gathered, the parameters left unsharded."""
-    return _step(source_of(wrap), wrap.__name__)
+    prepare([wrap])
+    return _RAN[source_of(wrap)]
 
 
 def _wrap_hint(wrap, kept: bool) -> str | None:
@@ -201,6 +211,7 @@ EXERCISES = [
         solution=lambda: wrap_per_layer,
         wrong=(_one_unit, _no_root, wrap_kept_gathered),
         hands_on=True,
+        prepare=prepare,
     ),
     Exercise(
         key="04.4",
@@ -212,5 +223,6 @@ EXERCISES = [
         solution=lambda: wrap_kept_gathered,
         wrong=(wrap_per_layer, _one_unit),
         hands_on=True,
+        prepare=prepare,
     ),
 ]
