@@ -7,6 +7,7 @@ kit/lab/exercises/ call these through kit.run.child, so a notebook's kernel impo
     child.call("kit.lab.exercise_ranks:wrap_step", source=SOURCE, name="wrap")  # notebook 04
     child.call("kit.lab.exercise_ranks:wrap_steps", cases=[[SOURCE, "wrap"], ...])  # several at once
     child.call("kit.lab.exercise_ranks:order_cases", cases=[["fixed", SOURCE]])  # notebook 05
+    child.call("kit.lab.exercise_ranks:sampler_shares", cases=[[16, 2, 4]])  # notebook 07
 
 The ranks are forked from the child process (torch imported once, before the fork; no operation
 has run yet, so no thread pool is copied) and meet through a FileStore in a temporary folder. A
@@ -217,6 +218,14 @@ def order_cases(cases: list, steps: int = 3) -> dict:
                           for name, source in cases]}  # fmt: skip
     finally:
         kdist.cleanup()
+
+
+def sampler_shares(cases: list) -> list[dict]:
+    """Notebook 07: torch's DistributedSampler shares (kit.lab.article_checks.sampler_shares) for
+    each of `cases` ([samples, nodes, per_node] each), from this one process."""
+    from kit.lab.article_checks import sampler_shares as shares
+
+    return [shares(samples, nodes, per_node) for samples, nodes, per_node in cases]
 
 
 def _on_ranks(target, args: tuple, world: int, timeout_s: float) -> list[dict]:

@@ -201,7 +201,7 @@ EXERCISES = [
                   "in NF4 beside recipe_order and compares losses, optimizer and layers."),
         check=_check_mended,
         solution=lambda: _case(MENDED),
-        wrong=(_case(TRAIN_MODE_ONLY), _case(OPTIMIZER_ONLY), _case(GIVEN)),  # GIVEN: as given
+        wrong=(_case(TRAIN_MODE_ONLY), _case(OPTIMIZER_ONLY)),  # GIVEN's hint: TRAIN_MODE_ONLY's
         hands_on=True,
         given=GIVEN,
         prepare=measure,

@@ -20,6 +20,7 @@ def exit_file() -> str:
 # ---- hands-on: a process's place, from torchrun's variables ----
 
 LAYOUTS = ((1, 2), (2, 4))  # (nodes, processes per node) the functions are called on
+SAMPLES = (16, 10)  # data sets of this many samples: 10 does not split evenly over 4 or 8
 
 
 def torchrun_env(nodes: int, per_node: int, node: int, local: int) -> dict[str, str]:
@@ -107,20 +108,25 @@ def _check_placement(fn) -> str | None:
 
 
 @cache
-def _sampler(samples: int, nodes: int, per_node: int) -> dict[int, list[int]]:
-    """torch's DistributedSampler, by global rank (kit.lab.article_checks, in a child process:
-    this kernel imports no torch)."""
+def _samplers() -> dict[tuple[int, int, int], dict[int, list[int]]]:
+    """torch's DistributedSampler for every (samples, nodes, per_node) the check asks, by global
+    rank (kit.lab.article_checks, all in one child process: this kernel imports no torch)."""
     from kit.run import child
 
-    shares = child.call("kit.lab.article_checks:sampler_shares", samples=samples, nodes=nodes,
-                        per_node=per_node, timeout=300)  # fmt: skip
-    return {int(rank): share for rank, share in shares["RANK"].items()}
+    cases = [[samples, nodes, per_node] for samples in SAMPLES for nodes, per_node in LAYOUTS]
+    found = child.call("kit.lab.exercise_ranks:sampler_shares", cases=cases, timeout=300)
+    return {tuple(case): {int(rank): share for rank, share in shares["RANK"].items()}
+            for case, shares in zip(cases, found, strict=True)}  # fmt: skip
+
+
+def _sampler(samples: int, nodes: int, per_node: int) -> dict[int, list[int]]:
+    return _samplers()[(samples, nodes, per_node)]
 
 
 def _check_samples(fn) -> str | None:
     if not callable(fn):
         return "give the function itself: exercises.check(\"07.2\", my_samples) (no parentheses)"
-    for samples in (16, 10):
+    for samples in SAMPLES:
         for (nodes, per_node), env in every_process():
             where = (f"{samples} samples on {nodes} node(s) x {per_node}, RANK={env['RANK']} "
                      f"(LOCAL_RANK={env['LOCAL_RANK']})")
