@@ -63,6 +63,17 @@ def fp8(gpu: dict) -> bool:
     return found is not None and found >= FP8_CAPABILITY
 
 
+# torch._grouped_mm's CUTLASS kernel (a mixture of experts' grouped GEMMs, kit.recipe.
+# grouped_experts): compute capability 9.0 (Hopper) and later; older GPUs loop inside torch.
+GROUPED_GEMM_CAPABILITY = (9, 0)
+
+
+def grouped_gemm(gpu: dict) -> bool:
+    """The one grouped-GEMM rule: the GPU runs `torch._grouped_mm` as one kernel."""
+    found = capability(gpu)
+    return found is not None and found >= GROUPED_GEMM_CAPABILITY
+
+
 def _nvidia_smi() -> list[dict]:
     """This machine's GPUs as nvidia-smi lists them (name, memory, compute capability), without
     touching this process's CUDA; a driver too old to report compute_cap leaves it out."""
@@ -127,7 +138,7 @@ def for_plan(machine: dict, world_size: int, device: str):
     per_node = max(1, int(machine.get("nproc_per_node") or 1))
     return Hardware("cuda", world_size, gpu["memory_gib"], gpu.get("name", ""), fp8(gpu),
                     bool((machine.get("packages") or {}).get("flash_attn")),
-                    round(ram / per_node, 1) if ram else None)
+                    round(ram / per_node, 1) if ram else None, grouped_gemm(gpu))
 
 
 def _version(package: str) -> str | None:

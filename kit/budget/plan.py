@@ -107,6 +107,7 @@ class Hardware:
     # Host memory each process may fill with offloaded tensors (the node's available memory over
     # its processes); None: not known (`kit plan` for other machines), not checked.
     host_gib: float | None = None
+    grouped_gemm: bool = False  # compute capability 9.0 or higher: one grouped-GEMM kernel
 
     @property
     def peak_flops(self) -> float | None:
@@ -455,8 +456,9 @@ def _compile_keeps_batch(planned: Planned, shape: Shape, best) -> None:
                    "training.recompute.mlp_tile_tokens" if rc.mlp_tile_tokens else
                    "training.recompute.attention_tile_tokens" if rc.attention_tile_tokens else
                    "training.recompute.lean_norms" if rc.lean_norms else
-                   "a mixture of experts' routed loop (kit.recipe.experts)" if shape.experts
-                   else None)
+                   "a mixture of experts' loop over its experts (no grouped-GEMM kernel: "
+                   "compute capability below 9.0, or not bfloat16)" if shape.experts and not (
+                       hw.grouped_gemm and out.model.dtype == "bfloat16") else None)
         t.compile = outside is None and out.sharding.engine == MEASURED_ENGINE
         say(Choice("training.compile", t.compile, "plan", f"{outside} runs outside a compiled "
                    "graph" if outside else f"measured under {MEASURED_ENGINE} only"
