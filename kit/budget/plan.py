@@ -488,11 +488,9 @@ def _predict(planned: Planned, shape: Shape) -> None:
                             if hw.peak_flops and not shape.experts else None)
     if shape.experts and hw.peak_flops:  # the step model counts matmuls, not the host's share
         planned.notes.append(
-            "expected speed: not predicted for a mixture of experts (the grouped experts' step "
-            "is bound by the host, which the step model does not count); measured: 7,226-7,848 "
-            "tokens/s on Qwen3-30B-A3B's shape on one H200 at 80 GiB, by recompute policy "
-            "(benchmarks/records/2026-11-28-moe-grouped-1xh200), 69 per GPU on Qwen3-235B-A22B's with "
-            "the per-expert loop (4x H100, benchmarks/records/2026-11-26-notebooks-moe-235b-scale-4xh100)")
+            "expected speed: not predicted for a mixture of experts (the step model counts dense "
+            "matmuls); measured: 12,852 tokens/s on Qwen3-30B-A3B's shape on one H200 at 80 GiB "
+            "with compiled layers, 6,548 without (benchmarks/records/2026-11-29-moe-compile-1xh200)")
     if hw.fp8 and not out.quantization.fp8_matmul and out.quantization.method != "none":
         planned.notes.append(
             "not chosen: quantization.fp8_matmul=true (this GPU has FP8 tensor cores; measured "
