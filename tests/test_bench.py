@@ -317,3 +317,20 @@ def test_a_planned_batch_is_not_swept_to_other_lengths(tmp_path):
         load_matrix(f)
     f.write_text(f.read_text().replace("[128]", "[64]"))
     assert load_matrix(f)["cases"][0]["seq_lens"] == [64]
+
+
+def test_a_length_past_the_models_positions_is_one_line(tmp_path):
+    """The bench refuses what the recipe refuses: a length (the matrix's, or a sweep's) beyond
+    the model's max_position_embeddings (kit:tiny-llama: 512)."""
+    from kit.bench.matrix import load_matrix
+
+    path = tmp_path / "m.yaml"
+    path.write_text("model: kit:tiny-llama\nseq_len: 64\ncases:\n"
+                    "  - {name: long, recipe: kit, batches: [1], seq_lens: [64, 1024]}\n")
+    with pytest.raises(ValueError) as e:
+        load_matrix(path)
+    assert str(e.value) == ("cases.long.seq_lens: 1024 is not allowed; expected at most 512 "
+                            "(kit:tiny-llama has max_position_embeddings=512)")
+    path.write_text("model: kit:tiny-llama\nseq_len: 512\ncases:\n"
+                    "  - {name: ok, recipe: kit, batches: [1], seq_lens: [256, 512]}\n")
+    assert load_matrix(path)["cases"][0]["seq_lens"] == [256, 512]

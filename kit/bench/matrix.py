@@ -17,9 +17,10 @@ import yaml
 RECIPES = ("article", "kit", "peer")
 
 
-def load_matrix(path: str | Path) -> dict:
+def load_matrix(path: str | Path, to_run: bool = True) -> dict:
     """The matrix as a dict, every scaling case filled in from the case it scales; a bad value
-    raises ValueError in one line naming the case and field."""
+    raises ValueError in one line naming the case and field. `to_run=False` reads a record's
+    matrix as it ran: lengths past the model's positions, refused since, are kept as history."""
     m = yaml.safe_load(Path(path).read_text())
     names = [c["name"] for c in m["cases"]]
     if len(set(names)) != len(names):
@@ -70,7 +71,27 @@ def load_matrix(path: str | Path) -> dict:
         if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
             raise ValueError(f"cases.{c['name']}.nproc: {n!r} is not allowed; expected a "
                              "positive whole number (processes: one per GPU)")
+    if to_run:
+        _within_positions(m)
     return m
+
+
+def _within_positions(m: dict) -> None:
+    """The longest length a matrix trains (its seq_len, every case's seq_lens) is at most the
+    model's max_position_embeddings, as the recipe refuses longer rows (kit.recipe.model): a
+    length sweep would otherwise train past what the model was built for."""
+    from kit.inputs import sources
+
+    most = (sources.model_config(str(m.get("model", ""))) or {}).get("max_position_embeddings")
+    if not most:
+        return
+    for c in m["cases"]:
+        longest = max([m.get("seq_len") or 0, *(c.get("seq_lens") or [])])
+        if longest > most:
+            field = f"cases.{c['name']}.seq_lens" if longest in (c.get("seq_lens") or []) \
+                else "seq_len"
+            raise ValueError(f"{field}: {longest} is not allowed; expected at most {most} ("
+                             f"{m['model']} has max_position_embeddings={most})")
 
 
 def case_nproc(matrix: dict, case: dict) -> int:

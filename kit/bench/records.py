@@ -72,7 +72,7 @@ def matrix(name: str, file: str | None = None) -> dict:
             raise FileNotFoundError(f"benchmarks/records/{name}: {len(found)} matrices "
                                     f"({', '.join(found) or 'none'}); name one")
         file = found[0]
-    return load_matrix(path(name, file if file.endswith(".yaml") else f"{file}.yaml"))
+    return load_matrix(path(name, file if file.endswith(".yaml") else f"{file}.yaml"), to_run=False)
 
 
 def listed() -> list[str]:
