@@ -633,7 +633,7 @@ NOTEBOOK = ROOT / "notebooks" / "11-troubleshooting.ipynb"
 
 
 def checked_outputs(nb: dict) -> dict[str, str]:
-    """Source -> stdout of the cells nbval compares (# NBVAL_CHECK_OUTPUT, tagged keep_output)."""
+    """Source -> stdout of the cells nbval compares (tagged nbval-check-output and keep_output)."""
     out = {}
     for c in nb["cells"]:
         if c["cell_type"] == "code" and "keep_output" in c["metadata"].get("tags", []):
@@ -650,12 +650,12 @@ def test_notebook_11_is_committed_clean_with_a_literal_parameters_cell():
     for c in code:
         source = "".join(c["source"])
         if source in checked:
-            assert "# NBVAL_CHECK_OUTPUT" in source and c["execution_count"]
+            assert "nbval-check-output" in c["metadata"]["tags"] and c["execution_count"]
         else:
             assert not c.get("outputs") and c.get("execution_count") is None
         assert len(source.splitlines()) <= 15
         ast.parse(source)  # plain Python, no magics
-    assert "os.chdir" in "".join(code[0]["source"])  # the house bootstrap: run from the checkout
+    assert "begin()" in "".join(code[0]["source"])  # the house bootstrap: run from the checkout
     params = [c for c in code if "parameters" in c["metadata"].get("tags", [])]
     assert len(params) == 1 and params[0] is code[2]
     for node in ast.parse("".join(params[0]["source"])).body:

@@ -69,6 +69,7 @@ KERNEL_SIDE = [
     "kit.lab.plain_recipe",  # the page without the kit, and the kit's run, under torchrun
     "kit.lab.reproduce",  # the pitfalls' reproductions, started under torchrun and read
     "kit.lab.claims", "kit.lab.claims_table",  # the articles' claims, read from the notebooks
+    "kit.lab.course",  # every notebook's first line: the repository root, quiet libraries
     "kit.lab.exercises.*",  # the exercises' checks; a solution imports torch when it is called
 ]
 RANK_SIDE = [

@@ -467,7 +467,8 @@ def cell_texts(nb: dict, checked: bool = False) -> dict[str, str]:
     out = {}
     for c in nb["cells"]:
         source = "".join(c["source"])
-        if c["cell_type"] != "code" or (checked and "# NBVAL_CHECK_OUTPUT" not in source):
+        tags = c["metadata"].get("tags", [])
+        if c["cell_type"] != "code" or (checked and "nbval-check-output" not in tags):
             continue
         text = ""
         for o in c.get("outputs", []):

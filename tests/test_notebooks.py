@@ -17,7 +17,7 @@ from conftest import ROOT
 from kit.run import tour
 
 ALL = tour.notebooks()
-# The stage notebooks whose checked cells (# NBVAL_CHECK_OUTPUT, tagged keep_output) are compared
+# The stage notebooks whose checked cells (tagged nbval-check-output and keep_output) are compared
 # with a fresh run of their defaults. 07, 08, 10 and 11 run in their modules' tests
 # (test_launch, test_checkpoint, test_jobs, test_doctor); 05a's two torchrun launches and its
 # checked cell are test_plain_recipe's (CI time: not the same two runs twice); 00a's fine-tune is
@@ -73,10 +73,12 @@ def test_notebook_shape(path):
     """House style, every notebook: bootstrap, kit import, one literal parameters cell, short
     cells, and checked cells that nbval can compare (stored output + execution count)."""
     cells = code_cells(path)
-    assert "os.chdir" in cells[0].source and "from kit" in cells[1].source
+    assert cells[0].source.startswith("from kit.lab.course import begin; begin()")
+    assert "from kit" in cells[1].source
     params = tour.parameters_of(path)  # raises unless literals only
     assert params and "parameters" in cells[2].metadata.get("tags", [])
-    checked = [c for c in cells if "# NBVAL_CHECK_OUTPUT" in c.source]
+    checked = [c for c in cells if tour.CHECK_OUTPUT in c.metadata.get("tags", [])]
+    assert not any("NBVAL_CHECK_OUTPUT" in c.source for c in cells)  # the tag, out of sight
     assert len(checked) >= 1 or path.stem not in STAGES  # the ones nbval re-runs check something
     for c in checked:
         assert "keep_output" in c.metadata.get("tags", []) and c.outputs and c.execution_count
@@ -89,10 +91,10 @@ def test_notebook_shape(path):
 
 
 def outputs_of_checked_cells(path: Path) -> dict[str, str]:
-    """Source -> text output of each cell nbval compares (# NBVAL_CHECK_OUTPUT)."""
+    """Source -> text output of each cell nbval compares (tagged nbval-check-output)."""
     found = {}
     for cell in code_cells(path):
-        if "# NBVAL_CHECK_OUTPUT" in cell.source:
+        if tour.CHECK_OUTPUT in cell.metadata.get("tags", []):
             found[cell.source] = "".join(
                 o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in cell.outputs)
     return found
@@ -153,7 +155,8 @@ def sweep_ran_each_setting(printed: str, out: Path) -> None:
 def test_nbval_reads_the_checked_cells_the_same_way(tmp_path):
     """The comparison above is nbval's: a committed notebook whose checked output is altered
     fails `pytest --nbval-lax` (on a one-cell notebook, in seconds)."""
-    cell = nbformat.v4.new_code_cell("# NBVAL_CHECK_OUTPUT\nprint(6 * 7)", execution_count=1)
+    cell = nbformat.v4.new_code_cell("print(6 * 7)", execution_count=1)
+    cell.metadata["tags"] = [tour.CHECK_OUTPUT]
     cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="41\n")]
     nb = nbformat.v4.new_notebook(cells=[cell])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -215,8 +218,8 @@ def test_strip_clears_outputs_but_keeps_checked_cells(tmp_path):
 def test_keep_records_only_the_checked_cells_of_an_executed_copy(tmp_path):
     """python -m kit keep: the executed copy's outputs land in the cells tagged keep_output and
     nowhere else; a second call changes nothing."""
-    checked = nbformat.v4.new_code_cell("# NBVAL_CHECK_OUTPUT\nprint(6 * 7)")
-    checked.metadata["tags"] = [tour.KEEP_OUTPUT]
+    checked = nbformat.v4.new_code_cell("print(6 * 7)")
+    checked.metadata["tags"] = [tour.CHECK_OUTPUT, tour.KEEP_OUTPUT]
     plain = nbformat.v4.new_code_cell("print('not kept')")
     committed = tmp_path / "nb.ipynb"
     nbformat.write(nbformat.v4.new_notebook(cells=[checked, plain]), str(committed))
@@ -237,8 +240,8 @@ def test_keep_records_only_the_checked_cells_of_an_executed_copy(tmp_path):
 def test_keep_joins_one_cells_stream_chunks(tmp_path):
     """A kernel may flush one cell's prints in two chunks: the kept cell holds them as one output
     (as Jupyter shows them), so its shape does not change from run to run."""
-    cell = nbformat.v4.new_code_cell("# NBVAL_CHECK_OUTPUT\nprint(1); print(2)")
-    cell.metadata["tags"] = [tour.KEEP_OUTPUT]
+    cell = nbformat.v4.new_code_cell("print(1); print(2)")
+    cell.metadata["tags"] = [tour.CHECK_OUTPUT, tour.KEEP_OUTPUT]
     committed = tmp_path / "nb.ipynb"
     nbformat.write(nbformat.v4.new_notebook(cells=[cell]), str(committed))
     ran = nbformat.read(str(committed), as_version=4)

@@ -27,7 +27,7 @@ def test_the_notebooks_checked_cell_holds_the_page_as_it_is():
     import nbformat
 
     nb = nbformat.read(str(ROOT / "notebooks" / "05a-plain-recipe.ipynb"), as_version=4)
-    (cell,) = [c for c in nb.cells if "# NBVAL_CHECK_OUTPUT" in c.source]
+    (cell,) = [c for c in nb.cells if "nbval-check-output" in c.metadata.get("tags", [])]
     assert "page_facts()" in cell.source
     assert "".join(o.get("text", "") for o in cell.outputs) == f"{plain_recipe.page_facts()}\n"
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
-KEEP_OUTPUT = "keep_output"  # tag: a cell whose stored output nbval compares (# NBVAL_CHECK_OUTPUT)
+KEEP_OUTPUT = "keep_output"  # tag: a cell whose stored output is committed
+CHECK_OUTPUT = "nbval-check-output"  # tag: nbval compares that stored output (--nbval-lax)
 
 
 START = "00-start-here.ipynb"  # the course's plan: markdown only, nothing to run
