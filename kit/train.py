@@ -3,15 +3,15 @@
     torchrun --nproc_per_node=2 -m kit.train kit/configs/tiny-cpu.yaml sharding.engine=fsdp1
     python -m kit check kit/configs/tiny-cpu.yaml --nproc 2   # the check step alone (kit.run.check)
 
-Order of operations (each its own module): process group -> plan the "auto" values (rank 0) ->
-load (quantized) model -> LoRA -> recompute + train mode -> shard -> optimizer -> train -> save.
+Order of operations (each its own module): process group -> the start's plan (kit.folder.start:
+checked and planned before any rank; rank 0 plans a start nobody checked) -> load (quantized)
+model -> LoRA -> recompute + train mode -> shard -> optimizer -> train -> save.
 Rank 0 writes `metrics.jsonl` and `result.json` into the run folder and shows its progress;
 an exception on any rank is printed with its rank before torchrun stops the others.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -22,8 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from kit.config import Config, load_config
 from kit.folder import manifest, runfolder
 from kit.folder.layout import RunFolder
-from kit.inputs import builtin
-from kit.inputs import checks as inputs
+from kit.inputs import builtin, datafile
 from kit.recipe import (
     checkpoint,
     checks,
@@ -53,19 +52,21 @@ class Recipe:
         self.out = cfg.output_dir
         self.folder = RunFolder(self.out)  # what rank 0 writes there, by name
         self.report = trackers.Report(cfg, self.folder)  # metrics.jsonl + run.report_to
+        self.split = None  # rank 0's tokenized rows when it measured data.max_seq_len=auto
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
+        with datafile.read_once():  # data.path read once in this process (warm-up, plan, split)
+            self._setup()
+
+    def _setup(self) -> None:
         cfg = self.cfg
         self.env = env = kdist.init(cfg.training.device, cfg.run.dist_timeout_min)
         kdist.joined(env)
         model.import_libraries(cfg)  # every rank, side by side
         self.engine = engines.get(cfg.sharding.engine)
-        # What every rank would find alike, checked once by rank 0 before any model is loaded (a
-        # mistake is its one line; the others end quietly): the engine, this machine, model.name,
-        # and what this start does to the run folder (kit.folder.runfolder: rank 0 hashes the
-        # checkpoints' files once, before any rank writes; nothing trained is replaced in place).
-        # Then rank 0 plans what is left at "auto" (kit.budget.plan); every rank trains so.
+        # Rank 0 reads the start (its run-folder plan and its plan of what was left at "auto");
+        # every rank trains so (a mistake is rank 0's one line; the others end quietly).
         self.plan, self.planned = kdist.on_main(env, self._check_and_plan)
         if self.plan.start is None:  # finished: nothing to do, nothing touched
             return
@@ -87,8 +88,8 @@ class Recipe:
         if built.attention_warning:
             self.say(built.attention_warning)
         self.peft_model, self.tokenizer = built.model, built.tokenizer
-        self.train_rows, self.val_rows = data.build_datasets(cfg.data, self.tokenizer,
-                                                             cfg.training.seed)
+        split = self.split or data.Split(cfg.data, self.tokenizer, cfg.training.seed)
+        self.train_rows, self.val_rows = split.rows(cfg.data.max_seq_len)
         self.say(data.summary(self.train_rows, self.val_rows, cfg.data, cfg.training, env.world_size))
         self.adapter_layout = checkpoint.AdapterLayout(self.peft_model,  # before sharding
                                                        base=cfg.model.name)
@@ -129,17 +130,9 @@ class Recipe:
         self.start_step = self._resume()
 
     def _check_and_plan(self) -> tuple[runfolder.Plan, planning.kplan.Planned | None]:
-        cfg, env = self.cfg, self.env
-        self.engine.check(cfg, env.world_size)
-        folder = runfolder.checked()  # a start checked before the ranks (kit.run.launch)
-        if folder is None:  # bare torchrun: the check step itself, as run.sh runs it
-            per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or env.world_size)
-            inputs.step(cfg, per_node, max(1, env.world_size // per_node))
-            folder = runfolder.plan(cfg, env.world_size, ranks=True)
-        if folder.start is None:
-            return folder, None
-        builtin.resolve(cfg.model.name)  # a kit model is built once, here, for its tokenizer
-        return folder, planning.resolve(cfg, env.device, env.world_size)
+        """Rank 0: the start's plans, or a start nobody checked checked and planned here."""
+        self.split, folder, planned = planning.rank_zero(self.cfg, self.env, self.engine)
+        return folder, planned
 
     def _resume(self) -> int:
         """Restore the checkpoint the plan chose (its manifest checked by kit.folder.runfolder); the

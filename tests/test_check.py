@@ -105,7 +105,7 @@ def test_continuing_a_finished_run_keeps_every_earlier_file(run_copy):
     kept = {str(Path(k).relative_to("earlier", earlier[0].name)): v
             for k, v in after.items() if k.startswith("earlier/")}
     for name, digest in before.items():
-        if name in ("run.sh", "pid", "exit_code"):  # the start's own files: written anew
+        if name in ("run.sh", "start.json", "pid", "exit_code"):  # the start's own files: written anew
             continue
         if name == "metrics.jsonl":  # added to: the earlier rows stay as they were
             assert (run_copy / name).read_bytes().startswith((earlier[0] / name).read_bytes()
@@ -256,7 +256,8 @@ def test_the_success_line_names_the_data_file_the_model_and_a_forgotten_data_pat
     mine = tmp_path / "mine.jsonl"
     mine.write_text("".join(json.dumps({"text": f"my row {i}"}) + "\n" for i in range(40)))
     cfg = load_config(TINY, [out, f"data.path={mine}", "training.batch_size=2"])
-    line = check_step.data_line(cfg, 2, runfolder.plan(cfg, 2), [out, f"data.path={mine}"])
+    line = check_step.success_line(cfg, check_step.check(cfg, 2, here=True),
+                                   [out, f"data.path={mine}"])
     assert line.startswith(f"data: {mine}, model kit:tiny-llama: 36 training rows"), line
     assert "recipe's own" not in line
     plain = "kit:sample, model kit:tiny-llama"

@@ -7,7 +7,7 @@ from conftest import ROOT, TINY
 
 from kit.config import ConfigError, DataConfig
 from kit.inputs import builtin, datafile
-from kit.recipe import data
+from kit.recipe import data, tokens
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +223,7 @@ def test_packed_row_equals_samples_run_alone(tokenizer, tiny_llama, attn):
     model.config.use_cache = False  # as kit.train sets it: with a KV cache packing is ignored
     alone = [torch.tensor([ids]) for ids in samples(tokenizer, TEXTS, 96)]
     assert len({x.shape[1] for x in alone}) == len(alone)  # lengths differ
-    packed = data._encode_packed(TEXTS, tokenizer, 96)
+    packed = tokens.encode_packed(tokens.Tokens(TEXTS, tokenizer, cut=96), 96)
     assert len(packed["input_ids"]) == 1 and data.count_tokens(packed) < 96  # one row, padded
     bounds = segments({k: v[0] for k, v in packed.items()})
     with torch.no_grad():
@@ -346,7 +346,8 @@ def test_a_small_validation_split_is_evaluated_once_on_fewer_ranks(tokenizer):
     used to refuse the run): rank 0 evaluates rows 0 and 2, rank 1 row 1 beside a filler with
     no labels; both run one batch (a sharded forward is collective). A training split that
     small is refused, naming the split and remedies that exist."""
-    rows = data.Rows(data._encode([f"row {i} says hello" for i in range(3)], tokenizer, 8))
+    rows = data.Rows(tokens.encode(tokens.Tokens([f"row {i} says hello" for i in range(3)],
+                                                 tokenizer, cut=8), 8))
     got = [data.loader(rows, 2, rank, 2, 0, train=False) for rank in (0, 1)]
     assert [len(batches) for batches in got] == [1, 1]
     assert (got[0][0]["input_ids"] == rows.tensors["input_ids"][[0, 2]]).all()
@@ -510,3 +511,27 @@ def test_one_split_rule_for_the_check_the_recipe_and_sft(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(builtin.resolve(cfg.model.name))
     train, val = data.build_datasets(cfg.data, tokenizer, seed=cfg.training.seed)
     assert (len(train), len(val)) == (8, 2)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_one_tokenization_gives_the_rows_of_the_tokenizers_own_call(tokenizer, side):
+    """Each text is tokenized once (kit.recipe.tokens): the rows at any length, cut and padded,
+    are what the tokenizer's own padded and truncating call gives, and the longest row is read
+    from the same tokens (data.max_seq_len=auto), so a start plans and lists its data from one
+    tokenization."""
+    import torch
+
+    texts = [" ".join(["word"] * n) for n in (3, 17, 6, 30)]
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    tokenizer.padding_side = side
+    once = tokens.Tokens(texts, tokenizer)
+    with_eos = [t + tokenizer.eos_token for t in texts]
+    assert once.longest() == max(len(ids) for ids in tokenizer(with_eos)["input_ids"])
+    for length in (8, 16, once.longest()):
+        own = tokenizer(with_eos, max_length=length, truncation=True, padding="max_length",
+                        return_tensors="pt")
+        got = tokens.encode(once, length)
+        assert torch.equal(got["input_ids"], own["input_ids"])
+        assert torch.equal(got["attention_mask"], own["attention_mask"])
+        assert (got["labels"][own["attention_mask"] == 0] == -100).all()
+    assert tokens.encode(once, "auto")["input_ids"].shape == (4, once.longest())

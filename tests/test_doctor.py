@@ -240,9 +240,9 @@ def test_accelerate_config_of_the_second_article(tmp_path):
 
 
 def test_the_machine_probe_reads_this_machine_without_cuda():
-    from kit.budget import hardware
+    from kit.budget import machine
 
-    found = hardware.probe(vars={"X_DOCTOR": "1"}, nproc_per_node=3)
+    found = machine.probe(vars={"X_DOCTOR": "1"}, nproc_per_node=3)
     assert found["vars"]["X_DOCTOR"] == "1" and found["nproc_per_node"] == 3
     assert found["gpus"] == [] or all(g["memory_gib"] > 0 for g in found["gpus"])
     assert found["host_ram_gib"] and found["host_ram_gib"] > 0.5

@@ -17,7 +17,8 @@ import pytest
 from conftest import ROOT, alive
 
 from kit.config import ConfigError
-from kit.run.launch import PreflightFailed, Run, RunFailed, launch, preflight, prepare, resolve
+from kit.run.check import Refused
+from kit.run.launch import Run, RunFailed, begin, launch, prepare, resolve
 from kit.run.widgets import Dashboard
 
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -41,7 +42,7 @@ def test_run_sh_builds_the_torchrun_command(tmp_path):
     folder = prepare("tiny-cpu", [f"run.output_dir={tmp_path / 'r'}"], nproc=3)
     stub = tmp_path / "python"
     stub.write_text('#!/usr/bin/env bash\necho "ARGS $*"\n'
-                    'for v in TOKENIZERS_PARALLELISM PYTORCH_CUDA_ALLOC_CONF '
+                    'for v in TOKENIZERS_PARALLELISM PYTORCH_CUDA_ALLOC_CONF KIT_START '
                     'TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC OMP_NUM_THREADS; do echo "$v=${!v:-}"; done\n'
                     'exit "${STUB_EXIT:-0}"\n')
     stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
@@ -59,9 +60,12 @@ def test_run_sh_builds_the_torchrun_command(tmp_path):
     assert proc.returncode == 0, proc.stderr
     check, args = [line.split()[1:] for line in proc.stdout.splitlines()
                    if line.startswith("ARGS")]
-    # First the check step (kit.run.check), with the same arguments, in one process.
+    # First the check step (kit.run.check), with the same arguments, in one process: it writes
+    # the start (start.json), which run.sh names to the ranks.
     assert check == ["-m", "kit.run.check", f"{folder}/config.yaml", f"run.output_dir='{folder}'",
-                     "run.dist_timeout_min=5", "training.steps=2", "--nproc", "3", "--nnodes", "1"]
+                     "run.dist_timeout_min=5", "training.steps=2", "--nproc", "3", "--nnodes", "1",
+                     "--start"]
+    assert env["KIT_START"] == f"{folder}/start.json"
     assert args[:4] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"]
     assert args[4:8] == ["--log-dir", f"{folder}/logs", "--redirects", "3"]
     assert args[args.index("kit.train") + 1:] == [
@@ -96,15 +100,18 @@ def test_run_sh_builds_the_torchrun_command(tmp_path):
 
 
 def test_preflight_error_refuses_to_start(tmp_path):
-    """The doctor's error-level finding stops the launch before anything is written."""
+    """The doctor's error-level finding stops the launch before anything is written, as the one
+    error every start raises (kit.run.check.Refused: a line per problem); force=True starts
+    despite it, the finding said."""
     bad = ["lora.target_modules=[nope_proj]"]
     out = tmp_path / "refused"
-    with pytest.raises(PreflightFailed, match="nope_proj") as e:
+    with pytest.raises(Refused, match="nope_proj") as e:
         launch("tiny-cpu", [*bad, f"run.output_dir={out}"])
-    assert e.value.findings and all(f.level == "error" for f in e.value.findings)
+    assert e.value.problems and all("\n" not in line for line in e.value.problems)
     assert not out.exists()  # nothing written, nothing started
-    forced = preflight(resolve("tiny-cpu", bad), force=True)
-    assert any(f.level == "error" and "nope_proj" in f.message for f in forced)
+    forced = begin(resolve("tiny-cpu", [*bad, f"run.output_dir={out}"]), force=True)
+    assert any(f.level == "error" and "nope_proj" in f.message for f in forced.findings)
+    assert not out.exists()
 
 
 # --------------------------------------------------------------------------- real launches

@@ -326,19 +326,19 @@ def test_offloaded_tensors_must_fit_host_memory_too():
     assert "\n" not in line and "32.0 GiB of host memory per process" in line
     assert line.endswith("data.max_seq_len=65536")
     assert kplan.plan(cfg, replace(_gpu(1, 24), host_gib=64), 131072).cfg.training.offload_activations
-    from kit.budget import hardware
+    from kit.budget import machine as probed
 
     machine = {"gpus": [{"name": "H100", "memory_gib": 80.0}], "nproc_per_node": 1,
-               "host_ram_gib": hardware.available_gib()}
-    one = hardware.for_plan(machine, 1, "cuda").host_gib
-    four = hardware.for_plan({**machine, "nproc_per_node": 4}, 4, "cuda").host_gib
+               "host_ram_gib": probed.available_gib()}
+    one = probed.for_plan(machine, 1, "cuda").host_gib
+    four = probed.for_plan({**machine, "nproc_per_node": 4}, 4, "cuda").host_gib
     assert one and four == pytest.approx(one / 4, abs=0.5)
 
 
 def test_one_fp8_rule_from_the_compute_capability():
     """FP8 tensor cores from compute capability 8.9 on: probed ("capability"), or by the name
     where only a name is known (`kit plan --gpu NAME`, a doctor's machine as a dict)."""
-    from kit.budget import hardware
+    from kit.budget import machine as hardware
 
     assert hardware.fp8({"name": "NVIDIA H100 80GB HBM3"}) and hardware.fp8({"name": "H200"})
     assert hardware.fp8({"name": "NVIDIA GeForce RTX 4090"}) and hardware.fp8({"name": "L40S"})

@@ -10,7 +10,7 @@ exits 1 when any is an error (`Finding` is kit/findings.py; the in-run checks th
 its ranks are kit/recipe/checks.py, read from there). One file per moment, read top to bottom:
 
     context.py    the config tree, the model's parts on the meta device (the machine:
-                  kit.budget.hardware.probe)
+                  kit.budget.machine.probe)
     preflight.py  the checks on a config + machine: preflight(cfg, env=None)
     script.py     scan_script(path_or_text): article patterns in a user's script
     run.py        diagnose_run(run_dir): a finished or failed run folder

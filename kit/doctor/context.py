@@ -21,11 +21,11 @@ from kit.findings import Finding
 
 def complete_env(env: dict | None) -> dict:
     """A caller's env dict with the keys it left out: no GPUs, RAM unknown, 2 ranks; None: this
-    machine (kit.budget.hardware.probe)."""
+    machine (kit.budget.machine.probe)."""
     if env is None:
-        from kit.budget import hardware
+        from kit.budget import machine
 
-        return hardware.probe()
+        return machine.probe()
     gpus = list(env.get("gpus") or [])
     full = {
         "vars": {},
@@ -195,7 +195,7 @@ class Context:
 
     def __init__(self, raw: dict, env: dict, planned=None):
         self.raw, self.env = raw, env
-        self.given_plan = planned  # the start's plan (kit.run.check.start), or its refusal
+        self.given_plan = planned  # the start's plan (kit.run.check.check), or its refusal
         self.tree = _merge(Config().to_dict(), {k: v for k, v in raw.items() if k != "accelerate"})
         self.accelerate = raw.get("accelerate")
         wants = self.get("training.device")
@@ -232,10 +232,10 @@ class Context:
 
     def planned(self):
         """The plan (kit.budget.plan) of a config with values left at auto on these GPUs: the
-        start's own where it planned (kit.run.check.start), else planned here; None when nothing
+        start's own where it planned (kit.run.check.check), else planned here; None when nothing
         is left to plan (or the config is refused elsewhere); a Finding when it cannot be planned
         here or does not fit."""
-        from kit.budget import hardware
+        from kit.budget import machine
         from kit.budget import plan as kplan
         from kit.config import ConfigError, config_from_dict
 
@@ -253,7 +253,7 @@ class Context:
                            "(`kit plan CONFIG` shows the plan now)",
                            "data.max_seq_len=<tokens> to check the memory here", "data.max_seq_len")
         try:
-            return kplan.plan(cfg, hardware.for_plan(self.env, self.ranks, "cuda"),
+            return kplan.plan(cfg, machine.for_plan(self.env, self.ranks, "cuda"),
                               cfg.data.max_seq_len, self.facts.config)
         except ConfigError as e:
             return refused_plan(e)

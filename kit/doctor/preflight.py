@@ -389,7 +389,7 @@ def _data(c: Context) -> list[Finding]:
 def preflight(cfg, env: dict | None = None, overrides: list[str] | None = None,
               planned=None) -> list[Finding]:
     """Findings for a run of `cfg` (a Config, a dict tree, a kit or accelerate YAML path) on
-    `env` (kit.budget.hardware.probe's dict; None: this machine). Errors first. Never raises on a
+    `env` (kit.budget.machine.probe's dict; None: this machine). Errors first. Never raises on a
     bad config: a value load_config would reject becomes a finding, with the specific ones
     explained. planned: the start's plan of the values left at auto (kit.budget.plan.Planned, or
     the Finding of its refusal), which the memory check reads instead of planning again."""

@@ -26,6 +26,7 @@ class RunFolder:
     # In: what a start writes (kit.run.launch.prepare; the ranks write config.yaml again).
     CONFIG = "config.yaml"  # the resolved config: the ranks' only input
     RUN_SH = "run.sh"  # the bash torchrun script that starts the ranks
+    START = "start.json"  # the start as checked and planned before any rank (kit.folder.start)
     # Launcher files kit.run.jobs writes beside run.sh: other ways to start the same run.
     LAUNCHERS = ("accelerate.yaml", "job.sbatch", "trainjob.yaml", "pytorchjob.yaml")
     # The running start: run.sh's process, its end, a stop asked for (kit.run.runs.Run).
@@ -58,7 +59,7 @@ class RunFolder:
     @classmethod
     def names(cls) -> set[str]:
         """Every name the folder may hold directly (LAUNCHERS included)."""
-        return {cls.CONFIG, cls.RUN_SH, *cls.LAUNCHERS, cls.PID, cls.EXIT_CODE, cls.STOP_REQUESTED,
+        return {cls.CONFIG, cls.RUN_SH, cls.START, *cls.LAUNCHERS, cls.PID, cls.EXIT_CODE, cls.STOP_REQUESTED,
                 cls.CLAIM, cls.LOG, cls.LOGS, cls.METRICS, cls.RESULT, cls.ADAPTER, cls.PROBE,
                 cls.CHECKPOINTS, cls.EARLIER, cls.TRAINER, cls.TENSORBOARD, cls.TRACKIO}
 
@@ -75,6 +76,10 @@ class RunFolder:
     @property
     def run_sh(self) -> Path:
         return self.path / self.RUN_SH
+
+    @property
+    def start(self) -> Path:
+        return self.path / self.START
 
     @property
     def pid(self) -> Path:

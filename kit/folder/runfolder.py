@@ -19,9 +19,10 @@ The rules, for `training.resume` and `run.start_over`:
   step and leaves the checkpoints past it (damaged, or of a timeline an explicit path leaves):
   those move into earlier/<time>/ first, with the config.yaml they were made with.
 
-Kernel side, no torch: kit.run.launch plans before it writes anything (a refused or finished start
-leaves every file byte-identical), the check step (kit.run.check) before torchrun, and the ranks
-(kit.train) plan again, which a start prepared this way passes without moving anything more.
+Kernel side, no torch: a start plans before it writes anything (kit.run.check.check: a refused or
+finished start leaves every file byte-identical) and hands the plan to its ranks in start.json
+(kit.folder.start); rank 0 of a start nobody checked (bare torchrun), or of a restart, plans for
+itself.
 """
 
 from __future__ import annotations
@@ -77,7 +78,19 @@ class Plan:
         (dest / "why.txt").write_text("\n".join([why or self.message, *self.notes,
                                                  f"moved: {', '.join(names)}"]) + "\n")
         self.notes.append(f"kept the earlier {', '.join(names)} in {dest}")
+        self.displaced = []  # moved: a later call (the ranks, with the start) moves nothing more
         return dest
+
+    def to_json(self) -> dict:
+        return {"start": self.start, "checkpoint": str(self.checkpoint) if self.checkpoint else None,
+                "notes": list(self.notes), "displaced": list(self.displaced),
+                "trim_metrics": self.trim_metrics, "message": self.message}
+
+    @classmethod
+    def from_json(cls, found: dict) -> Plan:
+        return cls(found["start"], Path(found["checkpoint"]) if found["checkpoint"] else None,
+                   list(found["notes"]), list(found["displaced"]), found["trim_metrics"],
+                   found["message"])
 
 
 def _unwritable(out: Path) -> str | None:
@@ -106,8 +119,9 @@ def _config_changed(folder: Path, cfg: Config) -> bool:
 LAUNCHERS = set(RunFolder.LAUNCHERS)
 # The claim of the start writing the folder now (claim below): hidden, never moved.
 CLAIM = RunFolder.CLAIM
-# Files every start writes anew (kit.run.launch.prepare, run.sh), and the launchers: never moved.
-PLUMBING = {RunFolder.RUN_SH, RunFolder.PID, RunFolder.EXIT_CODE,
+# Files every start writes anew (kit.run.launch.prepare, run.sh's check step: start.json), and
+# the launchers: never moved.
+PLUMBING = {RunFolder.RUN_SH, RunFolder.PID, RunFolder.EXIT_CODE, RunFolder.START,
             RunFolder.STOP_REQUESTED, CLAIM} | LAUNCHERS
 # What the running start itself is writing when the ranks plan (run.sh's log, torchrun's logs/).
 LIVE = (RunFolder.LOG, RunFolder.LOGS)
@@ -117,27 +131,6 @@ LIVE = (RunFolder.LOG, RunFolder.LOGS)
 # torchrun --max-restarts (its restarted ranks), a requeued Slurm job (the job script again,
 # check step included).
 RESTARTS = ("KIT_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
-
-
-# The plan of a start that was checked before its ranks started (kit.run.launch, `kit train`):
-# passed to the ranks in this variable, so they neither check nor plan again. run.sh drops it for
-# a restart, which plans anew (the folder then holds newer checkpoints).
-CHECKED = "KIT_CHECKED"
-
-
-def checked_value(plan: Plan) -> str:
-    return json.dumps({"start": plan.start, "message": plan.message, "notes": plan.notes,
-                       "checkpoint": str(plan.checkpoint) if plan.checkpoint else None})
-
-
-def checked(environ=os.environ) -> Plan | None:
-    """The checked start's plan (CHECKED), None when the ranks must plan themselves."""
-    value = environ.get(CHECKED)
-    if not value or restart(environ):
-        return None
-    got = json.loads(value)
-    return Plan(start=got["start"], message=got["message"], notes=got["notes"],
-                checkpoint=Path(got["checkpoint"]) if got["checkpoint"] else None)
 
 
 def restart(environ=os.environ) -> str | None:

@@ -1,9 +1,14 @@
 """Training data: a local json/jsonl/csv/parquet file (or the bundled sample), read through
-`datasets` and every row checked by kit.inputs.datafile, plain text or chat messages, tokenized to
-fixed-length rows and split across ranks.
+`datasets` and every row checked by kit.inputs.datafile, plain text or chat messages, tokenized
+once (kit.recipe.tokens) to fixed-length rows and split across ranks.
 
-With data.packing, several samples share a row (`_encode_packed`): rows carry `position_ids` that
-restart at 0 per sample and no `attention_mask`, which is how transformers recognises packed rows
+    split = Split(cfg.data, tokenizer, seed)   # read, checked, rendered, split, tokenized once
+    split.longest()                            # data.max_seq_len=auto (kit.recipe.planning)
+    train, val = split.rows(512)               # the rows at the planned length
+
+With data.packing, several samples share a row (kit.recipe.tokens.encode_packed): rows carry
+`position_ids` that restart at 0 per sample and no `attention_mask`, which is how transformers
+recognises packed rows
 (masking_utils.find_packed_sequence_indices: a block-diagonal causal mask for sdpa/eager/flex;
 flash_attention_2 reads the boundaries from position_ids, but only in a batch of one row, hence
 `loader(one_row=True)`). The model must run without a KV cache (config.use_cache=False), or
@@ -20,7 +25,7 @@ import re
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
-from kit.config import ConfigError, DataConfig
+from kit.config import AUTO, ConfigError, DataConfig
 
 # Files are read and checked in kit.inputs.datafile (no torch).
 from kit.inputs.datafile import (
@@ -32,10 +37,12 @@ from kit.inputs.datafile import (
     split_sizes,
     texts_column,
 )
+from kit.recipe import tokens
 
 
 def warm_cache(cfg: DataConfig) -> None:
-    """Read (and check) the files once, so that `datasets` has cached them: one rank first."""
+    """Read (and check) the files, so that `datasets` has cached them: one rank first (within
+    kit.inputs.datafile.read_once, the rows the split reads afterwards)."""
     check_file(cfg)
 
 
@@ -82,73 +89,6 @@ def assistant_spans(messages: list[dict], text: str, tokenizer) -> list[tuple[in
     return spans
 
 
-def _trained(offsets, spans: list[tuple[int, int]]) -> list[bool]:
-    """Per token (its character offsets), whether it overlaps an assistant span (a token may
-    begin before one: " 23" takes the space that ends the generation prompt)."""
-    return [e > s and any(s < b and e > a for a, b in spans) for s, e in offsets]
-
-
-def _encode(texts: list[str], tokenizer, max_len, spans=None) -> dict[str, torch.Tensor]:
-    texts = [t + tokenizer.eos_token for t in texts] if tokenizer.eos_token else texts
-    fixed = max_len != "auto"  # auto outside a planned run (kit.recipe.planning): the longest row
-    enc = tokenizer(texts, max_length=max_len if fixed else None, truncation=fixed,
-                    padding="max_length" if fixed else "longest", return_tensors="pt",
-                    return_offsets_mapping=spans is not None)
-    labels = enc["input_ids"].clone()
-    labels[enc["attention_mask"] == 0] = -100  # no loss on padding
-    if spans is not None:  # nor on what is not the assistant's
-        keep = torch.tensor([_trained(o.tolist(), s) for o, s in zip(enc["offset_mapping"], spans,
-                                                                      strict=True)])
-        labels[~keep] = -100
-    return {
-        "input_ids": enc["input_ids"],
-        "attention_mask": enc["attention_mask"],
-        "labels": labels,
-    }
-
-
-def _encode_packed(texts: list[str], tokenizer, max_len: int, spans=None) -> dict[str, torch.Tensor]:
-    """Samples (each truncated to max_len) packed greedily, in order, into rows of max_len tokens.
-    transformers' DataCollatorWithFlattening joins each row's samples: position ids restart at 0,
-    and every sample's first label is -100, so no token predicts across a boundary. The row's
-    tail is padding: pad tokens, labels -100, position ids continuing the last sample's (it stays
-    one sample to transformers, so `count_tokens` can tell padding from a sample start)."""
-    from transformers import DataCollatorWithFlattening
-
-    max_len = PACKED_ROW if max_len == "auto" else max_len
-    texts = [t + tokenizer.eos_token for t in texts] if tokenizer.eos_token else texts
-    enc = tokenizer(texts, max_length=max_len, truncation=True,
-                    return_offsets_mapping=spans is not None)
-    samples = [{"input_ids": ids} for ids in enc["input_ids"]]
-    if spans is not None:
-        for sample, offsets, span in zip(samples, enc["offset_mapping"], spans, strict=True):
-            sample["labels"] = [i if t else -100 for i, t in
-                                zip(sample["input_ids"], _trained(offsets, span), strict=True)]
-    groups: list[list[dict]] = []
-    used = max_len + 1  # forces a first row
-    for sample in filter(lambda s: s["input_ids"], samples):
-        if used + len(sample["input_ids"]) > max_len:
-            groups.append([])
-            used = 0
-        groups[-1].append(sample)
-        used += len(sample["input_ids"])
-    flatten = DataCollatorWithFlattening()
-    n_rows = len(groups)
-    out = {
-        "input_ids": torch.full((n_rows, max_len), tokenizer.pad_token_id, dtype=torch.long),
-        "labels": torch.full((n_rows, max_len), -100, dtype=torch.long),
-        "position_ids": torch.zeros((n_rows, max_len), dtype=torch.long),
-    }
-    for i, group in enumerate(groups):
-        row = flatten(group, return_tensors="pt")
-        n = row["input_ids"].shape[1]
-        last = n - len(group[-1]["input_ids"])  # where the last sample starts
-        for key in out:
-            out[key][i, :n] = row[key][0]
-        out["position_ids"][i, last:] = torch.arange(max_len - last)
-    return out
-
-
 def count_tokens(batch: dict[str, torch.Tensor]) -> int:
     """Real (non-padding) tokens of a batch. Packed rows have no attention mask: every token before
     a row's last sample start is real (samples are packed end to end), and the last sample ends at
@@ -176,49 +116,54 @@ class Rows(torch.utils.data.Dataset):
         return {k: v[i] for k, v in self.tensors.items()}
 
 
-def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[Rows, Rows]:
-    """(train, validation) tokenized rows; the split is seeded, identical on every rank. Each
-    file's rows are checked and rendered whole before the split, so a problem names its row."""
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    rows = read_checked(cfg.path, cfg)  # every row checked here, where rows keep their numbers
-    texts, spans = _chats(rows, cfg, tokenizer, cfg.path)
-    if cfg.val_path:
-        val_rows = read_checked(cfg.val_path, cfg, "data.val_path")
-        train, val = (texts, spans), _chats(val_rows, cfg, tokenizer, cfg.val_path, "data.val_path")
-    else:
+class Split:
+    """data.path (and data.val_path) as the ranks train on it: read (kit.inputs.datafile), every
+    row checked and rendered whole before the split (a problem names its row), split by a seeded
+    permutation (the same on every rank and machine) and each text tokenized once: the longest
+    row (data.max_seq_len=auto) and the rows at any length come from the same tokens."""
+
+    def __init__(self, cfg: DataConfig, tokenizer, seed: int):
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self.cfg = cfg
+        auto = cfg.max_seq_len == AUTO  # uncut: the longest row is asked (packing: its row)
+        cut = (PACKED_ROW if cfg.packing else None) if auto else cfg.max_seq_len
+        rows = read_checked(cfg.path, cfg)  # every row checked here, where rows keep their numbers
+        texts, spans = _chats(rows, cfg, tokenizer, cfg.path)
+        self.path = tokens.Tokens(texts, tokenizer, spans, cut)  # data.path's rows
+        if cfg.val_path:
+            val_rows = read_checked(cfg.val_path, cfg, "data.val_path")
+            val = _chats(val_rows, cfg, tokenizer, cfg.val_path, "data.val_path")
+            self.train, self.val = self.path, tokens.Tokens(val[0], tokenizer, val[1], cut)
+            return
         if cfg.val_fraction > 0:
-            # A seeded permutation: the same split on every rank and every machine.
             order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
             n_val = split_sizes(len(rows), cfg.val_fraction)[1]
             val_idx, train_idx = order[:n_val], order[n_val:]
         else:
             train_idx, val_idx = range(len(rows)), range(min(64, len(rows)))
-        pick = lambda idx: ([texts[i] for i in idx], None if spans is None else [spans[i] for i in idx])  # noqa: E731
-        train, val = pick(train_idx), pick(val_idx)
-    encode = _encode_packed if cfg.packing else _encode
+        self.train, self.val = self.path.pick(train_idx), self.path.pick(val_idx)
 
-    def tokenized(part) -> Rows:
-        rows = Rows(encode(part[0], tokenizer, cfg.max_seq_len, part[1]))
-        rows.covers = "every token" if part[1] is None else "the assistant's turns"
-        return rows
+    def longest(self) -> int:
+        """Tokens in data.path's longest row (its end-of-sequence token included)."""
+        return self.path.longest()
 
-    return tokenized(train), tokenized(val)
+    def rows(self, max_len=None) -> tuple[Rows, Rows]:
+        """(train, validation) rows of max_len tokens (default data.max_seq_len)."""
+        max_len = self.cfg.max_seq_len if max_len is None else max_len
+        encode = tokens.encode_packed if self.cfg.packing else tokens.encode
+
+        def made(part: tokens.Tokens) -> Rows:
+            rows = Rows(encode(part, max_len))
+            rows.covers = "every token" if part.spans is None else "the assistant's turns"
+            return rows
+
+        return made(self.train), made(self.val)
 
 
-def plan(cfg, world: int) -> str:
-    """The data line the ranks print, made before they start (kit.run.check, run.sh's check step):
-    the model's tokenizer alone, the rows tokenized as the ranks will, and a training split too
-    small for every rank refused here rather than after every rank has loaded the model."""
-    from transformers import AutoTokenizer
-
-    from kit.inputs import builtin
-
-    tokenizer = AutoTokenizer.from_pretrained(builtin.resolve(cfg.model.name),
-                                              trust_remote_code=cfg.model.trust_remote_code)
-    train, val = build_datasets(cfg.data, tokenizer, cfg.training.seed)
-    fits(train, cfg.training.batch_size, world)
-    return summary(train, val, cfg.data, cfg.training, world)
+def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> tuple[Rows, Rows]:
+    """(train, validation) tokenized rows at data.max_seq_len (`Split`)."""
+    return Split(cfg, tokenizer, seed).rows()
 
 
 def summary(train: Rows, val: Rows, cfg: DataConfig, training, world: int) -> str:

@@ -34,7 +34,7 @@ def grouped_kernel(device: torch.device, dtype: torch.dtype) -> bool:
     """True where `torch._grouped_mm` runs at speed: a CUDA GPU of compute capability 9.0 or newer
     (its CUTLASS grouped kernel; older GPUs get a loop inside torch) in bf16. Anywhere else (the
     CPU, pre-Hopper GPUs, fp32 runs) the kit loops over the sorted groups: the same arithmetic."""
-    from kit.budget.hardware import GROUPED_GEMM_CAPABILITY
+    from kit.budget.machine import GROUPED_GEMM_CAPABILITY
 
     return (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and torch.cuda.get_device_capability(device) >= GROUPED_GEMM_CAPABILITY)  # fmt: skip

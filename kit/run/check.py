@@ -1,24 +1,31 @@
-"""The check step: everything about a start that can be known before a process starts.
+"""The check step: everything about a start that can be known before a process starts, and
+the start itself (kit.folder.start), built once by `check` for every way to start the recipe.
 
     python -m kit.run.check CONFIG [key=value ...] [--nproc N] [--nnodes N]
+    begun = check(cfg, nproc_per_node=2)    # kit train, launch, run_to_end, run.sh's check step
 
-run.sh runs it before torchrun (and kit.run.launch calls `check` before writing the run folder), so a
-mistake is one line from one process, not the same line from every rank followed by torchrun's
-40-line ChildFailedError. It checks, in order: the config file and values (kit.config), where
-model.name points (kit.inputs.sources), the data file row by row (kit.inputs.datafile), the pre-flight's
-error-level findings for this machine (kit.doctor: pitfalls, GPUs, memory), and what the start
-would do to its run folder (kit.folder.runfolder: a refused start, a finished run).
+`check` builds a start from the config, this machine (kit.budget.machine.probe), the processes
+and the nodes, in order: the config file and values (kit.config), where model.name points
+(kit.inputs.sources), the data file row by row (kit.inputs.datafile), the plan of the values left
+at auto (kit.budget.plan: a plan that cannot fit is refused here), the pre-flight's error-level
+findings for this machine (kit.doctor: pitfalls, GPUs, memory, read from that plan), what the
+start would do to its run folder (kit.folder.runfolder: a refused start, a finished run) and the
+data line. Every refusal is one `Refused`: one line per problem, before any process starts, with
+every file of the run folder as it was. The start is written into the run folder as start.json
+(kit.run.launch.prepare, or this command with --start, as run.sh runs it), and its ranks read it
+instead of checking, planning and reading the data again.
 
-On success it prints one line: the data file and the model (and, when key=value overrides left
-data.path at the recipe's shipped sample, that they did), what the run will see of its data, as
-the ranks will print it (the model's tokenizer, the rows tokenized: training and validation rows,
-per rank, tokens, what the loss covers, steps and epochs), the plan of the values left at auto (kit.budget.plan: a plan that
-cannot fit is refused here), and what the start does to its run folder (new, resumed).
-That line is the one step here that imports torch (kit.recipe.data.plan), and only in this command's own
-process: `check()`, which the notebook kernel calls, does not make it.
+Where it runs decides what it can know: `here=True` (kit train's own process, this command)
+imports torch and transformers to read the data's rows once (kit.recipe.planning.Planning): the
+plan, even for data.max_seq_len=auto, and the data line; a notebook's kernel (launch,
+run_to_end) imports no torch, plans only a set data.max_seq_len and leaves auto to rank 0.
 
-Exit codes: 0 go on, 2 refused (one line per problem on stderr), 3 nothing to do (the run is
-finished; run.sh then exits 0 without starting torchrun). Importing it loads no torch.
+On success this command prints one line: the data file and the model (and, when key=value
+overrides left data.path at the recipe's shipped sample, that they did), what the run will see
+of its data, as the ranks will print it, the plan of the values left at auto and what the start
+does to its run folder (new, resumed). Exit codes: 0 go on, 2 refused (one line per problem on
+stderr), 3 nothing to do (the run is finished; run.sh then exits 0 without starting torchrun).
+Importing it loads no torch.
 """
 
 from __future__ import annotations
@@ -28,8 +35,11 @@ import os
 import sys
 
 from kit import pitfalls
-from kit.config import Config, ConfigError, load_config
+from kit.budget import plan as kplan
+from kit.config import AUTO, Config, ConfigError, load_config
+from kit.doctor.context import refused_plan
 from kit.folder import runfolder
+from kit.folder.start import Start
 from kit.inputs import checks, datafile, sources
 from kit.run import script
 
@@ -37,17 +47,13 @@ NOTHING_TO_DO = 3
 
 
 class Refused(ConfigError):
-    """Several one-line problems; str() is one line per problem."""
+    """A start that cannot run: str() is one line per problem (`problems`). The one error every
+    way to start the recipe raises (kit train, launch, run_to_end, run.sh's check step); a
+    ConfigError, so what catches those catches it."""
 
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__("\n".join(problems))
-
-
-def inputs(cfg: Config, in_process: bool = False) -> None:
-    """What the config points at, the model and the data (kit.inputs.checks). in_process:
-    transformers read here (a process that has imported torch), not in a child process."""
-    checks.check(cfg, lambda: model_read(cfg, in_process))
 
 
 FACTS_VERSION = 2  # part of the cache key: a change to what model_read reads reads again
@@ -106,48 +112,103 @@ def _stamp(name: str) -> list:
         return []
 
 
-def check(cfg: Config, nproc_per_node: int = 2, nnodes: int = 1,
-          env_vars: dict | None = None) -> runfolder.Plan:
-    """Raise ConfigError/Refused for a start that cannot run; else return its run-folder plan
-    (plan.start None: finished, nothing to do). Touches no file. Rank 0 of a start nobody
-    checked (bare torchrun, python -m kit.train) makes the same checks of the config and its
-    inputs (kit.inputs.checks) before it plans; the machine's it learns as it starts."""
-    inputs(cfg)
-    from kit import doctor  # the pre-flight: pitfalls with this machine, GPUs, memory
-    from kit.budget import hardware
+def check(cfg: Config, nproc_per_node: int = 2, nnodes: int = 1, machine: dict | None = None,
+          *, here: bool = False, force: bool = False, plan: bool = True,
+          ranks: bool = False) -> Start:
+    """The start of `cfg` on `nproc_per_node` x `nnodes` processes of `machine` (default: this
+    one, as run.sh's environment shows it to the ranks); raises Refused (one line per problem)
+    for a start that cannot run. Touches no file. begun.folder.start None: the run is finished,
+    nothing to do (no data line then).
 
-    machine = hardware.probe(vars=env_vars, nproc_per_node=nproc_per_node)
-    machine["nnodes"] = nnodes
+    here: plan and make the data line in this process (imports torch; the data read and
+    tokenized once); else only a set data.max_seq_len is planned (a notebook's kernel). force:
+    start despite the pre-flight's error-level findings (launch(force=True)). plan: False for
+    rank 0 of a start nobody checked, which plans for itself. ranks: plan the run folder as the
+    ranks see it (run.sh's check step: run.log and logs/ are the start's own)."""
+    from kit.budget import machine as probed
+
+    world = nproc_per_node * nnodes
+    machine = {**(machine or probed.probe(vars=script.RUN_ENV, nproc_per_node=nproc_per_node)),
+               "nproc_per_node": nproc_per_node, "nnodes": nnodes}
     gpu = bool(machine["gpus"]) and cfg.training.device != "cpu"
-    facts = {**machine, "ranks": nproc_per_node * nnodes, "device": "cuda" if gpu else "cpu"}
-    # The pitfalls this machine decides, in the registry's own line (as load_config says its
-    # config-only ones); then the pre-flight's other errors (GPUs, memory, the model's fit).
+    hw = probed.for_plan(machine, world, "cuda" if gpu else "cpu")
+    with datafile.read_once(stdlib=not here):  # the data file read once here, whoever asks
+        facts = _inputs(cfg, here)
+        planned, unplanned, broken = None, [], None
+        if plan and cfg.data.max_seq_len != AUTO and (here or facts is not None):
+            try:  # a set length plans without the data (no torch): before the pre-flight
+                planned = kplan.plan(cfg, hw, cfg.data.max_seq_len,
+                                     sources.model_config(cfg.model.name), facts)
+            except ConfigError as e:  # nothing fits: the pre-flight reads it as its finding
+                planned, unplanned = refused_plan(e), str(e).splitlines()
+            except (ValueError, KeyError) as e:  # a value the pre-flight refuses (a target
+                broken = e  # module the model has not): its line first, else this
+        findings, lines = _machine(cfg, machine, world, planned)
+        if (lines or unplanned) and not force:
+            raise Refused(lines + unplanned)
+        if broken is not None and not force:
+            raise broken
+        folder = _refused_as_one(runfolder.plan, cfg, world, ranks=ranks)
+        data = None
+        if here and plan and folder.start is not None:
+            from kit.recipe import planning  # torch, transformers: a command's own process
+
+            made = _refused_as_one(planning.Planning, cfg, hw, world, facts,
+                                   planned if isinstance(planned, kplan.Planned) else None)
+            planned, data = made.planned, _refused_as_one(made.data_line)
+    plan_json = planned.to_json() if isinstance(planned, kplan.Planned) else None
+    return Start(cfg.to_dict(), nproc_per_node, nnodes, folder, plan_json, data, findings)
+
+
+def _refused_as_one(step, *args, **kwargs):
+    try:
+        return step(*args, **kwargs)
+    except ConfigError as e:
+        if isinstance(e, Refused):
+            raise
+        raise Refused(str(e).splitlines()) from None
+
+
+def _inputs(cfg: Config, here: bool) -> dict | None:
+    """What the config points at (kit.inputs.checks); what the model allows (model_facts)."""
+    found = {}
+
+    def read() -> dict:
+        found.update(model_read(cfg, in_process=here))
+        return found
+
+    _refused_as_one(checks.check, cfg, read)
+    return found.get("facts")
+
+
+def _machine(cfg: Config, machine: dict, world: int, planned) -> tuple[list, list[str]]:
+    """The pitfalls this machine decides, in the registry's own line (as load_config says its
+    config-only ones); then the pre-flight's other errors (GPUs, memory, the model's fit, read
+    from `planned`: the plan, or the Finding of its refusal, said by the caller). Returns (the
+    findings below an error, a line per error)."""
+    from kit import doctor  # the pre-flight: pitfalls with this machine, GPUs, memory
+
+    gpu = bool(machine["gpus"]) and cfg.training.device != "cpu"
+    facts = {**machine, "ranks": world, "device": "cuda" if gpu else "cpu"}
     found = pitfalls.machine_violations(cfg, facts)
     lines = [str(violation) for _, violation in found]
-    for f in doctor.preflight(cfg, machine):
-        if f.level == "error" and f.code not in {p.code for p, _ in found}:
+    findings = doctor.preflight(cfg, machine, planned=planned)
+    for f in findings:
+        if f.level == "error" and f.code not in {p.code for p, _ in found} and f is not planned:
             named = f.message.startswith((f"{f.field}:", f"{f.field}=")) if f.field else False
             lines.append((f.message if named else f"{f.field or f.code}: {f.message}")
                          + (f" (fix: {f.fix})" if f.fix else ""))
-    if lines:
-        raise Refused(lines)
-    return runfolder.plan(cfg, nproc_per_node * nnodes)
+    return [f for f in findings if f is not planned], lines
 
 
-def data_line(cfg: Config, world_size: int, plan: runfolder.Plan,
-              overrides: list[str] | None = None) -> str:
+def success_line(cfg: Config, begun: Start, overrides: list[str] | None = None) -> str:
     """The success line: the data file and the model (`source`), the data as rank 0 will print
-    it, and what the start does to its run folder. Imports torch and transformers: for a
-    command's own process, not a notebook's."""
-    import torch
+    it, the plan, and what the start does to its run folder."""
+    from kit.budget.plan import Planned
 
-    from kit.recipe import data, planning  # torch, transformers: this process only (see above)
-
-    gpu = torch.cuda.is_available() and cfg.training.device != "cpu"
-    planned = planning.resolve(cfg, torch.device("cuda", 0) if gpu else torch.device("cpu"),
-                               world_size)  # values left at auto: as rank 0 will choose them
-    rows = data.plan(planned.cfg, world_size).removeprefix("data: ")
-    return f"data: {source(cfg, overrides)}: {rows}; {planned.line()}; run: {plan.message}"
+    rows = (begun.data or "").removeprefix("data: ")
+    planned = f"; {Planned.from_json(begun.plan).line()}" if begun.plan else ""
+    return f"data: {source(cfg, overrides)}: {rows}{planned}; run: {begun.folder.message}"
 
 
 # What run.sh's check step passes (kit.run.script.TRAIN_ARGS): the kit's own, not the person's.
@@ -172,27 +233,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2, help="processes per node")
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--refusals-only", action="store_true",
-                        help="no success line (rank 0 of a bare start: kit.inputs.checks.step)")
+                        help="no success line, nothing planned (rank 0 of a bare start, which "
+                        "plans for itself: kit.inputs.checks.step)")
+    parser.add_argument("--start", action="store_true", help="write the start into the run "
+                        "folder (start.json) for the ranks: run.sh's check step")
     args = parser.parse_intermixed_args(argv)
     path, overrides = args.config, list(args.overrides)
     if path and "=" in path:
         path, overrides = None, [path, *overrides]
+    quiet = args.refusals_only
     try:
         cfg = load_config(path, overrides)
-        plan = check(cfg, args.nproc, args.nnodes)
-        if plan.start is not None and not args.refusals_only:
-            line = data_line(cfg, args.nproc * args.nnodes, plan, overrides)
+        begun = check(cfg, args.nproc, args.nnodes, here=not quiet, plan=not quiet,
+                      ranks=args.start)
     except ConfigError as e:
         for line in str(e).splitlines():
             sys.stderr.write(f"ConfigError: {line}\n")
         return 2
-    if plan.start is None:
-        print(plan.message)
+    if begun.folder.start is None:
+        print(begun.folder.message)
         return NOTHING_TO_DO
-    if not args.refusals_only:
-        for note in plan.notes:
+    if args.start:
+        begun.write(cfg.output_dir)
+    if not quiet:
+        for note in begun.folder.notes:
             print(note)
-        print(line)
+        print(success_line(cfg, begun, overrides))
     return 0
 
 

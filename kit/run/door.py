@@ -4,12 +4,13 @@
     kit train my.yaml --nproc 8                       # 8 GPUs
     NODE_RANK=1 MASTER_ADDR=node0 kit train my.yaml --nnodes 2 --nproc 8   # on each node
 
-One start sequence, the same as a notebook's `launch` and the captured `run_to_end`: the config,
-the model, the data rows, this machine and the run folder are checked once, here (kit.run.check:
-a mistake is one line per problem on stderr and exit code 2, before any process starts and with
-every file of the run folder as it was); then the run folder is written (kit.run.launch.prepare)
-and its run.sh started with the check's plan (KIT_CHECKED: the ranks neither check nor plan
-again), its output followed here.
+One start, built as a notebook's `launch` and the captured `run_to_end` build theirs
+(kit.run.check.check): the config, the model, the data rows, this machine and the run folder are
+checked once, and the values left at auto planned once, here (a mistake is one line per problem
+on stderr and exit code 2, before any process starts and with every file of the run folder as it
+was); then the run folder is written with the start in it (kit.run.launch.prepare: start.json,
+which the ranks read instead of checking, planning and reading the data again) and its run.sh
+started, its output followed here.
 
 Signals: Ctrl-C (SIGINT), SIGTERM (a service manager, `kill`) and SIGHUP (a closed terminal) are
 one stop request: run.sh passes it on, the ranks finish their step, save a verified checkpoint
@@ -24,7 +25,8 @@ command ends, an exception or SIGKILL included, no process of the run outlives i
 
 Exit codes: run.sh's (0 completed, 75 preempted or stopped, 1 failed), 2 refused, 0 also for a
 run that is already finished (said in one line) or started detached. Kernel side: torch is
-imported only for the check's data line, in this command's own process.
+imported only to read the data's rows for the plan and the data line, in this command's own
+process.
 """
 
 from __future__ import annotations
@@ -39,10 +41,11 @@ import time
 
 from kit import ROOT
 from kit.config import ConfigError, load_config
+from kit.folder import start as start_file
 from kit.recipe import progress  # its line's prefix only: no torch
 from kit.run import check as check_step
 from kit.run import tether
-from kit.run.launch import checked_env, prepare, resolve, run_dir
+from kit.run.launch import prepare, resolve, run_dir
 from kit.run.runs import Follow, Run
 from kit.run.tether import GRACE_S, end_at_once
 
@@ -79,22 +82,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = resolve(path, overrides) if path else load_config(None, overrides)
         cfg.run.output_dir = str(run_dir(cfg))
-        plan = check_step.check(cfg, args.nproc, args.nnodes)
-        if plan.start is None:
-            print(plan.message)
+        begun = check_step.check(cfg, args.nproc, args.nnodes, here=True)
+        if begun.folder.start is None:
+            print(begun.folder.message)
             return 0
-        for note in plan.notes:
+        for note in begun.folder.notes:
             print(note)
-        print(check_step.data_line(cfg, args.nproc * args.nnodes, plan, overrides))
+        print(check_step.success_line(cfg, begun, overrides))
     except ConfigError as e:
         return _refuse(str(e).splitlines())
     try:
-        run = Run(prepare(cfg, nproc=args.nproc, plan=plan, nnodes=args.nnodes))
+        run = Run(prepare(cfg, nproc=args.nproc, nnodes=args.nnodes, start=begun))
     except ConfigError as e:  # another start holds the folder, or it cannot be written
         return _refuse([str(e)])
     except RuntimeError as e:  # the folder's run is running now
         return _refuse([f"run.name: {e}"])
-    tether.start(run, {**checked_env(plan), "NPROC_PER_NODE": str(args.nproc),
+    tether.start(run, {**start_file.environment(run.folder), "NPROC_PER_NODE": str(args.nproc),
                        "NNODES": str(args.nnodes)}, detach=args.detach)
     if args.detach:
         ref = run.name if run.folder == ROOT / "launch" / run.name else str(run.folder)

@@ -28,10 +28,10 @@ from pathlib import Path
 from kit import ROOT
 from kit.config import Config, apply_overrides, config_from_dict, load_config
 from kit.folder import runfolder
+from kit.folder import start as start_file
 from kit.folder.layout import RunFolder
 from kit.run import tether
 from kit.run.check import check as check_start
-from kit.run.check import inputs as check_inputs
 
 # The run handle lives in kit.run.runs; notebooks import it from here with launch.
 from kit.run.runs import Run, RunFailed
@@ -41,17 +41,6 @@ from kit.run.script import RUN_ENV, TRAIN_ARGS, run_sh
 # logs. A recipe run's earlier files move into earlier/ first (kit.folder.runfolder); another module's
 # (a benchmark case, a reproduction) log of an earlier start is replaced.
 PLUMBING = (RunFolder.RUN_SH, RunFolder.PID, RunFolder.EXIT_CODE, RunFolder.STOP_REQUESTED)
-
-
-class PreflightFailed(RuntimeError):
-    """kit.doctor found error-level problems; launch(..., force=True) starts anyway."""
-
-    def __init__(self, findings: list):
-        self.findings = findings
-        lines = [f"{f.code}: {f.message}" + (f" (fix: {f.fix})" if f.fix else "")
-                 for f in findings]
-        super().__init__("preflight found errors; fix them or pass force=True:\n  "
-                         + "\n  ".join(lines))
 
 
 # --------------------------------------------------------------------------- writing a run folder
@@ -77,28 +66,31 @@ def run_dir(cfg: Config) -> Path:
     return out if out.is_absolute() else ROOT / out
 
 
-def preflight(cfg: Config, force: bool = False, nproc: int = 2, env: dict | None = None) -> list:
-    """Run kit.doctor's pre-flight checks on cfg, for the environment run.sh gives the ranks:
-    print the findings; raise PreflightFailed on an error-level one unless force.
-    env: extra variables for the ranks."""
-    from kit import doctor
-    from kit.budget import hardware
+def begin(cfg: Config, nproc: int = 2, env: dict | None = None, force: bool = False,
+          nnodes: int = 1) -> start_file.Start:
+    """The recipe's start, checked and planned here (kit.run.check.check, in this kernel: no
+    torch), for the machine as run.sh's environment and `env` show it to the ranks; raises
+    kit.run.check.Refused (one line per problem). Says what a person should read: the
+    pre-flight's findings, then what the start does to its run folder (a finished run: that it
+    is)."""
+    from kit.budget import machine
 
+    cfg.run.output_dir = str(run_dir(cfg))
     variables = {**RUN_ENV, **{k: str(v) for k, v in (env or {}).items()}}
-    machine = hardware.probe(vars=variables, nproc_per_node=nproc)
-    findings = list(doctor.preflight(cfg, machine))
-    errors = [f for f in findings if f.level == "error"]
-    if errors and not force:
-        raise PreflightFailed(errors)
-    for f in findings:
+    begun = check_start(cfg, nproc, nnodes, machine.probe(vars=variables, nproc_per_node=nproc),
+                        force=force)
+    for f in begun.findings:
         print(f"[preflight {f.level}] {f.code}: {f.message}" + (f" (fix: {f.fix})" if f.fix else ""))
-    return findings
+    for line in [begun.folder.message] if begun.folder.start is None else begun.folder.notes:
+        print(line)
+    return begun
 
 
 def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None,
             nproc: int = 2, name: str | None = None, module: str = "kit.train",
             args: tuple[str, ...] | list[str] = TRAIN_ARGS,
-            plan: runfolder.Plan | None = None, nnodes: int = 1) -> Path:
+            plan: runfolder.Plan | None = None, nnodes: int = 1,
+            start: start_file.Start | None = None) -> Path:
     """Write config.yaml and run.sh into the run folder; return the folder. A resolved Config is
     used as it is (launch and run_to_end resolve once); a path or name is resolved here.
 
@@ -109,8 +101,10 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
     start that would replace an earlier run is refused (kit.folder.runfolder: run.start_over moves it
     into earlier/, a resume keeps what it replaces there).
 
-    plan: for the recipe, what kit.folder.runfolder decided (launch and run_to_end plan before they
-    call this); planned here when not given. Its earlier files move into earlier/ first.
+    start: the recipe's start (kit.run.check.check: kit train, launch and run_to_end check and plan
+    before they call this), written into the folder as start.json for the ranks; its run-folder
+    plan is `plan`. plan: what kit.folder.runfolder decided (planned here when not given); its
+    earlier files move into earlier/ first.
     nnodes: the nodes run.sh starts on when neither NNODES nor PET_NNODES says (kit.run.jobs).
 
     The folder is claimed first (kit.folder.runfolder.claim): of two starts of one run at once, one
@@ -129,7 +123,10 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
         if Run(folder).status == "running":
             raise RuntimeError(f"run {cfg.run.name!r} is running; stop it first: "
                                f"Run.attach({cfg.run.name!r}).stop()")
-        _write(cfg, folder, nproc, module, args, plan, nnodes)
+        _write(cfg, folder, nproc, module, args, start.folder if start else plan, nnodes)
+        if start is not None:  # after _write: what moved into earlier/ is said, nothing to move
+            start.config = cfg.to_dict()
+            start.write(folder)
     except BaseException as e:
         runfolder.release(held)
         _remove_empty(made)
@@ -161,7 +158,7 @@ def _write(cfg: Config, folder: Path, nproc: int, module: str, args, plan, nnode
     else:
         files.log.unlink(missing_ok=True)
         shutil.rmtree(files.logs, ignore_errors=True)
-    for f in PLUMBING:
+    for f in (*PLUMBING, RunFolder.START):  # a start's own is written after this
         (folder / f).unlink(missing_ok=True)
     files.config.write_text(cfg.to_yaml())
     files.run_sh.write_text(run_sh(cfg, folder, nproc, module, args, nnodes))
@@ -171,37 +168,22 @@ def _write(cfg: Config, folder: Path, nproc: int, module: str, args, plan, nnode
 def launch(cfg_or_path: Config | str | Path, overrides: list[str] | None = None, nproc: int = 2,
            name: str | None = None, env: dict | None = None, force: bool = False,
            detach: bool = False) -> Run:
-    """Check (kit.doctor), write launch/<run>/, start run.sh; returns at once (the watched way).
-    The run ends with this kernel (its shutdown or restart is a stop request: a checkpoint, exit
-    75, kit.run.tether) unless detach=True: then it goes on, and Run.attach(name) finds it.
+    """Check and plan the start (`begin`), write launch/<run>/ (its start.json for the ranks),
+    start run.sh; returns at once (the watched way). The run ends with this kernel (its shutdown
+    or restart is a stop request: a checkpoint, exit 75, kit.run.tether) unless detach=True:
+    then it goes on, and Run.attach(name) finds it.
 
     env: extra environment for the ranks, e.g. {"KIT_FAIL_RANK": "1"} (see kit/recipe/faults.py).
-    A finished run (training.resume=auto at its training.steps) is said so and returned as it
-    is, nothing started; a start that would replace a run raises ConfigError, nothing written."""
+    force: start despite the pre-flight's error-level findings. A finished run
+    (training.resume=auto at its training.steps) is said so and returned as it is, nothing
+    started; a start that cannot run raises kit.run.check.Refused, nothing written."""
     cfg = resolve(cfg_or_path, overrides, name)
-    check_inputs(cfg)
-    preflight(cfg, force, nproc, env)
-    plan = _plan(cfg, nproc)
-    if plan.start is None:
+    begun = begin(cfg, nproc, env, force)
+    if begun.folder.start is None:
         return Run(run_dir(cfg))
-    run = Run(prepare(cfg, nproc=nproc, plan=plan))
-    tether.start(run, {**(env or {}), **checked_env(plan)}, detach=detach)
+    run = Run(prepare(cfg, nproc=nproc, start=begun))
+    tether.start(run, {**(env or {}), **start_file.environment(run.folder)}, detach=detach)
     return run
-
-
-def checked_env(plan: runfolder.Plan) -> dict:
-    """What a start checked here gives run.sh: no check step (it ran here, once), and the plan
-    for the ranks (kit.folder.runfolder.CHECKED: they neither check nor plan again)."""
-    return {"KIT_CHECK": "0", runfolder.CHECKED: runfolder.checked_value(plan)}
-
-
-def _plan(cfg: Config, nproc: int) -> runfolder.Plan:
-    """The run folder's plan (kit.folder.runfolder), said in a line when the run is finished, with a
-    line per checkpoint it skips."""
-    plan = runfolder.plan(cfg, nproc, run_dir(cfg))
-    for line in [plan.message] if plan.start is None else plan.notes:
-        print(line)
-    return plan
 
 
 def run_to_end(cfg_or_path: Config | str | Path, overrides: list[str] | None = None,
@@ -212,20 +194,17 @@ def run_to_end(cfg_or_path: Config | str | Path, overrides: list[str] | None = N
     the folder's run.log, `Run.output()`). A failed run raises RunFailed (check=False: returns
     it, `run.status == "failed"`); past `timeout` seconds every process of the run, ranks
     included, is stopped and TimeoutError raised. The recipe (module kit.train) is checked first
-    as run.sh's check step would (kit.run.check: a ConfigError, one line per problem, before anything
-    is written; a finished run is said so and returned, nothing started); other modules, such as
-    the pitfalls' reproductions of what goes wrong, are not checked."""
+    as run.sh's check step would (`begin`: kit.run.check.Refused, one line per problem, before
+    anything is written; a finished run is said so and returned, nothing started); other modules,
+    such as the pitfalls' reproductions of what goes wrong, are not checked."""
     cfg = resolve(cfg_or_path, overrides, name)
-    plan = None
+    begun = None
     if module == "kit.train":  # what run.sh's check step would refuse, before writing anything
-        cfg.run.output_dir = str(run_dir(cfg))
-        plan = check_start(cfg, nproc)
-        for line in [plan.message] if plan.start is None else plan.notes:
-            print(line)
-        if plan.start is None:
+        begun = begin(cfg, nproc, env)
+        if begun.folder.start is None:
             return Run(run_dir(cfg))
-    run = Run(prepare(cfg, nproc=nproc, module=module, args=args, plan=plan))
-    tether.start(run, {**(env or {}), **(checked_env(plan) if plan else {})})
+    run = Run(prepare(cfg, nproc=nproc, module=module, args=args, start=begun))
+    tether.start(run, {**(env or {}), **(start_file.environment(run.folder) if begun else {})})
     try:
         run.wait(timeout=timeout, poll_s=0.2)
     except TimeoutError:

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-mem", type=float, help="GiB per GPU the run may use")
     parser.add_argument("--gpu", default="", help="the GPU's name, e.g. H100, H200, A100 (its "
                         "bf16 peak gives the expected speed; its compute capability, FP8: "
-                        "kit.budget.hardware.CAPABILITY)")
+                        "kit.budget.machine.CAPABILITY)")
     parser.add_argument("--host-mem", type=float, help="GiB of host memory per GPU's process "
                         "for offloaded tensors (default: not checked, or this machine's)")
     parser.add_argument("--nproc", type=int, default=2, help="processes on a CPU (default 2)")
@@ -96,7 +96,7 @@ def _duration(seconds: float) -> str:
 
 
 def _hardware(args):
-    from kit.budget import hardware
+    from kit.budget import machine
     from kit.budget.plan import Hardware
 
     if args.gpus is None and args.gpu_mem is None:
@@ -112,8 +112,8 @@ def _hardware(args):
                           "both, a whole number of GPUs >= 1 and GiB per GPU > 0")
     if args.host_mem is not None and args.host_mem <= 0:
         raise ConfigError(f"--host-mem {args.host_mem}: not allowed; expected GiB > 0")
-    return Hardware("cuda", args.gpus, args.gpu_mem, args.gpu, hardware.fp8({"name": args.gpu}),
-                    host_gib=args.host_mem, grouped_gemm=hardware.grouped_gemm({"name": args.gpu}))
+    return Hardware("cuda", args.gpus, args.gpu_mem, args.gpu, machine.fp8({"name": args.gpu}),
+                    host_gib=args.host_mem, grouped_gemm=machine.grouped_gemm({"name": args.gpu}))
 
 
 if __name__ == "__main__":

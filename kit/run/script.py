@@ -152,8 +152,7 @@ while :; do
     break
   fi
   ATTEMPT=$((ATTEMPT + 1))
-  export KIT_RESTART_COUNT="$ATTEMPT"
-  unset KIT_CHECKED  # a restart plans anew: the folder holds newer checkpoints now
+  export KIT_RESTART_COUNT="$ATTEMPT"  # rank 0 plans the run folder anew: newer checkpoints now
   echo "=== restart $ATTEMPT of ${{KIT_MAX_RESTARTS}} after exit code $rc, $(date '+%F %T')"
 done
 # Preempted: the ranks saved and wrote result.json "preempted" in this start (newer than pid).
@@ -172,13 +171,16 @@ TRAIN_ARGS = ("{config}", "run.output_dir={run_dir_yaml}", "run.dist_timeout_min
 CHECK_STEP = """
 # The check step (kit.run.check): config, model.name, the data rows, this machine and the run folder,
 # in one process before torchrun starts any rank: a mistake is one line. 3 = finished, nothing
-# to do. KIT_CHECK=0 skips it (the ranks check the run folder again themselves).
+# to do. It writes the start (start.json: its plan, what it does to the folder) for the ranks,
+# which then neither check nor plan again. KIT_CHECK=0 skips it (kit train and a notebook's
+# launch checked already and name their start in KIT_START; without one, rank 0 checks).
 if [ "${{KIT_CHECK:-1}}" != 0 ]; then
   rc=0
   ( cd "$KIT_ROOT" && "$PYTHON" -m kit.run.check {args} "$@" --nproc "$NPROC_PER_NODE" \\
-      --nnodes "$NNODES" ) || rc=$?
+      --nnodes "$NNODES" --start ) || rc=$?
   if [ "$rc" = 3 ]; then exit 0; fi
   if [ "$rc" != 0 ]; then exit "$rc"; fi
+  export KIT_START="$RUN_DIR/{START}"
 fi"""
 
 
@@ -192,7 +194,7 @@ def run_sh(cfg: Config, folder: Path, nproc: int, module: str, args, nnodes: int
     words = " ".join(_shell_word(str(arg)) for arg in args)
     what = (f"kit.train (NF4 + LoRA + {cfg.sharding.engine})" if module == "kit.train"
             else module)
-    check = CHECK_STEP.format(args=words) if module == "kit.train" else ""
+    check = CHECK_STEP.format(args=words, START=RunFolder.START) if module == "kit.train" else ""
     return RUN_SH.format(
         name=quoting.comment(cfg.run.name), name_word=quoting.shell_word(cfg.run.name),
         what=quoting.comment(what), date=datetime.now().strftime("%F %T"),
