@@ -2,9 +2,9 @@
 each measured, and show the code that ran.
 
     results = run(out="launch/nb05")      # python -m kit.lab.order_rank under torchrun, 2 ranks
-    print(source("optimizer_first"))      # a case's code, read from kit/lab/order_rank.py
-    print(table(results, "optimizer"))    # each order next to the recipe's, measured
-    print(losses(results))                # every step's loss of every run
+    source("optimizer_first")             # a case's code, read from kit/lab/order_rank.py
+    table(results, "optimizer")           # each order next to the recipe's, measured (a DataFrame)
+    losses(results)                       # every step's loss of every run (a DataFrame)
 
 The cases are kit/lab/order_rank.py (rank side): `recipe_order`, the order the recipe follows, and the
 same lines with one step moved. Rank 0 writes <out>/cases/<function>-<engine>-<base>.json for
@@ -18,6 +18,8 @@ import ast
 import json
 import shutil
 from pathlib import Path
+
+import pandas as pd
 
 from kit.run.launch import run_to_end
 
@@ -137,23 +139,21 @@ def summary(results: dict) -> str:
             f"{len(first.get('losses', []))} steps each; {versions}")
 
 
-def table(results: dict, case: str) -> str:
+def table(results: dict, case: str) -> pd.DataFrame:
     """The runs of one case (CASES) side by side: engine, base, order, then its columns."""
     runs, columns = CASES[case]
-    header = ("engine", "base", "order", *columns)
-    rows = [header] + [(e, b, f, *(COLUMNS[c](results[(f, e, b)], results) for c in columns))
-                       for f, e, b in runs]  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+    rows = [(e, b, f, *(COLUMNS[c](results[(f, e, b)], results) for c in columns)) for f, e, b in runs]
+    return pd.DataFrame(rows, columns=["engine", "base", "order", *columns])
 
 
-def losses(results: dict) -> str:
-    """Every step's loss of every run that trained (rank 0's batch)."""
-    lines = []
-    for (f, e, b), r in results.items():
-        got = " ".join(f"{x:.3f}" for x in r.get("losses", [])) or r["error"]
-        lines.append(f"{f:<26} {e} {b}  {got}")
-    return "\n".join(lines)
+def losses(results: dict) -> pd.DataFrame:
+    """Every step's loss of every run that trained (rank 0's batch): a row per run, a column per
+    step; a run that raised shows its error in the first column."""
+    rows = {f"{f} {e} {b}": [round(x, 3) for x in r.get("losses", [])] or [r["error"]]
+            for (f, e, b), r in results.items()}  # fmt: skip
+    frame = pd.DataFrame.from_dict(rows, orient="index").fillna("")
+    frame.columns = [f"step {i + 1}" for i in frame.columns]
+    return frame
 
 
 def source(*names: str, path: Path = RANK_SIDE) -> str:
