@@ -27,7 +27,7 @@ PAGE = {
     "engines.FSDP2.wrap": ["MixedPrecisionPolicy(", "for layer in decoder_layers(model):",
                            "fully_shard(layer", "fully_shard(embeddings", "fully_shard(model",
                            "set_modules_to_backward_prefetch("],
-    "train.Recipe.setup": ["self.engine.wrap(", "self.model.parameters()", "AdamW("],
+    "train.Recipe._setup": ["self.engine.wrap(", "self.model.parameters()", "AdamW("],
     "train.Recipe.train_step": ["self.engine.no_sync(", "loss = self.model(", ".backward()",
                                 "clip_grad_norm(", "self.optimizer.step()", "zero_grad("],
 }  # fmt: skip
@@ -70,9 +70,9 @@ def test_what_it_prints_still_takes_each_step_in_order():
 def test_the_setup_excerpt_shows_the_wrap_then_the_optimizer():
     code = "\n".join(page_cells())
     first, last = re.search(r'order\.excerpt\(setup, "([^"]+)", "([^"]+)"\)', code).groups()
-    shown = order.excerpt(inspect.getsource(train.Recipe.setup), first, last)
+    shown = order.excerpt(inspect.getsource(train.Recipe._setup), first, last)
     assert shown.lstrip().startswith("self.model = self.engine.wrap(")
-    assert in_order(shown, PAGE["train.Recipe.setup"]) == []
+    assert in_order(shown, PAGE["train.Recipe._setup"]) == []
     assert len(shown.splitlines()) < 20  # the part, not the whole setup
 
 
