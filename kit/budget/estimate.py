@@ -326,13 +326,27 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
     shape, setup = shape_of(model), replace(setup or Setup(), **changes)
     if setup.engine not in ("fsdp2", "fsdp1", "ddp"):
         raise ValueError(f"engine: {setup.engine!r}; allowed: fsdp2, fsdp1, ddp")
-    a = DTYPE_BYTES[setup.dtype]
-    sharded = setup.engine != "ddp"
-    world = setup.world_size if sharded else 1
-    tokens = setup.batch_size * setup.seq_len
     est = Estimate(shape, setup)
-    parts, notes = est.parts, est.notes
+    base, layer_bytes, per_param = _weights(est)
+    _experts(est)
+    _loading(est, model, base, layer_bytes, per_param)
+    _communication(est, layer_bytes)
+    _activations(est, _layer_bytes(shape, setup))
+    return est
 
+
+def _world(setup: Setup) -> tuple[bool, int]:
+    """(sharded, the ranks a sharded tensor is split over: 1 under DDP)."""
+    sharded = setup.engine != "ddp"
+    return sharded, setup.world_size if sharded else 1
+
+
+def _weights(est: Estimate) -> tuple[float, float, float]:
+    """The static parts: base weights, LoRA weights, gradients, AdamW state (on the host under
+    cpu_offload); returns (the base's bytes, one decoder layer's linear bytes, bytes a param)."""
+    shape, setup, parts, notes = est.shape, est.setup, est.parts, est.notes
+    a = DTYPE_BYTES[setup.dtype]
+    sharded, world = _world(setup)
     # Base weights: 4-bit linears in the decoder layers; embeddings, output head, norms stay in
     # the model dtype (bitsandbytes does not quantize the head).
     linear = shape.layers * shape.layer_linear_params
@@ -365,27 +379,39 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
             name, note = name + " [CPU]", "offloaded to host memory: 0 on the GPU"
             value = 0.0
         parts[name], notes[name] = value, note
+    return base, layer_bytes, per_param
 
-    if shape.experts and setup.quantization != "none":
-        # kit.recipe.experts keeps each expert stack's quantization state beside its module, not
-        # as a parameter (so on the GPU under cpu_offload too): FSDP shards the packed 4-bit
-        # values, every rank holds all the scales.
-        stacked = shape.layers * shape.experts * sum(a * b for a, b in shape.expert_stacks().values())
-        scales = stacked * (quantized_bytes_per_param(setup.quantization, setup.double_quant) - 0.5)
-        parts["expert scales"] = scales * (1 - 1 / world) if sharded else 0.0
-        notes["expert scales"] = "the experts' 4-bit scales, whole on every rank (beyond their share above)"
-        # The grouped experts (kit.recipe.grouped_experts) dequantize one stack at a time into
-        # the compute dtype for its grouped GEMM, forward and backward, and keep none of it (nor
-        # its fp32 scales, which the per-expert loop kept to backward: 1.7 GiB on Qwen3-30B-A3B's
-        # shape, never measured by the grouped ones).
-        widest = max(i * o for i, o in shape.expert_stacks().values())
-        parts["dequantized expert stack"] = shape.experts * widest * a
-        notes["dequantized expert stack"] = "one layer's widest stack in the compute dtype, for its GEMM"
 
-    # Loading (kit.recipe.loading): full and rank0 put the whole model on every GPU before sharding;
-    # stream only this rank's shards plus the unit being filled (a decoder layer, or the
-    # embeddings table: the largest unit of a small model).
-    whole = base + adapter * lb
+def _experts(est: Estimate) -> None:
+    """A mixture of experts' 4-bit stacks: their scales whole on every rank, one dequantized stack."""
+    shape, setup, parts, notes = est.shape, est.setup, est.parts, est.notes
+    if not shape.experts or setup.quantization == "none":
+        return
+    sharded, world = _world(setup)
+    # kit.recipe.experts keeps each expert stack's quantization state beside its module, not
+    # as a parameter (so on the GPU under cpu_offload too): FSDP shards the packed 4-bit
+    # values, every rank holds all the scales.
+    stacked = shape.layers * shape.experts * sum(a * b for a, b in shape.expert_stacks().values())
+    scales = stacked * (quantized_bytes_per_param(setup.quantization, setup.double_quant) - 0.5)
+    parts["expert scales"] = scales * (1 - 1 / world) if sharded else 0.0
+    notes["expert scales"] = "the experts' 4-bit scales, whole on every rank (beyond their share above)"
+    # The grouped experts (kit.recipe.grouped_experts) dequantize one stack at a time into
+    # the compute dtype for its grouped GEMM, forward and backward, and keep none of it (nor
+    # its fp32 scales, which the per-expert loop kept to backward: 1.7 GiB on Qwen3-30B-A3B's
+    # shape, never measured by the grouped ones).
+    widest = max(i * o for i, o in shape.expert_stacks().values())
+    parts["dequantized expert stack"] = shape.experts * widest * DTYPE_BYTES[setup.dtype]
+    notes["dequantized expert stack"] = "one layer's widest stack in the compute dtype, for its GEMM"
+
+
+def _loading(est: Estimate, model, base: float, layer_bytes: float, per_param: float) -> None:
+    """What loading puts on a GPU (kit.recipe.loading): full and rank0 the whole model before
+    sharding; stream only this rank's shards plus the unit being filled (a decoder layer, or the
+    embeddings table: the largest unit of a small model)."""
+    shape, setup = est.shape, est.setup
+    a = DTYPE_BYTES[setup.dtype]
+    sharded, world = _world(setup)
+    whole = base + lora_params(shape, setup.lora_r, setup.lora_targets) * setup.adapter_bytes
     chunk, dense = _expert_load(shape, setup, model, a, per_param)
     if sharded and setup.loading == "stream":
         unit = max(layer_bytes + 2 * shape.hidden * a, shape.vocab * shape.hidden * a)
@@ -401,11 +427,16 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
     if chunk and not dense:
         est.load_note += ", and one chunk of experts in the model dtype"
 
-    # Communication: FSDP all-gathers a layer before use (plus the prefetched next one) and
-    # keeps the root unit (head, final norm; embeddings too unless they are a unit of their own)
-    # gathered from forward into backward. The kit's FSDP2 engine makes untied input embeddings
-    # their own unit (kit.recipe.engines): gathered for the first operation only.
-    if sharded:
+
+def _communication(est: Estimate, layer_bytes: float) -> None:
+    """FSDP all-gathers a layer before use (plus the prefetched next one) and keeps the root unit
+    (head, final norm; embeddings too unless they are a unit of their own) gathered from forward
+    into backward. The kit's FSDP2 engine makes untied input embeddings their own unit
+    (kit.recipe.engines): gathered for the first operation only. DDP: its gradient buckets."""
+    shape, setup, parts, notes = est.shape, est.setup, est.parts, est.notes
+    a = DTYPE_BYTES[setup.dtype]
+    adapter = lora_params(shape, setup.lora_r, setup.lora_targets)
+    if setup.engine != "ddp":
         own_unit = setup.engine == "fsdp2" and not shape.tied_embeddings
         root_params = shape.embedding_params // (2 if own_unit else 1) + shape.hidden
         lora_layer = adapter / shape.layers * a
@@ -416,11 +447,15 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
             f"unsharded decoder layer(s)"
         )
     else:
-        parts["DDP gradient buckets"] = adapter * lb
+        parts["DDP gradient buckets"] = adapter * setup.adapter_bytes
         notes["DDP gradient buckets"] = "a flat copy of all LoRA gradients for the all-reduce"
 
-    # Activations and the loss. The loss's peak comes at the end of forward, before any layer is
-    # recomputed or its saved tensors used: under recompute the two do not add up.
+
+def _layer_bytes(shape, setup: Setup) -> float:
+    """What one decoder layer's forward keeps for backward, for the step's tokens, with the MLP
+    and attention tiles as set."""
+    a = DTYPE_BYTES[setup.dtype]
+    tokens = setup.batch_size * setup.seq_len
     per_layer = activation_bytes_per_token_layer(shape, setup) * tokens
     if 0 < setup.mlp_tile_tokens < tokens:  # one tile's MLP graph instead of all tokens', + its input
         per_layer -= mlp_bytes_per_token_layer(shape, setup) * (tokens - setup.mlp_tile_tokens)
@@ -451,6 +486,15 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
             # estimate (19.89 and 23.15 GiB measured,
             # 2026-11-27-lean-norms-context-24gib-8b-1xh100).
             per_layer += tokens * 2 * 4 * shape.hidden
+    return per_layer
+
+
+def _activations(est: Estimate, per_layer: float) -> None:
+    """Activations and the loss. The loss's peak comes at the end of forward, before any layer is
+    recomputed or its saved tensors used: under recompute the two do not add up."""
+    shape, setup, parts, notes = est.shape, est.setup, est.parts, est.notes
+    a = DTYPE_BYTES[setup.dtype]
+    tokens = setup.batch_size * setup.seq_len
     logits, how = loss_bytes(shape, setup, tokens)
     offload = " [host]" if setup.offload_activations else ""
     if setup.recompute and setup.recompute_keeps != "inputs":
@@ -493,7 +537,6 @@ def estimate(model, setup: Setup | None = None, **changes) -> Estimate:
                                     "when the copies are slower than the compute")
         parts["logits and loss"] = logits
         notes["logits and loss"] = how
-    return est
 
 
 def sweep(model, setup: Setup, key: str, values) -> list[Estimate]:
