@@ -113,6 +113,7 @@ def launch_table(run_sh: str, width: int = 80) -> list[dict]:
     for what, article, pattern in LAUNCH:
         m = re.search(pattern, run_sh, re.M)
         line = m.group(0).split("  #")[0].strip() if m else "-"
+        line = re.sub(r"(\$\{PYTHON:-)[^}]*\}", r"\1<this python>}", line)  # no machine's path
         rows.append({"what": what, "article": article,
                      RunFolder.RUN_SH: line if len(line) <= width else line[:width - 3] + "..."})
     return rows
