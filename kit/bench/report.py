@@ -42,21 +42,23 @@ def fastest(best: dict[str, dict], matrix: dict, role: str, cap) -> dict | None:
     return max(rows, key=lambda r: r["tokens_per_s_gpu"], default=None)
 
 
-def versus_lines(rows: list[dict], matrix: dict) -> list[str]:
-    """Per cap of the matrix's kit cases, one line: the article recipe's, the peer stack's and the
+def versus_rows(rows: list[dict], matrix: dict) -> list[dict]:
+    """Per cap of the matrix's kit cases, one row: the article recipe's, the peer stack's and the
     kit's best tokens/s, the kit's speed over each, and the kit case's predicted peak (its plan,
     kit.budget.plan, from the case's setup row) beside the measured one."""
     best = best_by_case(rows)
     plans = {r["case"]: r["plan"] for r in rows if r["kind"] == "setup" and r.get("plan")}
-    lines = []
+    out = []
     for cap in sorted({c["cap_gib"] for c in matrix["cases"] if c.get("role") == "kit"}):
         a, p, k = (fastest(best, matrix, role, cap) for role in ("baseline", "peer", "kit"))
         a_, p_, k_ = (r["tokens_per_s_gpu"] for r in (a, p, k))
-        lines.append(f"{matrix['model']:<13} {cap} GiB: article {a_:,.0f}, peer {p_:,.0f}, kit "
-                     f"{k_:,.0f} (batch {k['batch']}): {k_ / a_:.2f}x, {k_ / p_:.2f}x; peak "
-                     f"predicted {plans[k['case']]['predicted_gib']:.1f}, measured "
-                     f"{k['peak_alloc_gib']:.1f} GiB")
-    return lines
+        out.append({"model": matrix["model"], "cap GiB": cap, "article tokens/s": f"{a_:,.0f}",
+                    "peer tokens/s": f"{p_:,.0f}", "kit tokens/s": f"{k_:,.0f}",
+                    "kit batch": k["batch"], "kit / article": f"{k_ / a_:.2f}x",
+                    "kit / peer": f"{k_ / p_:.2f}x",
+                    "peak predicted GiB": f"{plans[k['case']]['predicted_gib']:.1f}",
+                    "peak measured GiB": f"{k['peak_alloc_gib']:.1f}"})
+    return out
 
 
 def _fmt(x, spec=",.0f", none="-"):
