@@ -293,7 +293,7 @@ def test_run_sh_two_nodes_from_pet_or_kit_variables(folders, tmp_path):
            "PET_MASTER_ADDR": "trainer-node-0-0.job", "PET_MASTER_PORT": "29400"}
     check, torchrun = run_sh(folder, tmp_path, **pet)
     assert check[:3] == ["-m", "kit.run.check", f"{tmp_path / folder.name}/config.yaml"]
-    assert check[-4:] == ["--nproc", "3", "--nnodes", "2"]
+    assert check[-5:] == ["--nproc", "3", "--nnodes", "2", "--start"]
     assert torchrun[:2] == ["-m", "torch.distributed.run"]
     assert rendezvous(torchrun) == {
         "--nnodes": "2", "--rdzv-backend": "c10d", "--rdzv-endpoint": "trainer-node-0-0.job:29400",
