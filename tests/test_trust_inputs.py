@@ -21,7 +21,7 @@ from conftest import ROOT, TINY
 from test_check import CASES as CHECK_CASES
 
 from kit.config import ConfigError, load_config
-from kit.inputs import builtin, datafile, model_folder
+from kit.inputs import builtin, checks, datafile, model_folder
 from kit.run import check
 
 SHORT = ["training.steps=1", "training.eval_every=0", "checkpointing.save_adapter=false"]
@@ -78,12 +78,12 @@ MODEL_CASES = {  # name: (what is done to a good folder, what the one line says)
 
 @pytest.mark.parametrize("case", MODEL_CASES)
 def test_a_model_folder_is_refused_in_one_line_naming_its_file(case, tmp_path):
-    """As the ranks check it (kit.run.check.inputs, transformers read in this process)."""
+    """As the ranks check it (kit.inputs.checks.check, transformers read in this process)."""
     change, says = MODEL_CASES[case]
     folder = model_copy(tmp_path, change)
     cfg = load_config(TINY, [f"model.name={folder}"])
     with pytest.raises(ConfigError) as err:
-        check.inputs(cfg, in_process=True)
+        checks.check(cfg, lambda: check.model_read(cfg, in_process=True))
     line = str(err.value)
     assert "\n" not in line and line.startswith(f"model.name: '{folder}'") and says in line, line
 
@@ -91,7 +91,8 @@ def test_a_model_folder_is_refused_in_one_line_naming_its_file(case, tmp_path):
 def test_a_good_model_folder_passes_and_kit_check_names_an_unknown_model_type(tmp_path):
     """The check step's own path (transformers read in a child process): a folder as
     save_pretrained wrote it passes; an unknown model_type is one line on stderr, exit 2."""
-    check.inputs(load_config(TINY, [f"model.name={model_copy(tmp_path / 'good')}"]))
+    good = load_config(TINY, [f"model.name={model_copy(tmp_path / 'good')}"])
+    checks.check(good, lambda: check.model_read(good))
     folder = model_copy(tmp_path, _rewrite_config(model_type="nopeformer"))
     proc = subprocess.run([sys.executable, "-m", "kit.run.check", str(TINY),
                            f"model.name={folder}", f"run.output_dir={tmp_path / 'run'}"],
