@@ -67,7 +67,7 @@ def test_a_child_that_dies_without_a_result(env):
     with pytest.raises(child.ChildFailed, match="ModuleNotFoundError: No module named 'nowhere'"):
         child.call("nowhere:f", timeout=60)
     with pytest.raises(ValueError, match="expected 'module:function'"):
-        child.call("kit.budget.hardware.collect")
+        child.call("kit.lab.hardware.collect")
 
 
 @pytest.mark.parametrize("own_session", [False, True], ids=["same-group", "own-session"])

@@ -1,4 +1,4 @@
-"""kit.budget.hardware: the probe (run for real in a child process) and how its facts are read."""
+"""kit.lab.hardware: the probe (run for real in a child process) and how its facts are read."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-from kit.budget import hardware
+from kit.lab import hardware
 
 TOPO_NVLINK = """\
 \tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID
@@ -87,7 +87,7 @@ def test_bitsandbytes_round_trip_really_ran(info):
 
 
 def test_report_leaves_the_caller_without_torch():
-    code = ("import sys, kit.budget.hardware as h; info = h.report(); "
+    code = ("import sys, kit.lab.hardware as h; info = h.report(); "
             "print('torch' in sys.modules, info['cpu']['cores'] > 0)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, check=True)  # fmt: skip
@@ -95,7 +95,7 @@ def test_report_leaves_the_caller_without_torch():
 
 
 def test_command_line_prints_summary_and_advice():
-    out = subprocess.run([sys.executable, "-m", "kit.budget.hardware"], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "kit.lab.hardware"], cwd=ROOT, capture_output=True,
                          text=True, timeout=300, check=True)  # fmt: skip
     assert "attention" in out.stdout and "bitsandbytes 4-bit" in out.stdout
     assert "flash_attention_2" in out.stdout or "GPU" in out.stdout

@@ -9,7 +9,7 @@ start checks and plans for (kit.run.check, kit.doctor); a rank that plans for it
 nobody checked) describes its own GPU the same way (kit.recipe.planning.hardware), and `fp8`
 decides from the compute capability either way (from the name where only a name is given:
 `kit plan --gpu NAME`, a doctor's machine as a dict). The notebook's report of this machine
-(packages, attention, bitsandbytes) is kit.budget.hardware.
+(packages, attention, bitsandbytes) is kit.lab.hardware.
 
 Kernel side, no torch; the rank side reads its rules (nothing here reaches kit.run).
 """

@@ -21,7 +21,7 @@ FlashAttention-2 kernel of its own.
 
 Rank side (kit.recipe.quantize calls resolve on every rank); importing it imports neither torch nor
 transformers. usable() initialises CUDA where there is one: a notebook runs it in a child process,
-`kit.run.child.call("kit.recipe.attention:usable", ...)` (kit.budget.hardware's probe does). The microbenchmark of
+`kit.run.child.call("kit.recipe.attention:usable", ...)` (kit.lab.hardware's probe does). The microbenchmark of
 one attention call is kit/lab/attention_bench.py.
 """
 

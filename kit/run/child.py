@@ -1,7 +1,7 @@
 """Run one function of a kit module in a fresh Python process and get its JSON result back.
 
     rows = child.call("kit.lab.attention_bench:sweep", seq_lens=[128, 256], timeout=600)
-    info = child.call("kit.budget.hardware:collect")
+    info = child.call("kit.lab.hardware:collect")
     python -m kit.run.child kit.recipe.attention:usable '{"device": "cpu"}'     # the same, from a terminal
 
 Why a child: a notebook kernel that imports torch or initialises CUDA can no longer fork or start
@@ -43,7 +43,7 @@ class ChildFailed(RuntimeError):
 def call(target: str, timeout: float = 1800, env: dict | None = None, **kwargs):
     """target(**kwargs) in a fresh `python -m kit.run.child` process; its result through JSON.
 
-    target: "module:function", e.g. "kit.budget.hardware:collect". kwargs must be JSON (tuples arrive
+    target: "module:function", e.g. "kit.lab.hardware:collect". kwargs must be JSON (tuples arrive
     as lists, so do they in the result; objects JSON cannot hold arrive as str). env: extra
     variables for the child (`timeout` and `env` are this call's own, never the function's).
     Raises ChildFailed (one line + stderr tail) when the function raises or the child dies,
@@ -51,7 +51,7 @@ def call(target: str, timeout: float = 1800, env: dict | None = None, **kwargs):
     module, _, function = target.partition(":")
     if not module or not function.isidentifier():
         raise ValueError(f"target: {target!r} is not allowed; expected 'module:function', "
-                         "e.g. 'kit.budget.hardware:collect'")  # fmt: skip
+                         "e.g. 'kit.lab.hardware:collect'")  # fmt: skip
     proc = subprocess.Popen(
         [sys.executable, "-m", "kit.run.child", target], cwd=ROOT, start_new_session=True,
         env={"TOKENIZERS_PARALLELISM": "false", **os.environ, **(env or {})},

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from itertools import combinations
 
-from kit.budget import hardware, shapes
+from kit.budget import shapes
+from kit.lab import hardware
 from kit.lab.exercises import Exercise
 from kit.lab.exercises.checks import number
 
@@ -53,7 +54,7 @@ def best_pair(topo, busy=()):
     """The two free GPUs of an `nvidia-smi topo -m` matrix with the fastest link between them."""
     from itertools import combinations
 
-    from kit.budget import hardware
+    from kit.lab import hardware
 
     def speed(code):  # smaller is faster: the kind of link, then more NVLink links first
         kind = next(i for i, prefix in enumerate(hardware.LINKS) if code.startswith(prefix))
@@ -69,7 +70,7 @@ def best_group(topo, k, busy=()):
     at the pace of its slowest pair."""
     from itertools import combinations
 
-    from kit.budget import hardware
+    from kit.lab import hardware
 
     def speed(code):
         kind = next(i for i, prefix in enumerate(hardware.LINKS) if code.startswith(prefix))

@@ -170,7 +170,7 @@ def report(timeout: int = 300) -> dict:
     (ok, why) pairs arrive as lists."""
     from kit.run import child
 
-    return child.call("kit.budget.hardware:collect", timeout=timeout)
+    return child.call("kit.lab.hardware:collect", timeout=timeout)
 
 
 def device(info: dict) -> str:
@@ -266,7 +266,7 @@ def advice(info: dict) -> list[str]:
     return lines
 
 
-if __name__ == "__main__":  # python -m kit.budget.hardware: the same report, in a terminal
+if __name__ == "__main__":  # python -m kit.lab.hardware: the same report, in a terminal
     info = collect()
     for item, value in summary(info):
         print(f"{item:<24} {value}")
