@@ -221,3 +221,14 @@ def test_papermill_reads_every_parameter_the_notebooks_declare():
         if missing := sorted(n for n in set(values) - read if "=" not in repr(values[n])):
             hidden[path.stem] = missing
     assert hidden == {}
+
+
+@pytest.mark.parametrize("name, most", [("01-memory-budget", 1800), ("09-benchmarks", 1500)])
+def test_the_distilled_lessons_stay_within_their_words(name, most):
+    """Notebooks 01 and 09 are lessons, not records: their markdown (words split on whitespace,
+    the frame included) stays under the length they were distilled to."""
+    import nbformat
+
+    nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+    words = sum(len(c.source.split()) for c in nb.cells if c.cell_type == "markdown")
+    assert words < most, f"{name}: {words} words of markdown, expected under {most}"
