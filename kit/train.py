@@ -129,7 +129,7 @@ class Recipe:
         )
         self.start_step = self._resume()
 
-    def _check_and_plan(self) -> tuple[runfolder.Plan, planning.kplan.Planned | None]:
+    def _check_and_plan(self) -> tuple[runfolder.Decision, planning.kplan.Planned | None]:
         """Rank 0: the start's plans, or a start nobody checked checked and planned here."""
         self.split, folder, planned = planning.rank_zero(self.cfg, self.env, self.engine)
         return folder, planned

@@ -118,7 +118,7 @@ def test_continuing_a_finished_run_keeps_every_earlier_file(run_copy):
 
 def test_start_over_moves_the_earlier_run_and_deletes_nothing(run_copy):
     before = snapshot(run_copy)
-    plan = runfolder.plan(load_config(TINY, [f"run.output_dir={run_copy}", *SHORT,
+    plan = runfolder.decide(load_config(TINY, [f"run.output_dir={run_copy}", *SHORT,
                                              "run.start_over=true"]), 2)
     dest = plan.keep_earlier(run_copy)
     moved = {str(p.relative_to(dest)): hashlib.sha256(p.read_bytes()).hexdigest()

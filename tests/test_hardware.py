@@ -130,9 +130,9 @@ def test_advice_follows_the_facts(info):
 
 
 def test_plan_for_nproc():
-    assert "two ranks would share a GPU" in hardware.plan(gpu_info("NV18", gpus=2), 4)
-    assert "cuda:0..cuda:1" in hardware.plan(gpu_info("NV18", gpus=2), 2)
+    assert "two ranks would share a GPU" in hardware.processes(gpu_info("NV18", gpus=2), 4)
+    assert "cuda:0..cuda:1" in hardware.processes(gpu_info("NV18", gpus=2), 2)
     cpu = gpu_info(None, gpus=0)
     cpu["cuda"] = {"available": False, "cuda": None, "gpus": []}
     cpu["cpu"]["cores"] = 2
-    assert "gloo" in hardware.plan(cpu, 2) and "slow" in hardware.plan(cpu, 4)
+    assert "gloo" in hardware.processes(cpu, 2) and "slow" in hardware.processes(cpu, 4)

@@ -418,7 +418,7 @@ def test_a_start_leaves_the_launchers_in_place(folders):
     cfg = load(folders[2] / "config.yaml")
     from kit.config import config_from_dict
 
-    plan = runfolder.plan(config_from_dict(cfg), 8, folders[2], ranks=True)
+    plan = runfolder.decide(config_from_dict(cfg), 8, folders[2], ranks=True)
     assert not set(plan.displaced) & set(jobs.FILES), plan.displaced
 
 

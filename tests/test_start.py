@@ -127,7 +127,7 @@ def test_a_start_is_read_back_only_for_its_own_config_and_processes(tmp_path):
     plan but plans its run folder again."""
     cfg = load_config("tiny-cpu", [f"run.output_dir={tmp_path}"])
     planned = kplan.plan(cfg, kplan.Hardware("cpu", 2), 32)
-    begun = start.Start(cfg.to_dict(), 2, 1, runfolder.Plan(0, message="new"),
+    begun = start.Start(cfg.to_dict(), 2, 1, runfolder.Decision(0, message="new"),
                         planned.to_json(), "data: 1 row")
     path = begun.write(tmp_path)
     assert start.Start.read(path) == begun

@@ -240,7 +240,7 @@ def test_simultaneous_starts_of_one_run_give_one_run_and_one_refusal(tmp_path):
         cfg, starts = tiny(tmp_path / f"r{attempt}"), 4
         barrier, won, refused = threading.Barrier(starts), [], []
 
-        def start():
+        def start(cfg=cfg, barrier=barrier, won=won, refused=refused):
             barrier.wait()
             try:
                 won.append(prepare(cfg, nproc=2))

@@ -1,8 +1,8 @@
 """What a start may do to a run folder that already holds files: the kit never deletes them.
 
-    p = plan(cfg, world_size=2)   # decides; touches nothing; a refusal is a one-line ConfigError
-    p.start                       # 0: from scratch, N: resume at step N, None: finished, nothing to do
-    p.keep_earlier(folder)        # moves what the start would replace into earlier/<time>/
+    d = decide(cfg, world_size=2)  # decides; touches nothing; a refusal is a one-line ConfigError
+    d.start                       # 0: from scratch, N: resume at step N, None: finished, nothing to do
+    d.keep_earlier(folder)        # moves what the start would replace into earlier/<time>/
 
 The rules, for `training.resume` and `run.start_over`:
 
@@ -47,7 +47,7 @@ EARLIER = RunFolder.EARLIER
 
 
 @dataclass
-class Plan:
+class Decision:
     start: int | None  # first step is start + 1; None: finished, nothing to do
     checkpoint: Path | None = None
     notes: list[str] = field(default_factory=list)  # skipped checkpoints, what moves where
@@ -87,7 +87,7 @@ class Plan:
                 "trim_metrics": self.trim_metrics, "message": self.message}
 
     @classmethod
-    def from_json(cls, found: dict) -> Plan:
+    def from_json(cls, found: dict) -> Decision:
         return cls(found["start"], Path(found["checkpoint"]) if found["checkpoint"] else None,
                    list(found["notes"]), list(found["displaced"]), found["trim_metrics"],
                    found["message"])
@@ -144,7 +144,7 @@ def restart(environ=os.environ) -> str | None:
     return None
 
 
-def plan(cfg: Config, world_size: int, folder: Path | None = None, ranks: bool = False) -> Plan:
+def decide(cfg: Config, world_size: int, folder: Path | None = None, ranks: bool = False) -> Decision:
     """What starting `cfg` on `world_size` ranks would do to its run folder (default
     cfg.output_dir). Raises ConfigError (one line) for a start that would replace a run.
     ranks: planned by the ranks themselves, whose own start is already writing run.log/logs.
@@ -153,14 +153,14 @@ def plan(cfg: Config, world_size: int, folder: Path | None = None, ranks: bool =
     them would throw away (or train again) every step since; it says so."""
     restarted = restart()
     resume, start_over = ("auto", False) if restarted else (cfg.training.resume, cfg.run.start_over)
-    decided = _plan(cfg, world_size, folder, ranks, resume, start_over)
+    decided = _decide(cfg, world_size, folder, ranks, resume, start_over)
     if restarted:
         decided.notes.insert(0, f"a restart of this run ({restarted}): training.resume=auto")
     return decided
 
 
-def _plan(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume: str,
-          start_over: bool) -> Plan:
+def _decide(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume: str,
+          start_over: bool) -> Decision:
     out = Path(folder or cfg.output_dir)
     if (why := _unwritable(out)) is not None:
         raise ConfigError(f"run.output_dir: {str(out)!r} cannot be written ({why}); allowed: a "
@@ -189,7 +189,7 @@ def _plan(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume
                 f"{EARLIER}/), or another run.name")
         moved = [n for n in present if n not in keep and (n != RunFolder.CONFIG or changed)]
         what = "starting over" if trained else "starting at step 0"
-        return Plan(0, displaced=moved, message=f"{out}: {what}")
+        return Decision(0, displaced=moved, message=f"{out}: {what}")
 
     if resume == "auto":
         config = cfg.to_dict()
@@ -199,7 +199,7 @@ def _plan(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume
             more = (f"training.steps above {done} continues it from its checkpoint at step "
                     f"{step}" if ckpt is not None else "it has no valid checkpoint, so it cannot "
                     "be continued; runs keep them with checkpointing.save_every > 0")
-            return Plan(None, notes=notes, message=f"{out}: finished at step {done} of "
+            return Decision(None, notes=notes, message=f"{out}: finished at step {done} of "
                         f"{steps}; nothing to do; {more}")
         if ckpt is None:
             if trained:
@@ -210,7 +210,7 @@ def _plan(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume
                     "resume needs one (checkpointing.save_every > 0); allowed: another "
                     f"run.name, or run.start_over=true (the earlier run moves into {EARLIER}/)")
             moved = [n for n in present if n not in keep and (n != RunFolder.CONFIG or changed)]
-            return Plan(0, notes=notes, displaced=moved,
+            return Decision(0, notes=notes, displaced=moved,
                         message=f"{out}: no checkpoint yet, starting at step 0")
     else:
         ckpt = Path(resume)
@@ -219,7 +219,7 @@ def _plan(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume
             raise ConfigError(f"training.resume: {resume!r} cannot be resumed: {problem}")
         step, notes = int((manifest.read(ckpt) or {}).get("step", 0)), []
     if step >= steps:
-        return Plan(None, checkpoint=ckpt, notes=notes, message=(
+        return Decision(None, checkpoint=ckpt, notes=notes, message=(
             f"{out}: its checkpoint is at step {step}, training.steps={steps}; nothing to do "
             f"(training.steps above {step} continues it)"))
     if result and result.get("status") == "completed" and cfg.training.scheduler != "constant":
@@ -238,7 +238,7 @@ def _plan(cfg: Config, world_size: int, folder: Path | None, ranks: bool, resume
     # path leaves): kept aside, so no later resume picks them and no save meets them.
     moved += [str(f.relative_to(out)) for s_, f in manifest.step_folders(out) if s_ > step]
     moved += record
-    return Plan(step, ckpt, notes, moved, trim, f"{out}: resuming from {ckpt} at step {step}")
+    return Decision(step, ckpt, notes, moved, trim, f"{out}: resuming from {ckpt} at step {step}")
 
 
 # --------------------------------------------------------------------------- claiming the folder

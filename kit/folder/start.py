@@ -5,7 +5,7 @@
     begun = for_ranks(cfg, world_size)   # rank 0: the start KIT_START names, if it is this one
 
 Plain JSON, data only: the config as given ("auto" kept, run.output_dir the run folder), the
-processes, what the start does to its run folder (kit.folder.runfolder.Plan), the plan of the
+processes, what the start does to its run folder (kit.folder.runfolder.Decision), the plan of the
 values left at auto (kit.budget.plan.Planned.to_json; null where the start could not plan: a
 notebook's start with data.max_seq_len=auto, whose kernel tokenizes nothing, leaves it to rank 0)
 and the data line a person was shown. Rank 0 reads it instead of checking, planning and reading
@@ -39,7 +39,7 @@ class Start:
     config: dict  # the resolved config, as given ("auto" kept)
     nproc_per_node: int
     nnodes: int
-    folder: runfolder.Plan | None  # what it does to its run folder; None: plan it again (restart)
+    folder: runfolder.Decision | None  # what it does to its run folder; None: plan it again (restart)
     plan: dict | None = None  # kit.budget.plan.Planned.to_json(); None: rank 0 plans
     data: str | None = None  # the data line (kit.recipe.planning.Planning.data_line)
     # What the pre-flight found below an error (kit.doctor), for the one who started it to print.
@@ -58,7 +58,7 @@ class Start:
     def from_json(cls, found: dict) -> Start:
         folder = found["folder"]
         return cls(found["config"], found["nproc_per_node"], found["nnodes"],
-                   runfolder.Plan.from_json(folder) if folder else None, found["plan"],
+                   runfolder.Decision.from_json(folder) if folder else None, found["plan"],
                    found["data"])
 
     def write(self, folder: Path) -> Path:

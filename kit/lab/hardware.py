@@ -183,7 +183,7 @@ def usable_attention(info: dict) -> list[str]:
     return [name for name, ok in info["attention"]["usable"].items() if ok is True]
 
 
-def plan(info: dict, nproc: int) -> str:
+def processes(info: dict, nproc: int) -> str:
     """What `torchrun --nproc_per_node=NPROC` would get on this machine."""
     gpus, cores = len(info["cuda"]["gpus"]), info["cpu"]["cores"]
     if gpus:

@@ -9,7 +9,7 @@ the model keeps each layer's experts fused (`gate_up_proj` (E, 2I, H), `down_pro
 transformers converts while loading, by its conversion mapping (transformers.conversion_mapping:
 WeightRenaming, WeightConverter with MergeModulelist, Concatenate, Transpose). Here:
 
-- `plan`: for every parameter and buffer of the model, what makes it: one checkpoint tensor (under
+- `placement`: for every parameter and buffer of the model, what makes it: one checkpoint tensor (under
   its own name or renamed), or a WeightConverter over several (each expert's gate_proj and up_proj
   -> gate_up_proj). transformers' own `rename_source_key` decides, with the mapping transformers
   applies to this model (`get_model_conversion_mapping`), so every family it converts is read as
@@ -56,7 +56,7 @@ class Made:
     sources: dict[str, list[str]] = field(default_factory=dict)
 
 
-def plan(model: torch.nn.Module, names) -> dict[str, Made]:
+def placement(model: torch.nn.Module, names) -> dict[str, Made]:
     """Model state-dict key -> Made, for the checkpoint tensor `names`: what transformers'
     from_pretrained would put in each (its renamings, then at most one converter per key, and its
     base_model_prefix added or dropped). A converter with several targets (one tensor split into

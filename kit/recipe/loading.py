@@ -141,7 +141,7 @@ class Source:
         self.files = {} if init else builtin.checkpoint_files(builtin.resolve(cfg.model.name))
         # What makes each tensor: a checkpoint tensor (its name or renamed), or several converted
         # (a MoE's per-expert tensors): transformers' own conversion mapping decides.
-        self.made = expert_source.plan(model, self.files) if self.files else {}
+        self.made = expert_source.placement(model, self.files) if self.files else {}
         self.headers: dict = {}  # file -> (where its bytes start, its header)
         self.most_held = 0  # the most bytes the model held on this rank after a fill
 

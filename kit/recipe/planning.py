@@ -120,7 +120,7 @@ class Planning:
         return data.summary(train, val, cfg.data, cfg.training, world)
 
 
-def rank_zero(cfg: Config, env, engine) -> tuple[data.Split | None, runfolder.Plan,
+def rank_zero(cfg: Config, env, engine) -> tuple[data.Split | None, runfolder.Decision,
                                                  kplan.Planned | None]:
     """What rank 0 of `env` starts from: the start's run-folder plan and plan (kit.folder.start:
     checked and planned before any rank); for a start nobody checked (bare torchrun), the check
@@ -133,7 +133,7 @@ def rank_zero(cfg: Config, env, engine) -> tuple[data.Split | None, runfolder.Pl
         engine.check(cfg, env.world_size)
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or env.world_size)
         checks.step(cfg, per_node, max(1, env.world_size // per_node))
-    folder = (begun and begun.folder) or runfolder.plan(cfg, env.world_size, ranks=True)
+    folder = (begun and begun.folder) or runfolder.decide(cfg, env.world_size, ranks=True)
     if folder.start is None:
         return None, folder, None
     if begun and begun.plan:

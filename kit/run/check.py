@@ -148,7 +148,7 @@ def check(cfg: Config, nproc_per_node: int = 2, nnodes: int = 1, machine: dict |
             raise Refused(lines + unplanned)
         if broken is not None and not force:
             raise broken
-        folder = _refused_as_one(runfolder.plan, cfg, world, ranks=ranks)
+        folder = _refused_as_one(runfolder.decide, cfg, world, ranks=ranks)
         data = None
         if here and plan and folder.start is not None:
             from kit.recipe import planning  # torch, transformers: a command's own process

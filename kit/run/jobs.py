@@ -89,7 +89,7 @@ def write(config: Config | str | Path, overrides: list[str] | None = None, nnode
     found = pitfalls.machine_violations(cfg, machine)  # e.g. FSDP1 on one process
     if found:
         raise ConfigError("\n".join(str(v) for _, v in found))
-    start = runfolder.plan(cfg, nnodes * nproc)  # refuses a start that would replace a run
+    start = runfolder.decide(cfg, nnodes * nproc)  # refuses a start that would replace a run
     start.displaced = [n for n in start.displaced  # ours are written anew; an empty logs/ is no
                        if n not in FILES and not _empty_dir(folder / n)]  # record of a run
     pod_dir = _pod_dir(folder)
@@ -99,7 +99,7 @@ def write(config: Config | str | Path, overrides: list[str] | None = None, nnode
                                         cfg, pod_dir, pvc),
              "pytorchjob.yaml": _manifest(pytorchjob(cfg, pod_dir, nnodes, nproc, image, pvc),
                                           cfg, pod_dir, pvc)}
-    launch.prepare(cfg, nproc=nproc, plan=start, nnodes=nnodes)  # run.sh: c10d across nodes
+    launch.prepare(cfg, nproc=nproc, decision=start, nnodes=nnodes)  # run.sh: c10d across nodes
     try:  # under prepare's claim; nothing is started here, so it is given up after
         for file, text in texts.items():
             (folder / file).write_text(text)

@@ -89,7 +89,7 @@ def begin(cfg: Config, nproc: int = 2, env: dict | None = None, force: bool = Fa
 def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None,
             nproc: int = 2, name: str | None = None, module: str = "kit.train",
             args: tuple[str, ...] | list[str] = TRAIN_ARGS,
-            plan: runfolder.Plan | None = None, nnodes: int = 1,
+            decision: runfolder.Decision | None = None, nnodes: int = 1,
             start: start_file.Start | None = None) -> Path:
     """Write config.yaml and run.sh into the run folder; return the folder. A resolved Config is
     used as it is (launch and run_to_end resolve once); a path or name is resolved here.
@@ -103,8 +103,8 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
 
     start: the recipe's start (kit.run.check.check: kit train, launch and run_to_end check and plan
     before they call this), written into the folder as start.json for the ranks; its run-folder
-    plan is `plan`. plan: what kit.folder.runfolder decided (planned here when not given); its
-    earlier files move into earlier/ first.
+    decision is `decision`. decision: what kit.folder.runfolder decided for the folder (decided
+    here when not given); its earlier files move into earlier/ first.
     nnodes: the nodes run.sh starts on when neither NNODES nor PET_NNODES says (kit.run.jobs).
 
     The folder is claimed first (kit.folder.runfolder.claim): of two starts of one run at once, one
@@ -123,7 +123,7 @@ def prepare(cfg_or_path: Config | str | Path, overrides: list[str] | None = None
         if Run(folder).status == "running":
             raise RuntimeError(f"run {cfg.run.name!r} is running; stop it first: "
                                f"Run.attach({cfg.run.name!r}).stop()")
-        _write(cfg, folder, nproc, module, args, start.folder if start else plan, nnodes)
+        _write(cfg, folder, nproc, module, args, start.folder if start else decision, nnodes)
         if start is not None:  # after _write: what moved into earlier/ is said, nothing to move
             start.config = cfg.to_dict()
             start.write(folder)
@@ -148,13 +148,13 @@ def _remove_empty(made: list[Path]) -> None:
             return
 
 
-def _write(cfg: Config, folder: Path, nproc: int, module: str, args, plan, nnodes: int) -> None:
+def _write(cfg: Config, folder: Path, nproc: int, module: str, args, decision, nnodes: int) -> None:
     """prepare's writing, under its claim: earlier files aside, config.yaml, run.sh."""
     files = RunFolder(folder)
     cfg.run.output_dir = str(folder)
     if module == "kit.train":
-        plan = plan or runfolder.plan(cfg, nproc)
-        plan.keep_earlier(folder)
+        decision = decision or runfolder.decide(cfg, nproc)
+        decision.keep_earlier(folder)
     else:
         files.log.unlink(missing_ok=True)
         shutil.rmtree(files.logs, ignore_errors=True)

@@ -249,11 +249,11 @@ def recorder(*a, **kw):
     return type("KitRecorder", (Recorder, TrainerCallback), {})(*a, **kw)
 
 
-def _folder_start(cfg: Config, world: int, is_main: bool) -> runfolder.Plan:
+def _folder_start(cfg: Config, world: int, is_main: bool) -> runfolder.Decision:
     box: list = [None]
     if is_main:
         try:
-            box[0] = runfolder.plan(cfg, world, ranks=True)
+            box[0] = runfolder.decide(cfg, world, ranks=True)
         except ConfigError as e:
             box[0] = e
     if world > 1:
