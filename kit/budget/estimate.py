@@ -63,7 +63,7 @@ class Setup:
     prefetch_layers: int = 1  # FSDP gathers the next layer while computing this one
     loading: str = "full"  # model.loading: full | rank0 hold the whole model before sharding;
     # stream: a shard and one unit (auto is stream under FSDP, full under DDP)
-    loss: str = "hf"  # training.loss: hf | chunked | fused (kit.recipe.loss: how many logits exist)
+    loss: str = "hf"  # training.loss: hf | chunked | fused (kit.recipe.levers.loss: how many logits exist)
     offload_activations: bool = False  # training.offload_activations: kept tensors in host memory
     mlp_tile_tokens: int = 0  # training.recompute.mlp_tile_tokens: the MLP's graph one tile at a time
     attention_tile_tokens: int = 0  # training.recompute.attention_tile_tokens: attention's, likewise
@@ -146,7 +146,7 @@ def activation_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
         dropout mask (1 byte * in), the r-wide output of A (l * r); with lora.group_inputs the
         dropped input and mask once per group of layers that share it (kit.budget.shapes.dropped_inputs)
     """
-    # The two RMSNorms: the fp32 copy of their input. Lean norms (kit.recipe.norms) keep less (the
+    # The two RMSNorms: the fp32 copy of their input. Lean norms (kit.recipe.levers.norms) keep less (the
     # fp32 1/rms and the second's bf16 input), but the measured peaks did not fall by it: counting
     # 2h + 8 bytes instead of 8h put both lean runs 12-16% below their peaks (131,072 and 163,840
     # tokens at the 8B shape, benchmarks/records/2026-11-27-lean-norms-context-24gib-8b-1xh100).
@@ -160,7 +160,7 @@ def activation_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
 def attention_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
     """The attention block's share of activation_bytes_per_token_layer (its norm not included):
     q, k, v, attention's output and o_proj's copy, and the adapters' dropped inputs, masks and
-    r-wide outputs on q, k, v and o. A tiled attention block (kit.recipe.attention_tiles) holds
+    r-wide outputs on q, k, v and o. A tiled attention block (kit.recipe.levers.attention_tiles) holds
     these for one tile of queries only, and keeps its input."""
     r = setup.lora_r
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
@@ -211,12 +211,12 @@ def selective_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
 LOGIT_BYTES_FP32_PART = 12
 
 
-CHUNK_TOKENS = 4096  # kit.recipe.loss: the chunked loss's tokens per chunk
-FUSED_CHUNK_LOGITS = 2**26  # kit.recipe.loss: the fused loss's logits per chunk
+CHUNK_TOKENS = 4096  # kit.recipe.levers.loss: the chunked loss's tokens per chunk
+FUSED_CHUNK_LOGITS = 2**26  # kit.recipe.levers.loss: the fused loss's logits per chunk
 
 
 def loss_bytes(shape: Shape, setup: Setup, tokens: int) -> tuple[float, str]:
-    """(bytes at the loss's peak, how) for training.loss (kit.recipe.loss), a = compute dtype bytes:
+    """(bytes at the loss's peak, how) for training.loss (kit.recipe.levers.loss), a = compute dtype bytes:
       - hf: the logits (a), their fp32 copy, log-probabilities and gradient (12 B) per logit;
       - chunked: the logits and their gradient (2a) whole, one chunk of 4,096 tokens in fp32 (12);
       - fused: no logits of the batch: one chunk of 2^26 logits (the head's output in a, its fp32
@@ -464,7 +464,7 @@ def _layer_bytes(shape, setup: Setup) -> float:
         # sequence's keys and values and their gradients, and a tile's share of the unmasked
         # keys' gradients before they are added (6 x kv values per token); the attention output
         # the layer's recompute keeps for backward (q values) and its log-sum-exp (fp32 per
-        # head): kit.recipe.tile_kernels. Measured for one layer's tiles at the 8B shape:
+        # head): kit.recipe.levers.tile_kernels. Measured for one layer's tiles at the 8B shape:
         # 2.36 GiB above the inputs at 131,072 tokens (benchmarks/tools/tile_attention_bench.py).
         per_layer -= attention_bytes_per_token_layer(shape, setup) * (tokens - setup.attention_tile_tokens)
         per_layer += tokens * (a * (shape.hidden + 6 * shape.kv_heads * shape.head_dim
@@ -481,7 +481,7 @@ def _layer_bytes(shape, setup: Setup) -> float:
         if not setup.lean_norms:  # the eager norms' backward: fp32 temporaries of the whole
             # sequence, two at once (fitted: 98,304 and 114,688 tokens at the 8B shape measured
             # 19.88 and 22.01 GiB, benchmarks/records/2026-11-27-attention-tiles-context-8b-1xh100;
-            # counted without them the estimate lay 11-13% below). kit.recipe.norms runs them a
+            # counted without them the estimate lay 11-13% below). kit.recipe.levers.norms runs them a
             # chunk at a time: without them 131,072 and 163,840 tokens lie 3.0% and 0.4% below the
             # estimate (19.89 and 23.15 GiB measured,
             # 2026-11-27-lean-norms-context-24gib-8b-1xh100).

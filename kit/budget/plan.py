@@ -52,7 +52,7 @@ MAX_BATCH = 64
 # then attention with lean norms, a tile at a time. TILE_TOKENS is the tile of every measured run
 # (2026-11-24-caps-context-8b-1xh100, 2026-11-27-attention-tiles-context-8b-1xh100,
 # 2026-11-27-lean-norms-context-24gib-8b-1xh100). Attention tiles and lean norms run on these
-# families' attention and RMSNorm (kit.recipe.attention_tiles, kit.recipe.norms).
+# families' attention and RMSNorm (kit.recipe.levers.attention_tiles, kit.recipe.levers.norms).
 TILE_TOKENS = 8192
 TILED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -76,7 +76,7 @@ TILED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 #   at 24 GiB, benchmarks/records/2026-11-27-layers-24gib-8b-1xh100) where the whole rerun gave
 #   1.046x: 0.5.
 # - ATTENTION_TILES_SPEED: attention tiles (with the MLP's, offloaded inputs and whole-layer
-#   recompute) on their own kernels (kit.recipe.tile_kernels: cuDNN's attention, backward from the
+#   recompute) on their own kernels (kit.recipe.levers.tile_kernels: cuDNN's attention, backward from the
 #   recompute's kept statistics) ran at 0.86-0.90 of the model's rate at 131,072, 163,840 and
 #   524,288 tokens (2026-11-27-tile-kernels-context-512k-8b-1xh100); through SDPA with a third
 #   forward they had run at 0.52-0.53 (2026-11-27-attention-tiles-context-8b-1xh100,

@@ -290,7 +290,7 @@ def _target_modules(c: Context) -> list[Finding]:
 @_check
 def _group_inputs(c: Context) -> list[Finding]:
     """lora.group_inputs on a model (or target list) with no adapted q/k/v or gate/up under one
-    parent, e.g. fused projections: the ranks would refuse it after loading (kit.recipe.lora_groups)."""
+    parent, e.g. fused projections: the ranks would refuse it after loading (kit.recipe.levers.lora_groups)."""
     if c.get("lora.group_inputs") is not True or c.facts is None:
         return []
     targets = c.get("lora.target_modules")

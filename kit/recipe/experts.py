@@ -98,7 +98,7 @@ def quantize(model: torch.nn.Module, kwargs: dict) -> int:
 
 def round_trip(model: torch.nn.Module, kwargs: dict) -> int:
     """Replace every expert stack by its NF4 round trip, dense in the compute dtype: the values
-    a run trained against, for plain PEFT to load an adapter onto (kit.recipe.merge: inference,
+    a run trained against, for plain PEFT to load an adapter onto (kit.inference.merge: inference,
     merging). The experts' own forward is transformers' again. Returns how many stacks."""
     count = 0
     for _, module in find(model):

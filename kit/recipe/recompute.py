@@ -82,7 +82,7 @@ def _matmul_shape(op, args) -> tuple[int, int] | None:
     if op in _MATMULS:
         a, b = args[-2], args[-1]  # addmm(bias, a, b), mm(a, b)
         return a.shape[-1], b.shape[-1]
-    if op in _TWO_OPERANDS:  # kit.recipe.fp8's _scaled_mm(a, b, scale_a, scale_b); the grouped
+    if op in _TWO_OPERANDS:  # kit.recipe.levers.fp8's _scaled_mm(a, b, scale_a, scale_b); the grouped
         # experts' _grouped_mm(a (rows, in), b (E, in, out), offs=...): one op for every expert
         return args[0].shape[-1], args[1].shape[-1]
     if getattr(op, "namespace", None) == "bitsandbytes" and "gemm" in op.__name__:
