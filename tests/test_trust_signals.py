@@ -62,11 +62,20 @@ def training(out: Path, proc: subprocess.Popen | None = None) -> list[psutil.Pro
     return of_the_run(out)
 
 
+def _signals_as_a_terminal_leaves_them():
+    """A terminal or a service manager starts `kit train` with every signal at its default; the
+    test's own process may have inherited some ignored (`nohup pytest` ignores SIGHUP, a shell's
+    `&` SIGINT), which the door keeps ignored on purpose: `nohup kit train` outlives a hangup."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def door(out: Path, tmp_path: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
     """`kit train` in a session of its own, as a terminal or a service manager starts it."""
     return subprocess.Popen(
         [sys.executable, "-m", "kit", "train", str(TINY), *ARGS, f"run.output_dir={out}", *extra],
         cwd=ROOT, start_new_session=True, env={**os.environ, **(env or {})},
+        preexec_fn=_signals_as_a_terminal_leaves_them,
         stdout=open(tmp_path / "stdout", "w"), stderr=open(tmp_path / "stderr", "w"))
 
 
