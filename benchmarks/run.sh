@@ -14,6 +14,7 @@
 #
 # Setup, each start: the wheels the GPU images lack, from .whl/gpu (benchmarks/tools/
 # fetch_gpu_wheels.sh fills it on a machine with a registry; what is installed already is kept),
+# the unsloth baseline from .whl/unsloth into /tmp/unsloth-site (benchmarks/tools/unsloth_env.sh),
 # the environment the kit's runs read, and DIR/device.txt (the GPU, the versions, the commit).
 # DIR also gets command.txt (what ran), run.log, rc and DONE. From the repository root or not.
 set -uo pipefail
@@ -56,6 +57,10 @@ setup() {  # DIR
       "${full[@]}" 2>&1 | grep -v WARNING
     have ipykernel && python3 -m ipykernel install --user --name python3 > /dev/null 2>&1
   fi
+  # The unsloth baseline (kit.bench.unsloth), in a folder of its own: its pins are not the kit's.
+  if [ -d .whl/unsloth ] && bash benchmarks/tools/unsloth_env.sh /tmp/unsloth-site > /dev/null; then
+    export KIT_UNSLOTH_PATH=/tmp/unsloth-site
+  fi
   export KIT_HOME=${KIT_HOME:-/tmp/kit_home} TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
   export HF_HUB_DISABLE_PROGRESS_BARS=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
@@ -70,6 +75,7 @@ def version(name):
 print(", ".join(f"{n} {version(n)}" for n in ("torch", "transformers", "peft", "bitsandbytes",
                                              "liger-kernel")))
 PY
+    [ -n "${KIT_UNSLOTH_PATH:-}" ] && cat "$KIT_UNSLOTH_PATH/.ready"
     echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"; } > "$1/device.txt"
   cat "$1/device.txt"
 }

@@ -95,3 +95,30 @@ def test_an_old_record_keeps_its_table():
     assert ("| cap GiB/GPU | baseline tokens/s/GPU (batch, MFU) | kit best tokens/s/GPU "
             "(batch, MFU) | kit config | speed-up |\n|---|---|---|---|---|\n") in table
     assert "peer" not in table and "skipped" not in table
+
+
+def test_unsloth_is_a_baseline_column_and_its_skip_is_said(tmp_path):
+    """A MoE matrix of the kit and unsloth only: one baseline column, the kit's speed over it, and
+    a skipped unsloth case (no CUDA GPU) said in one line and marked in its cap's row."""
+    path = tmp_path / "m.yaml"
+    path.write_text("model: kit:llama-8b\nseq_len: 2048\nnproc: 1\ndevice: cuda\ncases:\n"
+                    "  - {name: uns-none, recipe: unsloth, role: unsloth, batches: [8, 16]}\n"
+                    "  - {name: kit-none, recipe: kit, role: kit, batches: [auto]}\n"
+                    "  - {name: uns-24, recipe: unsloth, role: unsloth, cap_gib: 24, batches: [8]}\n"
+                    "  - {name: kit-24, recipe: kit, role: kit, cap_gib: 24, batches: [auto]}\n")
+    matrix = load_matrix(path)
+    why = "unsloth trains on a CUDA GPU only; no CUDA GPU here (no nvidia-smi)"
+    rows = [_batch("uns-none", "unsloth", None, 8, 20000.0, 0.2),
+            {**_batch("uns-none", "unsloth", None, 16, 0, 0), "status": "oom"},
+            _batch("kit-none", "kit", None, 6, 26000.0, 0.26),
+            {"case": "uns-24", "recipe": "unsloth", "label": "uns-24", "role": "unsloth",
+             "cap_gib": 24, "table": "", "kind": "skipped", "why": why},
+            _batch("kit-24", "kit", 24, 10, 21000.0, 0.21)]
+    table = bench_report.render(rows, matrix)
+    assert "### Kit vs unsloth, per memory cap (best batch of each)" in table
+    assert ("| cap GiB/GPU | unsloth tokens/s/GPU (batch, MFU) | kit best tokens/s/GPU "
+            "(batch, MFU) | kit config | over unsloth |\n|---|---|---|---|---|\n") in table
+    assert "| 24 | skipped | 21,000 (10, 21.0%) | kit-24 | - |" in table
+    assert "| - | 20,000 (8, 20.0%) | 26,000 (6, 26.0%) | kit-none | 1.30x |" in table
+    assert f"\nunsloth: skipped: {why} (uns-24)\n" in table
+    assert "article" not in table.split("### Every case")[0]

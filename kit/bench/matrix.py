@@ -13,8 +13,9 @@ from pathlib import Path
 
 import yaml
 
-# article: kit.bench.article; peer: kit.bench.peer (the peer stack); kit: kit.train.Recipe.
-RECIPES = ("article", "kit", "peer")
+# article: kit.bench.article; peer: kit.bench.peer (the peer stack); unsloth: kit.bench.unsloth;
+# kit: kit.train.Recipe.
+RECIPES = ("article", "kit", "peer", "unsloth")
 
 
 def load_matrix(path: str | Path, to_run: bool = True) -> dict:
@@ -44,7 +45,7 @@ def load_matrix(path: str | Path, to_run: bool = True) -> dict:
     for c in m["cases"]:
         if c.get("recipe") not in RECIPES:
             raise ValueError(f"cases.{c['name']}.recipe: {c.get('recipe')!r} is not allowed; "
-                             "expected 'article', 'kit' or 'peer'")
+                             "expected 'article', 'kit', 'peer' or 'unsloth'")
         batches = c.get("batches")
         # "auto": the batch the kit's recipe plans for itself during setup (the worker reads
         # training.batch_size after it); the baselines have no planner.

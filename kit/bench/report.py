@@ -73,9 +73,9 @@ def render(rows: list[dict], matrix: dict) -> str:
     lines += article_table(largest_by_case(rows), matrix, status)
     ran = {r["case"] for r in rows}  # caps of cases not run (--only) get no row
     caps = sorted({c.get("cap_gib") for c in matrix["cases"]
-                   if c.get("role") in ("baseline", "kit", "peer") and c["name"] in ran},
+                   if c.get("role") in ("baseline", "kit", "peer", "unsloth") and c["name"] in ran},
                   key=lambda x: (x is None, x))
-    if caps and any(c.get("role") == "peer" for c in matrix["cases"]):
+    if caps and any(c.get("role") in ("peer", "unsloth") for c in matrix["cases"]):
         lines += peer_table(rows, best, matrix, caps)
     elif caps:
         lines += cap_table(best, matrix, caps)
@@ -196,27 +196,42 @@ def _cell(r: dict | None) -> str:
     return f"{_fmt(r['tokens_per_s_gpu'])} ({r['batch']}, {_fmt(r['mfu'], '.1%')})" if r else "-"
 
 
+# The baselines a matrix may hold, by role, in the order their columns come.
+BASELINES = (("baseline", "article recipe"), ("peer", "peer stack"), ("unsloth", "unsloth"))
+
+
 def peer_table(rows: list[dict], best: dict[str, dict], matrix: dict, caps: list) -> list[str]:
-    """Markdown lines: per memory cap, the article recipe (role baseline), the peer stack (role
-    peer) and the fastest kit case (role kit), best batch of each, and the kit's speed over each
-    baseline; then one line per reason the peer stack was skipped."""
-    skipped = [r for r in rows if r.get("kind") == "skipped" and r.get("role") == "peer"]
-    lines = ["### Kit vs the article recipe and the peer stack, per memory cap (best batch of "
-             "each)", "",
-             "| cap GiB/GPU | article recipe tokens/s/GPU (batch, MFU) | peer stack tokens/s/GPU "
-             "(batch, MFU) | kit best tokens/s/GPU (batch, MFU) | kit config | over article | "
-             "over peer |", "|---|---|---|---|---|---|---|"]
+    """Markdown lines: per memory cap, the baselines the matrix holds (the article recipe, role
+    baseline; the peer stack, role peer; unsloth, role unsloth), best batch of each, the fastest
+    kit case (role kit), and the kit's speed over each baseline; then one line per reason a
+    baseline was skipped."""
+    held = [(role, name) for role, name in BASELINES
+            if any(c.get("role") == role for c in matrix["cases"])]
+    skipped = [r for r in rows if r.get("kind") == "skipped" and r.get("role") in dict(held)]
+    names = [name for _, name in held]
+    said = [n if n == "unsloth" else f"the {n}" for n in names]
+    said = ", ".join(said[:-1]) + " and " + said[-1] if len(said) > 1 else said[0]
+    lines = [f"### Kit vs {said}, per memory cap (best batch of each)", "",
+             "| cap GiB/GPU | " + " | ".join(f"{n} tokens/s/GPU (batch, MFU)" for n in names)
+             + " | kit best tokens/s/GPU (batch, MFU) | kit config | "
+             + " | ".join(f"over {n.split()[0]}" for n in names) + " |",
+             "|---|" + "---|" * (2 * len(held) + 2)]
     for cap in caps:
-        b, p, k = (fastest(best, matrix, role, cap) for role in ("baseline", "peer", "kit"))
+        found = [fastest(best, matrix, role, cap) for role, _ in held]
+        k = fastest(best, matrix, "kit", cap)
         over = [f"{k['tokens_per_s_gpu'] / x['tokens_per_s_gpu']:.2f}x" if x and k else "-"
-                for x in (b, p)]
-        peer = _cell(p) if p or not any(r.get("cap_gib") == cap for r in skipped) else "skipped"
-        lines.append(f"| {_fmt(cap, 'g')} | {_cell(b)} | {peer} | {_cell(k)} | "
-                     f"{k['label'] if k else '-'} | {over[0]} | {over[1]} |")
+                for x in found]
+        cells = [_cell(x) if x or not any(
+                     r.get("cap_gib") == cap and r["role"] == role for r in skipped) else "skipped"
+                 for x, (role, _) in zip(found, held, strict=True)]
+        lines.append(f"| {_fmt(cap, 'g')} | {' | '.join(cells)} | {_cell(k)} | "
+                     f"{k['label'] if k else '-'} | {' | '.join(over)} |")
     lines.append("")
-    for why in dict.fromkeys(r["why"] for r in skipped):
-        names = ", ".join(r["case"] for r in skipped if r["why"] == why)
-        lines += [f"peer stack: skipped: {why} ({names})", ""]
+    for role, name in held:
+        mine = [r for r in skipped if r["role"] == role]
+        for why in dict.fromkeys(r["why"] for r in mine):
+            cases = ", ".join(r["case"] for r in mine if r["why"] == why)
+            lines += [f"{name}: skipped: {why} ({cases})", ""]
     return lines
 
 
@@ -280,7 +295,7 @@ def plot(rows: list[dict], path: str | Path) -> None:
         rs = [r for r in rows if r["case"] == name and r.get("kind") == "batch"
               and r["status"] == "ok"]
         style = {"marker": "o", "label": name,
-                 "ls": {"article": "--", "peer": ":"}.get(rs[0]["recipe"], "-") if rs else "-"}
+                 "ls": {"article": "--", "peer": ":", "unsloth": "-."}.get(rs[0]["recipe"], "-") if rs else "-"}
         if rs and rs[0].get("sweep"):
             cx[0].plot([r["seq_len"] for r in rs], [r["tokens_per_s_gpu"] for r in rs], **style)
         elif rs:
@@ -289,7 +304,7 @@ def plot(rows: list[dict], path: str | Path) -> None:
             if r["case"] == name and r.get("kind") == "curve":
                 bx.plot(range(1, len(r["losses"]) + 1), r["losses"], label=name)
     ax.set(xscale="log", xlabel="batch per GPU", ylabel="tokens/s per GPU",
-           title="throughput (dashed: article recipe, dotted: peer stack)")
+           title="throughput (dashed: article recipe, dotted: peer stack, dash-dot: unsloth)")
     bx.set(xlabel="step", ylabel="loss", title="same data, same start")
     if cx:
         cx[0].set(xscale="log", xlabel="sequence length (batch 1)", ylabel="tokens/s per GPU",

@@ -6,7 +6,9 @@
 A matrix (YAML) names the model, sequence length and processes, and its cases. A case is the
 article recipe (`kit.bench.article`, the hand-written baseline), the peer stack (`kit.bench.peer`:
 the same plus liger-kernel's fused kernels, the second baseline; a case of it is skipped, in one
-line and one row, where it cannot run: no CUDA GPU or no liger-kernel) or the kit's recipe
+line and one row, where it cannot run: no CUDA GPU or no liger-kernel), unsloth
+(`kit.bench.unsloth`, the third baseline, one process, its packages in a folder of their own) or
+the kit's recipe
 (`kit.train.Recipe`) with config overrides, under an optional memory cap per GPU (`cap_gib`:
 emulates a smaller GPU with `torch.cuda.set_per_process_memory_fraction`). Each case tries its batch sizes in ascending order
 on synthetic tokens (the same for every case), until one does not fit: an out-of-memory is a
@@ -36,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from kit.bench import peer
+from kit.bench import peer, unsloth
 from kit.bench.matrix import case_nproc, load_matrix
 from kit.bench.report import plot, render
 from kit.config import Config, ConfigError, load_config
@@ -84,10 +86,25 @@ def case_config(matrix: dict, case: dict, out: Path) -> Config:
 
 def skipped(matrix: dict, case: dict) -> str | None:
     """Why a case cannot run on this machine, in one line (the peer stack without a CUDA GPU or
-    without liger-kernel: kit.bench.peer.unavailable, asked without torch); None when it can."""
+    without liger-kernel: kit.bench.peer.unavailable; unsloth without a CUDA GPU, on more than one
+    process or without its folder: kit.bench.unsloth.unavailable; asked without torch); None
+    when it can."""
     if case["recipe"] == "peer":
         return peer.unavailable(matrix.get("device", "auto"))
+    if case["recipe"] == "unsloth":
+        return unsloth.unavailable(matrix.get("device", "auto"), case_nproc(matrix, case))
     return None
+
+
+def case_env(case: dict) -> dict:
+    """The environment a case's processes get beyond the runner's own: one thread per process for
+    the CPU's math libraries; for unsloth its folder of packages (unsloth and the trl and datasets
+    it pins) in front of the path, and no hub (the model is a local folder)."""
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if case["recipe"] == "unsloth":
+        path = [str(unsloth.folder()), os.environ.get("PYTHONPATH", "")]
+        env.update(PYTHONPATH=os.pathsep.join(p for p in path if p), HF_HUB_OFFLINE="1")
+    return env
 
 
 def run_case(matrix_path: Path, case: dict, cfg: Config, nproc: int, out: Path) -> int:
@@ -99,7 +116,7 @@ def run_case(matrix_path: Path, case: dict, cfg: Config, nproc: int, out: Path) 
     try:
         run = run_to_end(cfg, nproc=nproc, module="kit.bench.worker",
                          args=["{config}", str(out), case["name"], "--matrix", str(matrix_path)],
-                         env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+                         env=case_env(case),
                          timeout=case.get("timeout_s", 600), check=False)
         rc = run.exit_code if run.exit_code is not None else -1
     except TimeoutError:

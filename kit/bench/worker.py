@@ -10,7 +10,8 @@ CASE give the measurement: batches, warm-up and measured steps, the memory cap, 
 phase, the profile. Rank 0 appends each row to `OUT/cases/CASE.jsonl` (and prints it) and writes
 result.json into the run folder when the case ended.
 
-The article recipe is built by kit.bench.article, the peer stack by kit.bench.peer; the kit's by
+The article recipe is built by kit.bench.article, the peer stack by kit.bench.peer, unsloth by
+kit.bench.unsloth (one process, in its own folder of packages); the kit's by
 kit.train.Recipe, whose own train_step runs each step (`batches: [auto]`: the batch size its setup
 planned). All see the same synthetic tokens (`synthetic_batch`), or in the equivalence
 phase of a real model the bundled sample text (`equivalence.data: sample`), and are seeded alike.
@@ -106,7 +107,17 @@ class _Run:
             path = builtin.resolve(cfg.model.name)
         self.seq = cfg.data.max_seq_len
         self.batches = case["batches"]
-        if case["recipe"] in ("article", "peer"):
+        if case["recipe"] == "unsloth":
+            from kit.bench import unsloth
+
+            unsloth.prepare()  # before transformers: it patches transformers' classes on import
+            loading = time.perf_counter()
+            options = {"seq_len": cfg.data.max_seq_len, "lr": cfg.training.lr,
+                       "seed": cfg.training.seed, **case.get("options", {})}
+            self.model, self.optimizer = unsloth.build(path, env.device, **options)
+            self.load = _loaded(time.perf_counter() - loading, env)
+            self._step = lambda b: unsloth.train_step(self.model, self.optimizer, b)
+        elif case["recipe"] in ("article", "peer"):
             from kit.bench import article, peer
 
             # The article recipe and the peer stack are built alike, each by its own module.
@@ -259,6 +270,9 @@ def worker(this: experiment.Case) -> None:
     emit({"kind": "setup", "seconds": round(time.perf_counter() - started, 1),
           "load_s": run.load["seconds"], "peak_host_mib": run.load["peak_host_mib"],
           **({"plan": planned.as_dict()} if planned is not None else {}),
+          # what LoRA trains (single-process recipes and FSDP2's global parameters: comparable)
+          **({"trainable_params": sum(p.numel() for p in run.model.parameters() if p.requires_grad)}
+             if case["recipe"] in ("kit", "unsloth") else {}),
           **({"auto_batch": run.batches[0]} if case["batches"] == ["auto"] else {})})
     fail_at = int(os.environ.get("KIT_BENCH_OOM_AT_BATCH", "0"))  # tests: an injected OOM
 
