@@ -159,15 +159,14 @@ def loop_forward(self, hidden_states, top_k_index=None, top_k_weights=None, rout
                  routing_weights=None, lora=None):  # fmt: skip
     """transformers' eager experts loop on the packed stacks, one expert at a time: the reference
     the grouped forward (kit.recipe.grouped_experts, what runs) is tested and timed against. Its
-    dropout masks are drawn as the grouped forward draws them (one per row in token order)."""
+    dropout masks are the grouped forward's (the same seeds; each a function of the flat row)."""
     index = top_k_index if top_k_index is not None else router_indices
     weights = top_k_weights if top_k_weights is not None else routing_weights
     lora = lora or {}
     absmax = {name: _absmax(s["state"]) for name, s in getattr(self, "_kit_nf4", {}).items()}
     final = torch.zeros_like(hidden_states)
     first = "gate_up_proj" if self.has_gate else "up_proj"
-    masks = grouped_experts.dropout_masks(lora, (first, "down_proj"), index.numel(),
-                                          hidden_states.device)
+    masks = grouped_experts.dropout_masks(lora, (first, "down_proj"), hidden_states.device)
     with torch.no_grad():
         mask = torch.nn.functional.one_hot(index, num_classes=self.num_experts + 1)
         mask = mask.permute(2, 1, 0)
@@ -176,7 +175,7 @@ def loop_forward(self, hidden_states, top_k_index=None, top_k_weights=None, rout
         if e == self.num_experts:
             continue
         position, token = torch.where(mask[e])
-        rows = token * index.shape[1] + position  # the rows' places in the token-order masks
+        rows = token * index.shape[1] + position  # the flat rows the masks are asked at
         h = _project(self, first, e, hidden_states[token], absmax, lora, masks, rows)
         h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
         h = _project(self, "down_proj", e, h, absmax, lora, masks, rows)
@@ -224,7 +223,7 @@ def _project(self, name, e, x, absmax, lora, masks, rows):
         rank = down.shape[0] // self.num_experts
         a = down.reshape(self.num_experts, rank, -1)[e]  # PEFT's layout (get_delta_factors)
         b = up.reshape(up.shape[0], rank, self.num_experts)[:, :, e]
-        dropped = grouped_experts.dropped(x.to(a.dtype), None if drop is None else drop[rows], p)
+        dropped = grouped_experts.dropped(x.to(a.dtype), None if drop is None else drop.at(rows), p)
         y = y + (dropped @ a.t() @ b.t() * scale).to(y.dtype)
     return y
 

@@ -8,7 +8,12 @@ Per layer and pass, for the rows (token, k-th choice) of the top-k routing:
 - the base projection of every group is one grouped GEMM: `torch._grouped_mm` (CUTLASS, Hopper
   and newer, bf16), elsewhere a loop over the sorted groups' slices (`grouped_kernel` chooses);
 - each LoRA branch is two more grouped GEMMs (A, then B, times its scale) on the input dropped out
-  with a mask drawn per row in token order (so that any layout of the rows sees the same mask);
+  with a counter-based mask: drop(row, col) = hash32(seed, flat row token*k + choice, col) < p,
+  computed at the sorted rows themselves (no mask drawn in token order and gathered), one int32
+  seed per layer call and branch drawn from torch's generator (so torch.manual_seed and a
+  recompute's restored RNG state give the same masks). Integer arithmetic only: the same bits on
+  CPU and CUDA, eager and compiled. Backward computes the mask again from the seed and the rows
+  (a few int ops that inductor fuses into the kernel that reads the input): no mask is kept;
 - gate/activation (the module's own `_apply_gate`), biases, the routing weights; the rows are put
   back in token order and summed over the k choices (a deterministic reduction, no atomics).
 
@@ -22,7 +27,10 @@ kept GEMM no longer reads: a next lever). The LoRA GEMMs go through autograd
 transformers' kind (its sentinel id E for another rank's expert).
 
 Gaps filled by hand: transformers' grouped_mm experts read the dense 3-D stacks and know no LoRA;
-bitsandbytes has no grouped 4-bit GEMM; PEFT's ParamWrapper merges B@A into a dense stack.
+bitsandbytes has no grouped 4-bit GEMM; PEFT's ParamWrapper merges B@A into a dense stack; torch
+has no counter-based random numbers keyed by the caller's indices (bernoulli draws Philox in the
+tensor's own order: a mask for rows in another order must be drawn whole and gathered), hence the
+hash.
 """
 
 from __future__ import annotations
@@ -122,15 +130,75 @@ def _(t):
 dense_copy.register_autograd(lambda ctx, grad: grad)
 
 
-def dropout_masks(lora: dict, names: tuple, rows: int, device) -> dict:
-    """{name: [bool drop-mask (rows, in) per LoRA branch, or None]}, the rows in token order
-    (token*k + choice), drawn in the order of `names` then branches: a layout-free draw, so the
-    grouped forward and the per-expert loop (the tests' reference) drop out the same values."""
-    masks = {}
-    for name in names:
-        masks[name] = [torch.empty(rows, down.shape[1], dtype=torch.bool, device=device)
-                       .bernoulli_(p) if p > 0 else None
-                       for down, _, _, p in lora.get(name, ())]  # fmt: skip
+def _mix(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit hash of each value of the int32 tensor `h`: an xorshift-multiply finalizer of two
+    rounds (constants 0x21f0aaad, 0x735a2d97: low bias, both below 2^31, so they are int32 literals
+    in Triton and C++ alike). Products wrap mod 2^32 on every backend; torch's `>>` on a signed
+    int is arithmetic, so each shift is masked to its logical result."""
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * 0x21F0AAAD
+    h = h ^ ((h >> 15) & 0x1FFFF)
+    h = h * 0x735A2D97
+    return h ^ ((h >> 15) & 0x1FFFF)
+
+
+def drop_mask(seed: torch.Tensor, rows: torch.Tensor, width: int, threshold: int) -> torch.Tensor:
+    """Bool (len(rows), width): hash(seed, row, col)'s top 31 bits < `threshold` (p * 2^31). Row
+    and column are hashed apart and then together (mix(mix(mix(row) ^ seed) ^ mix(col))), not
+    as one flat index row * width + col, which would pass 2^31 at large batches."""
+    key = _mix(_mix(rows.to(torch.int32)) ^ seed)
+    col = _mix(torch.arange(width, dtype=torch.int32, device=rows.device))
+    h = _mix(key[:, None] ^ col)
+    return ((h >> 1) & 0x7FFFFFFF) < threshold
+
+
+class _Dropped(torch.autograd.Function):
+    """x zeroed where drop_mask(seed, rows, ...): keeps the seed and the rows for backward, which
+    computes the mask again, instead of the (rows, width) mask itself."""
+
+    @staticmethod
+    def forward(ctx, x, seed, rows, threshold):
+        ctx.threshold = threshold
+        ctx.save_for_backward(seed, rows)
+        return x.masked_fill(drop_mask(seed, rows, x.shape[-1], threshold), 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        seed, rows = ctx.saved_tensors
+        drop = drop_mask(seed, rows, grad.shape[-1], ctx.threshold)
+        return grad.masked_fill(drop, 0), None, None, None
+
+
+class Mask:
+    """One LoRA branch's dropout for one layer call: value (flat row, col) is dropped with
+    probability `p` (to 2^-31), a function of (seed, row, col) alone, asked at any rows."""
+
+    def __init__(self, seed: torch.Tensor, width: int, p: float):
+        self.seed, self.width, self.p = seed, width, p
+        self.threshold = min(round(p * 2**31), 2**31 - 1)
+
+    def at(self, rows: torch.Tensor) -> torch.Tensor:
+        """The bool drop-mask (len(rows), width) of the flat rows `rows` (token*k + choice)."""
+        return drop_mask(self.seed, rows, self.width, self.threshold)
+
+    def zeroed(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """x (rows in the order of `rows`) zeroed where dropped, not rescaled (_lora folds
+        1/(1-p) into B); autograd keeps no mask."""
+        return _Dropped.apply(x, self.seed, rows, self.threshold)
+
+
+def dropout_masks(lora: dict, names: tuple, device) -> dict:
+    """{name: [Mask per LoRA branch, or None where its p is 0]}: the seeds drawn by one
+    torch.randint on `device`'s default generator, in the order of `names` then branches, as
+    a tensor (a Python int would be a new constant, and a recompile, at each compiled call)."""
+    branches = [(name, down.shape[1], p) for name in names for down, _, _, p in lora.get(name, ())]
+    drawn = sum(p > 0 for _, _, p in branches)
+    seeds = (torch.randint(0, 2**31 - 1, (drawn,), dtype=torch.int32, device=device)
+             if drawn else None)  # fmt: skip
+    masks, i = {name: [] for name in names}, 0
+    for name, width, p in branches:
+        masks[name].append(Mask(seeds[i], width, p) if p > 0 else None)
+        i += p > 0
     return masks
 
 
@@ -140,7 +208,8 @@ def dropped(x: torch.Tensor, drop: torch.Tensor | None, p: float) -> torch.Tenso
 
 
 def _lora(x, down, up, scale, drop, p, experts, groups):
-    """One LoRA branch on sorted rows: (drop(x) @ A_g^T) @ B_g^T * scale, two grouped GEMMs.
+    """One LoRA branch on sorted rows: (drop(x) @ A_g^T) @ B_g^T * scale, two grouped GEMMs
+    (`drop`: its Mask, or None).
     PEFT's ParamWrapper layout: A (E*r, in) expert-major, B (out, r*E) rank-major. Dropout's
     1/(1-p) and the branch's scale are folded into B (E*r*out values, one multiply), not
     applied to the (rows, width) activations: two passes over them fewer, each way."""
@@ -163,9 +232,9 @@ def _lora(x, down, up, scale, drop, p, experts, groups):
         b = b.contiguous()
     h = x.to(dtype)
     # masked_fill, not a product with the mask: one dtype, so CUDA's vectorized kernel (a bf16 x
-    # bool product casts per element: 113 of 974 GPU ms of the 30B-A3B step); autograd keeps
-    # only the bool mask
-    h = h if drop is None else h.masked_fill(drop, 0)
+    # bool product casts per element: 113 of 974 GPU ms of the 30B-A3B step); the mask is hashed
+    # at the sorted rows (groups.order) and autograd keeps only the seed
+    h = h if drop is None else drop.zeroed(h, groups.order)
     return gmm(gmm(h, a.transpose(1, 2), groups), b, groups)
 
 
@@ -178,7 +247,6 @@ def _project(module, name, x, lora, drops, groups):
     if bias is not None:
         y = y + bias[groups.ids]
     for (down, up, scale, p), drop in zip(lora.get(name, ()), drops, strict=True):
-        drop = drop[groups.order] if drop is not None else None
         # out of place: under training.recompute.keeps the base GEMM's result is kept for
         # backward as it is (kit.recipe.recompute), and torch refuses a kept tensor changed in place
         y = y + _lora(x, down, up, scale, drop, p, module.num_experts, groups).to(y.dtype)
@@ -203,7 +271,7 @@ def forward(self, hidden_states, top_k_index=None, top_k_weights=None, router_in
     fast = grouped_kernel(hidden_states.device, dtype) and all(w % 8 == 0 for w in widths)
     groups = Groups(index, self.num_experts, fast)
     tokens, k = index.shape
-    masks = dropout_masks(lora, (first, "down_proj"), tokens * k, hidden_states.device)
+    masks = dropout_masks(lora, (first, "down_proj"), hidden_states.device)
     token = groups.order // k
     h = _project(self, first, hidden_states[token], lora, masks[first], groups)
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
