@@ -23,7 +23,8 @@ def _mix(h: np.ndarray) -> np.ndarray:
 
 def _reference(seed: int, rows, width: int, p: float) -> np.ndarray:
     key = _mix(_mix(np.asarray(rows, dtype=np.uint32)) ^ np.uint32(seed))
-    h = _mix(key[:, None] ^ _mix(np.arange(width, dtype=np.uint32))[None, :])
+    cols = (np.arange(width, dtype=np.uint32) ^ np.uint32(0x5BD1E995)) * np.uint32(0x61C88647)
+    h = _mix(key[:, None] ^ cols[None, :])
     return (h >> np.uint32(1)) < np.uint32(round(p * 2**31))
 
 
@@ -154,14 +155,21 @@ def test_a_compiled_mask_equals_eager_bit_for_bit():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_mask_on_cuda_eager_and_compiled_equals_the_cpus():
-    """The same bits on CUDA (eager, and inductor's Triton kernel) as on the CPU."""
+    """The same bits on CUDA as on the CPU: eager (one kernel compiled apart), op by op, and
+    inside a compiled function (inductor's Triton kernel)."""
+    from kit.recipe.grouped_experts import _hashed
+
+    threshold = round(0.05 * 2**31)
 
     def masked(seed, rows):
-        return drop_mask(seed, rows, 2048, round(0.05 * 2**31))
+        return drop_mask(seed, rows, 2048, threshold)
 
     rows = torch.cat([ROWS, torch.randperm(98304, generator=torch.Generator().manual_seed(3))])
     s = torch.tensor(2**31 - 2, dtype=torch.int32)
     want = masked(s, rows)
     rows_gpu, s_gpu = rows.cuda(), s.cuda()
+    cols = torch.arange(2048, dtype=torch.int32, device="cuda")
     assert torch.equal(masked(s_gpu, rows_gpu).cpu(), want)
+    assert torch.equal(masked(s_gpu, rows_gpu[:1000]).cpu(), want[:1000])  # another row count
+    assert torch.equal(_hashed(s_gpu, rows_gpu, cols, threshold).cpu(), want)
     assert torch.equal(torch.compile(masked, fullgraph=True)(s_gpu, rows_gpu).cpu(), want)

@@ -35,6 +35,8 @@ hash.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -142,14 +144,45 @@ def _mix(h: torch.Tensor) -> torch.Tensor:
     return h ^ ((h >> 15) & 0x1FFFF)
 
 
-def drop_mask(seed: torch.Tensor, rows: torch.Tensor, width: int, threshold: int) -> torch.Tensor:
-    """Bool (len(rows), width): hash(seed, row, col)'s top 31 bits < `threshold` (p * 2^31). Row
-    and column are hashed apart and then together (mix(mix(mix(row) ^ seed) ^ mix(col))), not
-    as one flat index row * width + col, which would pass 2^31 at large batches."""
+def _hashed(seed, rows, cols, threshold):
+    """drop_mask's arithmetic. Per element one xor and one mix: the row's key is hashed once per
+    row; the column is only spread, (col ^ 0x5bd1e995) * 0x61c88647 (odd: 2^32 over the golden
+    ratio), so that distinct columns stay distinct and their xor-differences unaligned: no two
+    rows' keys give the same set of inputs (a mixed column would cost a second mix per element).
+    The xor first keeps inductor from folding arange * constant into index arithmetic (its CPU
+    kernel of a compiled layer then failed an index check)."""
     key = _mix(_mix(rows.to(torch.int32)) ^ seed)
-    col = _mix(torch.arange(width, dtype=torch.int32, device=rows.device))
-    h = _mix(key[:, None] ^ col)
+    h = _mix(key[:, None] ^ ((cols ^ 0x5BD1E995) * 0x61C88647))
     return ((h >> 1) & 0x7FFFFFFF) < threshold
+
+
+@functools.cache
+def _fused():
+    return torch.compile(_hashed)
+
+
+@functools.cache
+def _fusable(device: torch.device) -> bool:
+    """Triton builds for this GPU (what inductor generates its CUDA kernels with)."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None and \
+        torch.cuda.get_device_capability(device) >= (7, 0)  # fmt: skip
+
+
+def drop_mask(seed: torch.Tensor, rows: torch.Tensor, width: int, threshold: int) -> torch.Tensor:
+    """Bool (len(rows), width): hash(seed, row, col)'s top 31 bits < `threshold` (p * 2^31), as
+    mix(mix(mix(row) ^ seed) ^ spread(col)), not a hash of the flat index row * width + col (which
+    passes 2^31 at large batches). Inside a compiled layer these ops fuse into the kernel that
+    reads the input; eager on a GPU they run as one compiled kernel (the rows' count dynamic),
+    since one by one they are ~15 passes over int32 (rows, width) tensors (6.6 ms and 2.3 GB at
+    98,304 x 2,048 on an H200, against 0.4 ms for one fused kernel). On the CPU, op by op."""
+    cols = torch.arange(width, dtype=torch.int32, device=rows.device)
+    if rows.is_cuda and not torch.compiler.is_compiling() and _fusable(rows.device):
+        torch._dynamo.maybe_mark_dynamic(rows, 0)
+        torch._dynamo.mark_static(cols, 0)  # a constant width: no integer division per element
+        return _fused()(seed, rows, cols, threshold)
+    return _hashed(seed, rows, cols, threshold)
 
 
 class _Dropped(torch.autograd.Function):
