@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kit.bench import profiling
 from kit.bench import worker as bench_worker
 
 
@@ -22,7 +23,7 @@ def test_synthetic_batches_are_the_same_for_every_recipe_and_differ_by_rank_and_
 def test_profile_sorts_kernels_into_families_and_skips_annotations():
     """profile_step's bookkeeping: kernel names to families, and the ranges modules mark on the
     GPU timeline are not counted as kernels."""
-    family = bench_worker.kernel_family
+    family = profiling.kernel_family
     assert family("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT") == "matmul"
     assert family("cudnn_generated_fort_native_sdpa_sm90_flash_bprop") == "attention"
     assert family("void kDequantizeBlockwise<__nv_bfloat16, 512>") == "4-bit dequantize"
@@ -31,8 +32,8 @@ def test_profile_sorts_kernels_into_families_and_skips_annotations():
     assert family("void at::native::vectorized_elementwise_kernel") == "other eager kernels"
     for span in ("FSDP::pre_backward (layers.22)", "Optimizer.step#AdamW.step",
                  "FullyShardedDataParallel.forward"):
-        assert bench_worker._is_annotation(span)
-    assert not bench_worker._is_annotation("nvjet_sm90_tst_16x64_64x16_1x2_h_bz_TNN")
+        assert profiling._is_annotation(span)
+    assert not profiling._is_annotation("nvjet_sm90_tst_16x64_64x16_1x2_h_bz_TNN")
 
 
 def test_profile_tells_launches_and_waits_on_the_gpu_from_the_ops():
@@ -40,7 +41,7 @@ def test_profile_tells_launches_and_waits_on_the_gpu_from_the_ops():
     summed as waits), the ops' own CPU time, the costliest ops first."""
     from types import SimpleNamespace as A
 
-    got = bench_worker.host_side([
+    got = profiling.host_side([
         A(key="cudaLaunchKernel", count=900, self_cpu_time_total=4500.0),
         A(key="cudaLaunchKernelExC", count=100, self_cpu_time_total=800.0),
         A(key="cudaStreamSynchronize", count=3, self_cpu_time_total=250000.0),

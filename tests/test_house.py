@@ -62,6 +62,7 @@ KERNEL_SIDE = [
     "kit.inputs.moe_shapes",  # MoE shapes of the kit models (a dict; the budget reads it)
     "kit.bench", "kit.bench.__main__", "kit.bench.runner", "kit.bench.matrix", "kit.bench.report",
     "kit.bench.peer",  # the runner asks it whether a peer case can run; torch only in its build
+    "kit.bench.unsloth",  # likewise for an unsloth case; torch and unsloth only in its build
     "kit.bench.records",  # benchmarks/records/: what notebooks, claims and tests read of a record
     "kit.lab", "kit.lab.order", "kit.lab.loading_report", "kit.lab.sharding_report",
     "kit.lab.recompute_sweep", "kit.lab.second_article", "kit.lab.collectives",  # notebooks'
@@ -79,6 +80,7 @@ RANK_SIDE = [
     "kit.sft.*",  # TRL's SFTTrainer under accelerate launch: the second article's path
     "kit.inputs.builtin",  # kit: models, built with torch on first use
     "kit.bench.worker", "kit.bench.article",  # the benchmark's ranks and the article baseline
+    "kit.bench.profiling",  # a rank's profiled step
     "kit.bench.experiment",  # the harness every experiment on ranks runs on (worker, the lab's)
     "kit.lab.reproduce_rank",  # the wrong code, run
     "kit.lab.order_rank", "kit.lab.loading_rank", "kit.lab.sharding", "kit.lab.memory",

@@ -28,6 +28,7 @@ import torch
 
 from kit.bench import experiment
 from kit.bench.matrix import load_matrix
+from kit.bench.profiling import profile_step
 from kit.budget.plan import PEAK_BF16_FLOPS
 from kit.budget.shapes import flops_per_token, shape_of
 from kit.config import Config
@@ -319,85 +320,6 @@ def worker(this: experiment.Case) -> None:
     # The harness then waits for every rank and ends the process group before the interpreter
     # does: left to exit, gloo's threads were once destroyed still running ("terminate called
     # without an active exception", SIGABRT after "done", the case's run then read as failed).
-
-
-# Kernel families by name (first match wins): where a step's GPU time goes.
-KERNEL_FAMILIES = [
-    ("nccl", ("nccl",)), ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
-    ("optimizer", ("adam", "multi_tensor")),
-    ("4-bit dequantize", ("dequantize", "kdequant")),
-    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "splitk", "cublas")),
-    ("compiled (triton)", ("triton",)), ("copy", ("memcpy", "memset", "copy")),
-]
-
-
-def _is_annotation(name: str) -> bool:
-    """Ranges that modules and optimizers mark on the GPU timeline: spans, not kernels."""
-    marks = ("FSDP::", "Optimizer.", "FullyShardedDataParallel", "DistributedDataParallel",
-             "ProfilerStep", "## ")
-    return name.startswith(marks) or "#" in name
-
-
-def kernel_family(name: str) -> str:
-    low = name.lower()
-    return next((fam for fam, keys in KERNEL_FAMILIES if any(k in low for k in keys)),
-                "other eager kernels")
-
-
-def profile_step(run: _Run, batch: dict) -> dict:
-    """One more step under torch.profiler: GPU time per kernel family and the 20 costliest
-    kernels, plus the share of the step the GPU sat idle (launch overhead, host syncs), and
-    where the host's time went (host_side)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    _sync(run.env.device)
-    t = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run.step(batch)
-        _sync(run.env.device)
-    wall_ms = (time.perf_counter() - t) * 1e3
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and not _is_annotation(e.name)]
-    by_family: dict[str, float] = {}
-    by_name: dict[str, float] = {}
-    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-    busy, end = 0.0, float("-inf")
-    for a, b in spans:  # union of kernel intervals over all streams
-        busy += max(0.0, b - max(a, end))
-        end = max(end, b)
-    for e in kernels:
-        us = e.time_range.elapsed_us()
-        by_family[kernel_family(e.name)] = by_family.get(kernel_family(e.name), 0.0) + us
-        by_name[e.name] = by_name.get(e.name, 0.0) + us
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:20]
-    return {"wall_ms": round(wall_ms, 1), "gpu_busy_ms": round(busy / 1e3, 1),
-            "families_ms": {k: round(v / 1e3, 1) for k, v in
-                            sorted(by_family.items(), key=lambda kv: -kv[1])},
-            "top_kernels_ms": [[n[:90], round(v / 1e3, 2)] for n, v in top],
-            "host": host_side(prof.key_averages())}
-
-
-def host_side(averages) -> dict:
-    """Where the host's time of a profiled step goes (torch.profiler's key_averages: key, count,
-    self_cpu_time_total in us): the CUDA runtime calls (launches; waits on the GPU, which
-    synchronize or copy to pageable memory), the ops' own CPU time, and the 15 costliest ops.
-    The step's wall time less `ops_self_ms` is Python between the ops."""
-    runtime, ops = {}, []
-    for a in averages:
-        if a.key.startswith(("cuda", "cu")) and not a.key.startswith("cutlass"):
-            runtime[a.key] = (a.count, a.self_cpu_time_total)
-        else:
-            ops.append(a)
-    launches = sum(c for k, (c, _) in runtime.items() if "Launch" in k)
-    waits = sum(t for k, (_, t) in runtime.items()
-                if "Synchronize" in k or k in ("cudaMemcpy", "cuMemcpy"))  # fmt: skip
-    top = sorted(ops, key=lambda a: -a.self_cpu_time_total)[:15]
-    return {"launches": launches, "waits_ms": round(waits / 1e3, 1),
-            "runtime_ms": {k: [c, round(t / 1e3, 1)] for k, (c, t) in
-                           sorted(runtime.items(), key=lambda kv: -kv[1][1])[:8]},
-            "ops_self_ms": round(sum(a.self_cpu_time_total for a in ops) / 1e3, 1),
-            "top_ops_ms": [[a.key[:60], a.count, round(a.self_cpu_time_total / 1e3, 1)]
-                           for a in top]}  # fmt: skip
 
 
 # Any case of the matrix, by name: its rows are its own (a JSON line per setup, batch, curve,
