@@ -138,15 +138,41 @@ def test_llama3_70b_is_planned_with_its_larger_embedding_beside_llama2s():
 
 
 def test_a_mixture_of_experts_plan_states_no_speed_the_step_model_cannot_know():
-    """The step model counts matmuls; a routed experts loop is bound by its launches (measured
-    69 tokens/s per GPU on Qwen3-235B-A22B's shape where the step model said ~1,570): the plan
-    gives the measured figures instead of a number."""
+    """The step model counts matmuls; experts looped in Python are bound by their launches
+    (measured 69 tokens/s per GPU on Qwen3-235B-A22B's shape where the step model said ~1,570):
+    without the grouped-GEMM kernel the plan gives the measured figures instead of a number;
+    with it, compiled, a number."""
     cfg = load_config(None, ["model.name=kit:qwen3-235b-a22b", "training.batch_size=2"])
     planned = kplan.plan(cfg, _gpu(4, 80), 1024)
     assert planned.tokens_per_s is None and "tokens/s per GPU" not in planned.line()
     assert "expected speed: not predicted for a mixture of experts" in planned.table()
+    grouped = kplan.plan(cfg, replace(_gpu(4, 80), grouped_gemm=True), 1024)
+    assert grouped.cfg.training.compile is True and grouped.tokens_per_s
+    assert "not predicted" not in grouped.table()
     dense = kplan.plan(load_config(None, ["model.name=kit:llama-8b"]), _gpu(1, 80), 2048)
     assert dense.tokens_per_s and "not predicted" not in dense.table()
+
+
+@pytest.mark.parametrize("record, case, layers", [
+    ("2026-11-29-moe-vs-unsloth-1xh200", "kit-80", 24),  # the point MOE_PEAK_SHARE is fitted to
+    ("2026-11-29-moe-vs-unsloth-1xh200", "kit-24", 24),  # whole-layer recompute, batch 10
+    ("2026-11-29-moe-compile-1xh200", "moe-80-defaults", 48),  # the full depth, batch 6
+])
+def test_the_step_model_predicts_the_grouped_experts_runs(record, case, layers):
+    """Qwen3-30B-A3B's shape on one H200, compiled grouped experts: the step model's speed for
+    each recorded plan (its batch and recompute policy, read from the record's setup row) lies
+    within 12% of the measured tokens/s."""
+    from kit.bench import records
+    from kit.inputs.moe_shapes import MOE_SPECS
+
+    rows = [r for r in records.rows(record) if r["case"] == case]
+    choices = dict((f, v) for f, v, _ in next(r for r in rows if r["kind"] == "setup")["plan"]["choices"])
+    measured = next(r for r in rows if r["kind"] == "batch" and r["status"] == "ok")
+    shape = shape_of(dict(MOE_SPECS["qwen3-30b-a3b"], num_hidden_layers=layers))
+    hw = kplan.Hardware("cuda", 1, measured["cap_gib"], "NVIDIA H200", fp8=True, grouped_gemm=True)
+    predicted = kplan.speed(shape, 2048, measured["batch"], choices["training.recompute.keeps"], hw)
+    assert measured["batch"] == choices["training.batch_size"]
+    assert 0.88 < predicted / measured["tokens_per_s_gpu"] < 1.12, (predicted, measured)
 
 
 def test_values_you_set_win():

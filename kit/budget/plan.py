@@ -82,7 +82,24 @@ TILED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 #   forward they had run at 0.52-0.53 (2026-11-27-attention-tiles-context-8b-1xh100,
 #   2026-11-27-lean-norms-context-24gib-8b-1xh100). MLP tiles alone ran at 0.73-0.90 of it (32k
 #   to 128k), as offloading alone did (0.78-0.84): not counted.
+# A mixture of experts on the grouped path (kit.recipe.grouped_experts: one grouped GEMM per
+# projection, Hopper on, compiled layers) runs the same model with two more terms, fitted to the
+# kit's runs of Qwen3-30B-A3B's shape on one H200 (128 experts, top-8; recompute costs as above):
+# - MOE_PEAK_SHARE: its ideal rate as a share of the peak: keeping every matmul at batch 14 (24
+#   layers, 1,792 rows an expert), 24.0% MFU (29,982 tokens/s,
+#   benchmarks/records/2026-11-29-moe-vs-unsloth-1xh200), over that point's knees: 0.248.
+# - MOE_KNEE_ROWS: a grouped GEMM of r rows an expert runs at r^2 / (r^2 + KNEE^2) of its rate
+#   (tiles of 128 rows padded per expert, each group's fixed costs). The full depth at batch 6
+#   (768 rows) ran 18.9% MFU (benchmarks/records/2026-11-29-moe-compile-1xh200, with the
+#   dropout masks drawn and gathered, which cost the 24-layer run ~8% at 24 GiB against the hash
+#   since): knees of 300-450 predict the measured points within 10%; 300, the lowest, is taken,
+#   as the higher ones move that plan to a policy never measured compiled (whole MLP rerun at
+#   batch 11, 3% ahead by the model). Predicted against measured: 24 layers at 24 GiB
+#   (whole-layer recompute, batch 10) 17.3% against 18.4%; the full depth at batch 6 20.8%
+#   against 18.9%.
 KNEE_TOKENS = 2350
+MOE_PEAK_SHARE = 0.248
+MOE_KNEE_ROWS = 300
 MATMUL_LAYER_SHARE = 0.5
 RERUN_COST = 0.30
 INPUTS_EXTRA = 0.045
@@ -236,8 +253,13 @@ def speed(shape: Shape, seq_len: int, batch: int, keeps: str | None, hw: Hardwar
         cost += (RERUN_COST * rerun_share(shape, keeps) * lean
                  + (INPUTS_EXTRA if keeps == "inputs" else 0))
     rate = n * n / (n * n + KNEE_TOKENS**2) / cost * (ATTENTION_TILES_SPEED if attention_tiles else 1)
+    share = PEAK_SHARE
+    if shape.experts:  # grouped experts: rows an expert gets, the grouped path's own share
+        rows = n * shape.active_experts / shape.experts
+        rate *= rows * rows / (rows * rows + MOE_KNEE_ROWS**2)
+        share = MOE_PEAK_SHARE
     peak = hw.peak_flops
-    return rate * PEAK_SHARE * peak / flops_per_token(shape, seq_len) if peak else rate
+    return rate * share * peak / flops_per_token(shape, seq_len) if peak else rate
 
 
 def _shape(cfg: Config, model_config: dict | None) -> Shape | None:
@@ -482,15 +504,19 @@ def _predict(planned: Planned, shape: Shape) -> None:
     out, hw, seq_len = planned.cfg, planned.hardware, planned.seq_len
     rc = out.training.recompute
     _fill_memory(planned, shape)
+    # A mixture of experts' speed is known on the grouped path, compiled (the step model's MoE
+    # terms); its experts looped in Python, or uncompiled, the host bounds the step.
+    grouped = not shape.experts or (hw.grouped_gemm and out.training.compile is True)
     planned.tokens_per_s = (speed(shape, seq_len, out.training.batch_size,
                                   rc.keeps if rc.enabled else None, hw, rc.matmul_layers,
                                   0 < rc.attention_tile_tokens < seq_len)
-                            if hw.peak_flops and not shape.experts else None)
-    if shape.experts and hw.peak_flops:  # the step model counts matmuls, not the host's share
+                            if hw.peak_flops and grouped else None)
+    if not grouped and hw.peak_flops:
         planned.notes.append(
-            "expected speed: not predicted for a mixture of experts (the step model counts dense "
-            "matmuls); measured: 12,852 tokens/s on Qwen3-30B-A3B's shape on one H200 at 80 GiB "
-            "with compiled layers, 6,548 without (benchmarks/records/2026-11-29-moe-compile-1xh200)")
+            "expected speed: not predicted for a mixture of experts whose layers are not compiled "
+            "grouped GEMMs (the host bounds its step); measured: 6,548 tokens/s on Qwen3-30B-A3B's "
+            "shape on one H200 at 80 GiB uncompiled, 12,852 compiled "
+            "(benchmarks/records/2026-11-29-moe-compile-1xh200)")
     if hw.fp8 and not out.quantization.fp8_matmul and out.quantization.method != "none":
         planned.notes.append(
             "not chosen: quantization.fp8_matmul=true (this GPU has FP8 tensor cores; measured "
