@@ -199,7 +199,7 @@ def test_bad_recipe_is_one_line(tmp_path):
     path = tmp_path / "m.yaml"
     path.write_text("model: kit:tiny-llama\nseq_len: 8\ncases:\n  - {name: a, recipe: trl}\n")
     with pytest.raises(ValueError, match=r"^cases\.a\.recipe: 'trl' is not allowed; expected "
-                                         r"'article', 'kit' or 'peer'$"):
+                                         r"'article', 'kit', 'peer' or 'unsloth'$"):
         bench.load_matrix(path)
     path.write_text("model: kit:tiny-llama\nseq_len: 8\ncases:\n"
                     "  - {name: a, recipe: peer, role: peer, batches: [1, 2]}\n")
