@@ -276,7 +276,6 @@ def test_a_compiled_layer_runs_the_grouped_gemms_and_equals_eager(monkeypatch):
     from kit.recipe import experts, grouped_experts
 
     monkeypatch.setattr(grouped_experts, "grouped_kernel", lambda *_: True)
-    monkeypatch.setattr(inductor_config, "fallback_random", True)
     ex, lora = _experts_on("cpu", "qwen3_moe", hidden=64, inner=48, count=8, k=2, ranks=(16,))
     index, weights = routed(40, 8, 2, unused=3)
     x0 = torch.randn(40, 64, dtype=torch.bfloat16)
@@ -288,10 +287,13 @@ def test_a_compiled_layer_runs_the_grouped_gemms_and_equals_eager(monkeypatch):
         return experts.forward(ex, x, index, weights.to(torch.bfloat16), lora=lora)
 
     results = []
-    for fn in (layer, torch.compile(layer, fullgraph=False)):
-        x = x0.clone().requires_grad_()
-        torch.manual_seed(3)
-        out = fn(x)
-        results.append((out, *torch.autograd.grad(out, (x, *factors), cot)))
+    # torch's own patch, not monkeypatch: undoing a monkeypatch deletes a config module's entry
+    # (torch 2.13: every later compile then fails, "fallback_random does not exist")
+    with inductor_config.patch(fallback_random=True):
+        for fn in (layer, torch.compile(layer, fullgraph=False)):
+            x = x0.clone().requires_grad_()
+            torch.manual_seed(3)
+            out = fn(x)
+            results.append((out, *torch.autograd.grad(out, (x, *factors), cot)))
     for mine, ref in zip(results[1], results[0], strict=True):
         assert torch.allclose(mine.float(), ref.float(), rtol=0.02, atol=0.02 * ref.abs().max().item())
