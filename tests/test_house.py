@@ -559,3 +559,33 @@ def test_planted_reach_unsided_and_lab_importers_are_found(fake):
 
 def test_planted_long_module_is_found(fake):
     assert long_modules(fake, "fakekit") == [f"fakekit/long.py: {MAX_LINES + 1} lines"]
+
+
+def torch_config_monkeypatches(source: str) -> list[str]:
+    """`monkeypatch.setattr(X, ...)` where X names a torch config module (`torch._inductor.config`,
+    `torch._dynamo.config`, or a name imported from one): pytest's undo deletes such a module's
+    entry, and every later compile in the run fails ("... does not exist"). torch's own
+    `config.patch(...)` restores it."""
+    tree = ast.parse(source)
+    configs = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import)
+               for a in n.names if a.name.startswith("torch.") and a.name.endswith(".config")}
+    configs |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                and (n.module or "").startswith("torch.") for a in n.names if a.name == "config"}
+    found = []
+    for n in ast.walk(tree):
+        if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                and n.func.attr == "setattr" and ast.unparse(n.func.value) == "monkeypatch"
+                and n.args):
+            target = ast.unparse(n.args[0])
+            if target in configs or (target.startswith("torch.") and target.endswith(".config")):
+                found.append(f"line {n.lineno}: monkeypatch.setattr({target}, ...)")
+    return found
+
+
+def test_no_test_monkeypatches_a_torch_config_module():
+    found = [f"{p.name} {hit}" for p in sorted((ROOT / "tests").glob("*.py"))
+             for hit in torch_config_monkeypatches(p.read_text())]
+    assert not found, "use torch's config.patch(...) instead:\n" + "\n".join(found)
+    planted = ("import torch._inductor.config as ic\n"
+               "def test(monkeypatch):\n    monkeypatch.setattr(ic, 'fallback_random', True)\n")
+    assert torch_config_monkeypatches(planted) == ["line 3: monkeypatch.setattr(ic, ...)"]
