@@ -175,6 +175,18 @@ def test_the_step_model_predicts_the_grouped_experts_runs(record, case, layers):
     assert 0.88 < predicted / measured["tokens_per_s_gpu"] < 1.12, (predicted, measured)
 
 
+def test_a_short_mixture_of_experts_step_is_not_predicted_absurdly_slow():
+    """The MoE knee is in rows an expert gets and linear (a fixed time a step plus a time a row):
+    8 rows of 64 tokens of Qwen3-30B-A3B's shape (32 rows an expert) are predicted at a step of
+    well under a second, not the ~50 s a knee quadratic in the tokens gave."""
+    from kit.inputs.moe_shapes import MOE_SPECS
+
+    shape = shape_of(MOE_SPECS["qwen3-30b-a3b"])
+    hw = kplan.Hardware("cuda", 1, 80, "NVIDIA H200", fp8=True, grouped_gemm=True)
+    step_s = 8 * 64 / kplan.speed(shape, 64, 8, "matmuls", hw)
+    assert 0.05 < step_s < 1.0, step_s
+
+
 def test_values_you_set_win():
     cfg = load_config(None, ["model.name=kit:llama-8b", "training.batch_size=3",
                              "training.recompute.keeps=mlp_matmuls", "training.loss=chunked",

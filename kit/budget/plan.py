@@ -83,23 +83,22 @@ TILED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 #   2026-11-27-lean-norms-context-24gib-8b-1xh100). MLP tiles alone ran at 0.73-0.90 of it (32k
 #   to 128k), as offloading alone did (0.78-0.84): not counted.
 # A mixture of experts on the grouped path (kit.recipe.grouped_experts: one grouped GEMM per
-# projection, Hopper on, compiled layers) runs the same model with two more terms, fitted to the
-# kit's runs of Qwen3-30B-A3B's shape on one H200 (128 experts, top-8; recompute costs as above):
-# - MOE_PEAK_SHARE: its ideal rate as a share of the peak: keeping every matmul at batch 14 (24
-#   layers, 1,792 rows an expert), 24.0% MFU (29,982 tokens/s,
-#   benchmarks/records/2026-11-29-moe-vs-unsloth-1xh200), over that point's knees: 0.248.
-# - MOE_KNEE_ROWS: a grouped GEMM of r rows an expert runs at r^2 / (r^2 + KNEE^2) of its rate
-#   (tiles of 128 rows padded per expert, each group's fixed costs). The full depth at batch 6
-#   (768 rows) ran 18.9% MFU (benchmarks/records/2026-11-29-moe-compile-1xh200, with the
-#   dropout masks drawn and gathered, which cost the 24-layer run ~8% at 24 GiB against the hash
-#   since): knees of 300-450 predict the measured points within 10%; 300, the lowest, is taken,
-#   as the higher ones move that plan to a policy never measured compiled (whole MLP rerun at
-#   batch 11, 3% ahead by the model). Predicted against measured: 24 layers at 24 GiB
-#   (whole-layer recompute, batch 10) 17.3% against 18.4%; the full depth at batch 6 20.8%
-#   against 18.9%.
+# projection, Hopper on, compiled layers) runs at its own share of the peak, and its knee is in the
+# rows each expert gets per step, r = tokens x top-k / experts, not in the step's tokens: a step
+# takes a fixed time (each layer's stacks dequantized, the optimizer, launches) plus a time per
+# row, so its rate is r / (r + KNEE) of the ideal (the recompute costs as above). Fitted to the
+# kit's runs of Qwen3-30B-A3B's shape on one H200 (128 experts, top-8):
+# - MOE_PEAK_SHARE: keeping every matmul at batch 14 (24 layers, 1,792 rows an expert), 24.0% MFU
+#   (29,982 tokens/s, benchmarks/records/2026-11-29-moe-vs-unsloth-1xh200), over its knee: 0.273.
+# - MOE_KNEE_ROWS: the full depth at batch 6 (768 rows) ran 18.9% MFU
+#   (benchmarks/records/2026-11-29-moe-compile-1xh200, with the dropout masks drawn and gathered,
+#   which cost the 24-layer run ~8% at 24 GiB against the hash since): ~250. Predicted against
+#   measured: 24 layers at 24 GiB (whole-layer recompute, batch 10) 17.0% against 18.4%; the full
+#   depth at batch 6 20.6% against 18.9%. (The dense model's knee, quadratic in the tokens, would
+#   put a 512-token MoE step at ~10 tokens/s; this one at ~1,500.)
 KNEE_TOKENS = 2350
-MOE_PEAK_SHARE = 0.248
-MOE_KNEE_ROWS = 300
+MOE_PEAK_SHARE = 0.273
+MOE_KNEE_ROWS = 250
 MATMUL_LAYER_SHARE = 0.5
 RERUN_COST = 0.30
 INPUTS_EXTRA = 0.045
@@ -243,8 +242,9 @@ def rerun_share(shape: Shape, keeps: str) -> float:
 def speed(shape: Shape, seq_len: int, batch: int, keeps: str | None, hw: Hardware,
           matmul_layers: int = 0, attention_tiles: bool = False) -> float:
     """Tokens/s per GPU the step model predicts (relative when the GPU's peak is unknown): a
-    micro-step of n tokens runs at n^2 / (n^2 + KNEE_TOKENS^2) of the ideal rate, slowed by what
-    the recompute policy runs twice (in all layers but the `matmul_layers` that keep every
+    micro-step of n tokens runs at n^2 / (n^2 + KNEE_TOKENS^2) of the ideal rate (a mixture of
+    experts: r / (r + MOE_KNEE_ROWS) for the r rows each expert gets, at MOE_PEAK_SHARE), slowed
+    by what the recompute policy runs twice (in all layers but the `matmul_layers` that keep every
     matmul), and by attention tiles (ATTENTION_TILES_SPEED)."""
     n = batch * seq_len
     cost = 1.0
@@ -252,12 +252,12 @@ def speed(shape: Shape, seq_len: int, batch: int, keeps: str | None, hw: Hardwar
         lean = 1 - MATMUL_LAYER_SHARE * min(matmul_layers, shape.layers) / shape.layers
         cost += (RERUN_COST * rerun_share(shape, keeps) * lean
                  + (INPUTS_EXTRA if keeps == "inputs" else 0))
-    rate = n * n / (n * n + KNEE_TOKENS**2) / cost * (ATTENTION_TILES_SPEED if attention_tiles else 1)
-    share = PEAK_SHARE
-    if shape.experts:  # grouped experts: rows an expert gets, the grouped path's own share
+    if shape.experts:  # grouped experts: the rows each expert gets, their own share of the peak
         rows = n * shape.active_experts / shape.experts
-        rate *= rows * rows / (rows * rows + MOE_KNEE_ROWS**2)
-        share = MOE_PEAK_SHARE
+        knee, share = rows / (rows + MOE_KNEE_ROWS), MOE_PEAK_SHARE
+    else:
+        knee, share = n * n / (n * n + KNEE_TOKENS**2), PEAK_SHARE
+    rate = knee / cost * (ATTENTION_TILES_SPEED if attention_tiles else 1)
     peak = hw.peak_flops
     return rate * share * peak / flops_per_token(shape, seq_len) if peak else rate
 
