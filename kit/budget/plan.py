@@ -184,7 +184,8 @@ class Planned:
                      "(kit.budget.estimate)"]
         if self.tokens_per_s:
             rows.append(f"expected ~{self.tokens_per_s:,.0f} tokens/s per GPU (the planner's "
-                        "step model, calibrated on one H100; measured speeds: notebook 09)")
+                        "step model, fitted to measured runs (kit/budget/plan.py): one H100 for "
+                        "dense models, one H200 for grouped experts; measured speeds: notebook 09)")
         rows += self.notes
         return "\n".join(rows)
 
