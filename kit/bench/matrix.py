@@ -95,6 +95,24 @@ def _within_positions(m: dict) -> None:
                              f"{m['model']} has max_position_embeddings={most})")
 
 
+def no_cuda_gpu(device, stack: str) -> str | None:
+    """One line saying why `stack` (a baseline whose kernels need a CUDA GPU) cannot run on
+    `device` (a torch.device, or the matrix's training.device: "cuda", "cpu", "auto"), None when
+    a CUDA GPU is there. The kernel side asks with the matrix's device (a string) and imports no
+    torch: a machine without nvidia-smi has no CUDA GPU for it. A rank asks with its
+    torch.device, on the GPU."""
+    import shutil
+
+    kind = getattr(device, "type", str(device)).split(":")[0]
+    if kind == "cpu":
+        return f"{stack}; this matrix runs on cpu"
+    if kind not in ("cuda", "auto"):
+        return f"{stack}; device {kind!r} is not cuda"
+    if isinstance(device, str) and shutil.which("nvidia-smi") is None:
+        return f"{stack}; no CUDA GPU here (no nvidia-smi)"
+    return None
+
+
 def case_nproc(matrix: dict, case: dict) -> int:
     """The processes (GPUs) a case runs on: its own `nproc` (a scaling case: the same setup on
     another number of GPUs), else the matrix's."""

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import shutil
+
+from kit.bench.matrix import no_cuda_gpu
 
 LIGER = "liger-kernel==0.8.5"  # the version benchmarks/tools/fetch_gpu_wheels.sh fetches
 
@@ -42,15 +43,9 @@ LIGER_KERNELS = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy"
 def unavailable(device) -> str | None:
     """One line saying why the peer stack cannot run on `device` (a torch.device, or the
     matrix's training.device: "cuda", "cpu", "auto"), None when it can."""
-    kind = getattr(device, "type", str(device)).split(":")[0]
-    if kind == "cpu":
-        return "liger-kernel's kernels are Triton GPU kernels; this matrix runs on cpu"
-    if kind not in ("cuda", "auto"):
-        return f"liger-kernel's kernels are Triton GPU kernels; device {kind!r} is not cuda"
-    # The kernel side asks with the matrix's device (a string) and imports no torch: a machine
-    # without nvidia-smi has no CUDA GPU for it. A rank asks with its torch.device, on the GPU.
-    if isinstance(device, str) and shutil.which("nvidia-smi") is None:
-        return "liger-kernel's kernels are Triton GPU kernels; no CUDA GPU here (no nvidia-smi)"
+    why = no_cuda_gpu(device, "liger-kernel's kernels are Triton GPU kernels")
+    if why:
+        return why
     if importlib.util.find_spec("liger_kernel") is None:
         return f"liger-kernel is not installed: pip install --no-deps {LIGER}"
     if importlib.util.find_spec("triton") is None:

@@ -24,8 +24,9 @@ one line and the runner skips the case before starting a process. No torch at im
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
+
+from kit.bench.matrix import no_cuda_gpu
 
 VERSION = "2026.10.9"  # the version benchmarks/tools/fetch_unsloth_wheels.sh fetches
 PATH_VARIABLE = "KIT_UNSLOTH_PATH"
@@ -43,13 +44,9 @@ def folder() -> Path | None:
 def unavailable(device, nproc: int = 1) -> str | None:
     """One line saying why unsloth cannot run here (the matrix's device and the case's processes),
     None when it can."""
-    kind = getattr(device, "type", str(device)).split(":")[0]
-    if kind == "cpu":
-        return "unsloth trains on a CUDA GPU only; this matrix runs on cpu"
-    if kind not in ("cuda", "auto"):
-        return f"unsloth trains on a CUDA GPU only; device {kind!r} is not cuda"
-    if isinstance(device, str) and shutil.which("nvidia-smi") is None:
-        return "unsloth trains on a CUDA GPU only; no CUDA GPU here (no nvidia-smi)"
+    why = no_cuda_gpu(device, "unsloth trains on a CUDA GPU only")
+    if why:
+        return why
     if nproc != 1:
         return f"unsloth is measured on one process; this case runs {nproc}"
     where = folder()
