@@ -94,6 +94,12 @@ class LoraConfig:
     # instead of three, which changes what is learned a little (measured in benchmarks/records/).
     # auto: the planner's choice (kit.budget.plan: grouped on GPUs, where it pays).
     group_inputs: bool | Literal["auto"] = "auto"
+    # Each adapter's dropout computed inside its down-projection's kernel (kit.recipe.lora_down):
+    # the input read once, no dropout mask and no dropped copy in memory; the same masks on every
+    # path (a hash of the row and column). Off: PEFT's dropout. auto: the planner's choice (on
+    # where the Triton kernels run and lora.dropout > 0). Off the GPU it runs the same arithmetic
+    # in torch ops.
+    fused_down: bool | Literal["auto"] = "auto"
 
 
 @dataclass

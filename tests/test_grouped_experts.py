@@ -219,10 +219,11 @@ def test_recompute_keeps_the_grouped_gemms(monkeypatch):
             assert torch.equal(mine, ref), keeps
 
 
-def _model_gradients(device: str, keeps: str):
+def _model_gradients(device: str, keeps: str, fused: bool = False):
     """kit:tiny-qwen3-moe as the recipe builds it (NF4, LoRA on attention and every expert,
     dropout 0.05), bf16 on `device`, adapters made non-zero; one forward and backward under
-    `keeps` ("none": no recompute, "inputs": whole layers): (loss, {name: gradient})."""
+    `keeps` ("none": no recompute, "inputs": whole layers): (loss, {name: gradient}). fused:
+    lora.fused_down (kit.recipe.lora_down) on every adapter."""
     from kit.config import load_config
     from kit.recipe import model as kmodel
     from kit.recipe.recompute import enable_activation_checkpointing, selective_checkpointing
@@ -235,6 +236,10 @@ def _model_gradients(device: str, keeps: str):
     for name, p in peft_model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.05)
+    if fused:
+        from kit.recipe import lora_down
+
+        lora_down.enable(peft_model)
     if keeps == "inputs":
         enable_activation_checkpointing(peft_model)
     elif keeps != "none":
@@ -251,13 +256,25 @@ def _model_gradients(device: str, keeps: str):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="needs a CUDA GPU of compute capability 9.0+ (torch._grouped_mm)")
-def test_every_recompute_policy_gives_the_gradients_of_no_recompute_on_the_gpu():
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "lora.fused_down"])
+def test_every_recompute_policy_gives_the_gradients_of_no_recompute_on_the_gpu(fused):
     """A whole MoE model on `torch._grouped_mm`: each recompute policy (the grouped GEMMs kept,
     or run again) gives the loss of the model run once, and its gradients within bf16's
-    rounding (attention's backward may add in another order)."""
-    loss0, grads0 = _model_gradients("cuda", "none")
+    rounding (attention's backward may add in another order); with the adapters' dropout inside
+    the Triton kernels too (the recompute draws the same seeds)."""
+    _policies_match("cuda", fused)
+
+
+def test_every_recompute_policy_gives_the_gradients_of_no_recompute_with_fused_dropout():
+    """The same on the CPU with lora.fused_down (its torch reference): a recomputed layer
+    draws the same seeds, so the masks in backward are forward's."""
+    _policies_match("cpu", True)
+
+
+def _policies_match(device: str, fused: bool):
+    loss0, grads0 = _model_gradients(device, "none", fused)
     for keeps in ("matmuls", "mlp_matmuls", "attention_matmuls", "inputs"):
-        loss, grads = _model_gradients("cuda", keeps)
+        loss, grads = _model_gradients(device, keeps, fused)
         assert loss == pytest.approx(loss0, abs=1e-6), keeps
         for name, g in grads.items():
             top = grads0[name].abs().max()

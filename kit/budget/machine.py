@@ -49,12 +49,22 @@ def fp8(gpu: dict) -> bool:
 # torch._grouped_mm's CUTLASS kernel (a mixture of experts' grouped GEMMs, kit.recipe.
 # grouped_experts): compute capability 9.0 (Hopper) and later; older GPUs loop inside torch.
 GROUPED_GEMM_CAPABILITY = (9, 0)
+# Triton's bf16 tensor-core dot (kit.recipe.lora_down's kernels): compute capability 8.0 (Ampere)
+# and later.
+TRITON_CAPABILITY = (8, 0)
 
 
 def grouped_gemm(gpu: dict) -> bool:
     """The one grouped-GEMM rule: the GPU runs `torch._grouped_mm` as one kernel."""
     found = capability(gpu)
     return found is not None and found >= GROUPED_GEMM_CAPABILITY
+
+
+def triton_kernels(gpu: dict, packages: dict) -> bool:
+    """The one Triton rule: the kit's Triton kernels run on this GPU (TRITON_CAPABILITY or later)
+    with triton installed (CUDA builds of torch bring it; `kit plan --gpu NAME` assumes one)."""
+    found = capability(gpu)
+    return found is not None and found >= TRITON_CAPABILITY and bool(packages.get("triton"))
 
 
 def _nvidia_smi() -> list[dict]:
@@ -103,7 +113,8 @@ def probe(vars: dict | None = None, nproc_per_node: int | None = None) -> dict:
         "host_ram_gib": available_gib(),
         "nproc_per_node": nproc,
         "nnodes": int(env_vars.get("NNODES", 1) or 1),
-        "packages": {"flash_attn": importlib.util.find_spec("flash_attn") is not None},
+        "packages": {name: importlib.util.find_spec(name) is not None
+                     for name in ("flash_attn", "triton")},
     }
 
 
@@ -121,4 +132,5 @@ def for_plan(machine: dict, world_size: int, device: str):
     per_node = max(1, int(machine.get("nproc_per_node") or 1))
     return Hardware("cuda", world_size, gpu["memory_gib"], gpu.get("name", ""), fp8(gpu),
                     bool((machine.get("packages") or {}).get("flash_attn")),
-                    round(ram / per_node, 1) if ram else None, grouped_gemm(gpu))
+                    round(ram / per_node, 1) if ram else None, grouped_gemm(gpu),
+                    triton_kernels(gpu, machine.get("packages") or {}))

@@ -36,6 +36,7 @@ from kit.config import AUTO, Config, ConfigError
 # The recipe's plain values: what "auto" means where the kit does not plan (a CPU; plan=off).
 PLAIN = {"training.batch_size": 8, "training.loss": "hf", "training.compile": False,
          "training.recompute.keeps": "inputs", "lora.group_inputs": False,
+         "lora.fused_down": False,
          "training.offload_activations": False, "training.recompute.mlp_tile_tokens": 0,
          "training.recompute.attention_tile_tokens": 0, "training.recompute.lean_norms": False}
 TILE_FIELDS = ("training.recompute.mlp_tile_tokens", "training.recompute.attention_tile_tokens",
@@ -124,6 +125,7 @@ class Hardware:
     # its processes); None: not known (`kit plan` for other machines), not checked.
     host_gib: float | None = None
     grouped_gemm: bool = False  # compute capability 9.0 or higher: one grouped-GEMM kernel
+    triton: bool = False  # compute capability 8.0 or higher and triton: the kit's Triton kernels
 
     @property
     def peak_flops(self) -> float | None:
@@ -361,6 +363,16 @@ def _loss_and_groups(planned: Planned, model_config: dict | None,
     else:
         say(Choice("training.loss", t.loss, "you", "set in the config"))
     tiles_auto = [f for f in TILE_FIELDS if _get(out, f) == AUTO]  # yours are kept
+    lo = out.lora
+    if lo.fused_down == AUTO:
+        why = ("no Triton kernels here (compute capability 8.0 or later, triton installed)"
+               if not planned.hardware.triton else "lora.dropout is 0: no dropout to fuse"
+               if not lo.dropout else None)  # fmt: skip
+        lo.fused_down = why is None
+        say(Choice("lora.fused_down", lo.fused_down, "plan",
+                   why or "each adapter's dropout inside its down-projection's kernel"))
+    else:
+        say(Choice("lora.fused_down", lo.fused_down, "you", "set in the config"))
     for name in tiles_auto:
         _set(out, name, PLAIN[name])
     if out.lora.group_inputs != AUTO:

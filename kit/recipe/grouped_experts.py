@@ -67,6 +67,10 @@ class Groups:
         self.ends = None if fast else self.offsets.tolist()
         self.fast, self.top_k = fast, index.shape[-1]
 
+    def bounds(self) -> torch.Tensor:
+        """int32 (E + 1,): every group's start, then the end (kit.recipe.lora_down's layout)."""
+        return torch.nn.functional.pad(self.offsets, (1, 0))
+
 
 def gmm(x: torch.Tensor, w: torch.Tensor, groups: Groups) -> torch.Tensor:
     """Rows of group g (sorted x, (S, K)) times w[g] ((E, K, N)): (S, N)."""
@@ -240,9 +244,10 @@ def dropped(x: torch.Tensor, drop: torch.Tensor | None, p: float) -> torch.Tenso
     return x if drop is None else x.masked_fill(drop, 0).mul_(1 / (1 - p))
 
 
-def _lora(x, down, up, scale, drop, p, experts, groups):
+def _lora(x, down, up, scale, drop, p, experts, groups, fused=False):
     """One LoRA branch on sorted rows: (drop(x) @ A_g^T) @ B_g^T * scale, two grouped GEMMs
-    (`drop`: its Mask, or None).
+    (`drop`: its Mask, or None; fused: the mask inside the first GEMM's kernel,
+    kit.recipe.lora_down, the same mask).
     PEFT's ParamWrapper layout: A (E*r, in) expert-major, B (out, r*E) rank-major. Dropout's
     1/(1-p) and the branch's scale are folded into B (E*r*out values, one multiply), not
     applied to the (rows, width) activations: two passes over them fewer, each way."""
@@ -264,6 +269,11 @@ def _lora(x, down, up, scale, drop, p, experts, groups):
     else:
         b = b.contiguous()
     h = x.to(dtype)
+    if fused and drop is not None:
+        from kit.recipe.lora_down import lora_down
+
+        low = lora_down(h, a, groups.bounds(), groups.order, drop.seed, drop.threshold)
+        return gmm(low, b, groups)
     # masked_fill, not a product with the mask: one dtype, so CUDA's vectorized kernel (a bf16 x
     # bool product casts per element: 113 of 974 GPU ms of the 30B-A3B step); the mask is hashed
     # at the sorted rows (groups.order) and autograd keeps only the seed
@@ -282,7 +292,8 @@ def _project(module, name, x, lora, drops, groups):
     for (down, up, scale, p), drop in zip(lora.get(name, ()), drops, strict=True):
         # out of place: under training.recompute.keeps the base GEMM's result is kept for
         # backward as it is (kit.recipe.recompute), and torch refuses a kept tensor changed in place
-        y = y + _lora(x, down, up, scale, drop, p, module.num_experts, groups).to(y.dtype)
+        y = y + _lora(x, down, up, scale, drop, p, module.num_experts, groups,
+                      getattr(module, "_kit_fused_down", False)).to(y.dtype)
     return y
 
 

@@ -60,6 +60,10 @@ def build(cfg: Config, device: torch.device, *, train: bool = True) -> Built:
         fp8.enable(peft_model)
     if cfg.lora.recompute:
         lora.recompute_adapters(peft_model)
+    if cfg.lora.fused_down:  # before the groups: a member's own forward is their fallback
+        from kit.recipe import lora_down
+
+        lora_down.enable(peft_model)
     if cfg.lora.group_inputs:
         from kit.recipe.levers import lora_groups
 

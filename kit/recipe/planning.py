@@ -40,7 +40,8 @@ def hardware(device: torch.device, world_size: int) -> kplan.Hardware:
            "capability": f"{props.major}.{props.minor}"}
     machine = {"gpus": [gpu], "host_ram_gib": machine_probe.available_gib(),
                "nproc_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-               "packages": {"flash_attn": importlib.util.find_spec("flash_attn") is not None}}
+               "packages": {name: importlib.util.find_spec(name) is not None
+                            for name in ("flash_attn", "triton")}}
     return machine_probe.for_plan(machine, world_size, "cuda")
 
 

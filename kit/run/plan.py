@@ -113,7 +113,8 @@ def _hardware(args):
     if args.host_mem is not None and args.host_mem <= 0:
         raise ConfigError(f"--host-mem {args.host_mem}: not allowed; expected GiB > 0")
     return Hardware("cuda", args.gpus, args.gpu_mem, args.gpu, machine.fp8({"name": args.gpu}),
-                    host_gib=args.host_mem, grouped_gemm=machine.grouped_gemm({"name": args.gpu}))
+                    host_gib=args.host_mem, grouped_gemm=machine.grouped_gemm({"name": args.gpu}),
+                    triton=machine.triton_kernels({"name": args.gpu}, {"triton": True}))
 
 
 if __name__ == "__main__":

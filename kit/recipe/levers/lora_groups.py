@@ -38,9 +38,15 @@ from kit.budget.shapes import (
 from kit.config import ConfigError
 
 
-def group_deltas(x, downs, ups, scales, p: float, training: bool) -> tuple[torch.Tensor, ...]:
+def group_deltas(x, downs, ups, scales, p: float, training: bool,
+                 fused: bool = False) -> tuple[torch.Tensor, ...]:
     """Each member's B(A(dropout(x))) * scale, with one dropout mask and one matmul for every
-    member's A. Tensors and numbers only: torch.compile traces it once for every layer."""
+    member's A (fused: the mask inside that matmul's kernel, kit.recipe.lora_down). Tensors and
+    numbers only: torch.compile traces it once for every layer."""
+    if fused:
+        from kit.recipe import lora_down
+
+        return lora_down.branches(x, downs, ups, scales, p if training else 0.0)
     x = x.to(downs[0].dtype)
     if p > 0 and training:
         x = torch.nn.functional.dropout(x, p, True)
@@ -82,13 +88,14 @@ def _pre_hook(module, args, kwargs):
         ups = [m.lora_B[name].weight for m in members]
         scales = [m.scaling[name] for m in members]
         p, training = _dropout_p(members[0], name), members[0].training
+        fused = getattr(members[0], "_kit_fused_down", False)
         if module._kit_lora_recompute:
             from torch.utils.checkpoint import checkpoint
 
-            deltas = checkpoint(group_deltas, x, downs, ups, scales, p, training,
+            deltas = checkpoint(group_deltas, x, downs, ups, scales, p, training, fused,
                                 use_reentrant=False)
         else:
-            deltas = group_deltas(x, downs, ups, scales, p, training)
+            deltas = group_deltas(x, downs, ups, scales, p, training, fused)
         pending.extend(zip(members, deltas, strict=True))
     # The deltas travel on the input tensor itself, which the layer's forward created: inside a
     # compiled layer under selective recompute (a higher-order op), torch.compile refuses to
