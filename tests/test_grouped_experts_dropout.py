@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from kit.recipe.grouped_experts import Mask, drop_mask, dropout_masks
+from kit.recipe.drop_mask import drop_mask
+from kit.recipe.grouped_experts import Mask, dropout_masks
 
 
 def _mix(h: np.ndarray) -> np.ndarray:
@@ -157,7 +158,7 @@ def test_a_compiled_mask_equals_eager_bit_for_bit():
 def test_the_mask_on_cuda_eager_and_compiled_equals_the_cpus():
     """The same bits on CUDA as on the CPU: eager (one kernel compiled apart), op by op, and
     inside a compiled function (inductor's Triton kernel)."""
-    from kit.recipe.grouped_experts import _hashed
+    from kit.recipe.drop_mask import _hashed
 
     threshold = round(0.05 * 2**31)
 

@@ -15,7 +15,7 @@ from test_moe import built, outermost_wrapper
 from kit.budget import plan as kplan
 from kit.config import load_config
 from kit.recipe import lora, lora_down, recompute
-from kit.recipe.grouped_experts import drop_mask
+from kit.recipe.drop_mask import drop_mask
 from kit.recipe.levers import lora_groups
 
 

@@ -3,7 +3,7 @@
     python3 benchmarks/tools/lora_down_bench.py [OUT.json]
 
 - `peft`: torch's dropout (a bernoulli mask, a dropped copy) then the matmul, compiled;
-- `hash`: the hash mask (kit.recipe.grouped_experts.drop_mask) as masked_fill, then the matmul,
+- `hash`: the hash mask (kit.recipe.drop_mask) as masked_fill, then the matmul,
   compiled (what the grouped experts ran before lora.fused_down);
 - `fused`: kit.recipe.lora_down's kernels (the mask inside the tiles).
 
@@ -19,7 +19,7 @@ import sys
 import torch
 
 from kit.recipe import lora_down
-from kit.recipe.grouped_experts import drop_mask
+from kit.recipe.drop_mask import drop_mask
 
 P = 0.05
 

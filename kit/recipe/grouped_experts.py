@@ -27,17 +27,17 @@ kept GEMM no longer reads: a next lever). The LoRA GEMMs go through autograd
 transformers' kind (its sentinel id E for another rank's expert).
 
 Gaps filled by hand: transformers' grouped_mm experts read the dense 3-D stacks and know no LoRA;
-bitsandbytes has no grouped 4-bit GEMM; PEFT's ParamWrapper merges B@A into a dense stack; torch
-has no counter-based random numbers keyed by the caller's indices (bernoulli draws Philox in the
-tensor's own order: a mask for rows in another order must be drawn whole and gathered), hence the
-hash.
+bitsandbytes has no grouped 4-bit GEMM; PEFT's ParamWrapper merges B@A into a dense stack; the
+masks are kit.recipe.drop_mask's hash (torch has no random numbers keyed by the caller's indices).
+With lora.fused_down the mask is computed inside the LoRA down-projection's kernel
+(kit.recipe.lora_down): no dropped copy of the rows.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from kit.recipe.drop_mask import drop_mask
 
 
 def grouped_kernel(device: torch.device, dtype: torch.dtype) -> bool:
@@ -134,59 +134,6 @@ def _(t):
 
 
 dense_copy.register_autograd(lambda ctx, grad: grad)
-
-
-def _mix(h: torch.Tensor) -> torch.Tensor:
-    """A 32-bit hash of each value of the int32 tensor `h`: an xorshift-multiply finalizer of two
-    rounds (constants 0x21f0aaad, 0x735a2d97: low bias, both below 2^31, so they are int32 literals
-    in Triton and C++ alike). Products wrap mod 2^32 on every backend; torch's `>>` on a signed
-    int is arithmetic, so each shift is masked to its logical result."""
-    h = h ^ ((h >> 16) & 0xFFFF)
-    h = h * 0x21F0AAAD
-    h = h ^ ((h >> 15) & 0x1FFFF)
-    h = h * 0x735A2D97
-    return h ^ ((h >> 15) & 0x1FFFF)
-
-
-def _hashed(seed, rows, cols, threshold):
-    """drop_mask's arithmetic. Per element one xor and one mix: the row's key is hashed once per
-    row; the column is only spread, (col ^ 0x5bd1e995) * 0x61c88647 (odd: 2^32 over the golden
-    ratio), so that distinct columns stay distinct and their xor-differences unaligned: no two
-    rows' keys give the same set of inputs (a mixed column would cost a second mix per element).
-    The xor first keeps inductor from folding arange * constant into index arithmetic (its CPU
-    kernel of a compiled layer then failed an index check)."""
-    key = _mix(_mix(rows.to(torch.int32)) ^ seed)
-    h = _mix(key[:, None] ^ ((cols ^ 0x5BD1E995) * 0x61C88647))
-    return ((h >> 1) & 0x7FFFFFFF) < threshold
-
-
-@functools.cache
-def _fused():
-    return torch.compile(_hashed)
-
-
-@functools.cache
-def _fusable(device: torch.device) -> bool:
-    """Triton builds for this GPU (what inductor generates its CUDA kernels with)."""
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None and \
-        torch.cuda.get_device_capability(device) >= (7, 0)  # fmt: skip
-
-
-def drop_mask(seed: torch.Tensor, rows: torch.Tensor, width: int, threshold: int) -> torch.Tensor:
-    """Bool (len(rows), width): hash(seed, row, col)'s top 31 bits < `threshold` (p * 2^31), as
-    mix(mix(mix(row) ^ seed) ^ spread(col)), not a hash of the flat index row * width + col (which
-    passes 2^31 at large batches). Inside a compiled layer these ops fuse into the kernel that
-    reads the input; eager on a GPU they run as one compiled kernel (the rows' count dynamic),
-    since one by one they are ~15 passes over int32 (rows, width) tensors (6.6 ms and 2.3 GB at
-    98,304 x 2,048 on an H200, against 0.4 ms for one fused kernel). On the CPU, op by op."""
-    cols = torch.arange(width, dtype=torch.int32, device=rows.device)
-    if rows.is_cuda and not torch.compiler.is_compiling() and _fusable(rows.device):
-        torch._dynamo.maybe_mark_dynamic(rows, 0)
-        torch._dynamo.mark_static(cols, 0)  # a constant width: no integer division per element
-        return _fused()(seed, rows, cols, threshold)
-    return _hashed(seed, rows, cols, threshold)
 
 
 class _Dropped(torch.autograd.Function):

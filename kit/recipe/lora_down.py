@@ -6,7 +6,7 @@
 `x` (M, K) holds M rows in S contiguous segments (`bounds`: int32 (S + 1,) segment starts and
 the end; None: one segment), `a` (S, R, K) one down-projection per segment: a dense layer's
 adapters (S = 1; q, k and v stacked, R = 3r) or a mixture of experts' sorted rows (S experts,
-kit.recipe.grouped_experts). `keep` is the dropout mask kit.recipe.grouped_experts.drop_mask
+kit.recipe.grouped_experts). `keep` is the dropout mask kit.recipe.drop_mask
 defines: hash(seed, row, col) >= threshold for the row's id `rows[m]` (None: m itself), not
 rescaled (the caller scales the R-wide result or the up-projection by 1/(1-p)).
 
@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from kit.recipe.grouped_experts import drop_mask
+from kit.recipe.drop_mask import drop_mask
 
 
 def available(device: torch.device) -> bool:
@@ -276,15 +276,17 @@ def enable(peft_model) -> int:
     from peft.tuners.lora import LoraLayer
 
     from kit.config import ConfigError
-    from kit.recipe import experts
 
     count = 0
     for module in peft_model.modules():
         if not isinstance(module, LoraLayer) or not hasattr(module, "lora_A"):
             continue
         if type(module).__name__ == "ParamWrapper":
-            if hasattr(module, "_kit_dropout"):  # the outermost wrapper over an experts module
-                experts._chain(module)[-1]._kit_fused_down = True
+            if hasattr(module, "_kit_dropout"):  # the outermost wrapper (kit.recipe.experts)
+                inner = module
+                while type(inner).__name__ == "ParamWrapper":  # down to the experts module
+                    inner = inner.base_layer
+                inner._kit_fused_down = True
                 count += 1
             continue
         if getattr(module, "lora_variant", None):

@@ -1,6 +1,6 @@
 """The Triton kernels of kit.recipe.lora_down (imported only where they run: triton is on CUDA
 machines, not in the CPU install). Each tile computes the dropout mask from its rows' ids and
-columns (kit.recipe.grouped_experts.drop_mask's hash, the same bits), accumulates in fp32 and
+columns (kit.recipe.drop_mask's hash, the same bits), accumulates in fp32 and
 masks the rows outside the segment it multiplies."""
 
 import triton
@@ -8,7 +8,7 @@ import triton.language as tl
 
 
 @triton.jit
-def mix(h):  # kit.recipe.grouped_experts._mix, the same bits
+def mix(h):  # kit.recipe.drop_mask._mix, the same bits
     h = h ^ ((h >> 16) & 0xFFFF)
     h = h * 0x21F0AAAD
     h = h ^ ((h >> 15) & 0x1FFFF)
@@ -16,7 +16,7 @@ def mix(h):  # kit.recipe.grouped_experts._mix, the same bits
     return h ^ ((h >> 15) & 0x1FFFF)
 
 @triton.jit
-def keep(seed, ids, cols, threshold):  # kit.recipe.grouped_experts._hashed, negated
+def keep(seed, ids, cols, threshold):  # kit.recipe.drop_mask._hashed, negated
     key = mix(mix(ids) ^ seed)
     h = mix(key[:, None] ^ ((cols ^ 0x5BD1E995) * 0x61C88647)[None, :])
     return ((h >> 1) & 0x7FFFFFFF) >= threshold

@@ -25,8 +25,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kit.config import load_config
 from kit.inputs import builtin
-from kit.recipe.levers import loss as kloss
 from kit.recipe import model as kmodel
+from kit.recipe.levers import loss as kloss
 from kit.recipe.recompute import enable_activation_checkpointing
 
 SEQ = 2048
