@@ -275,3 +275,44 @@ def test_the_kernel_path_keeps_less_and_matches_in_a_compiled_layer():
     want = _explicit(x, a, None, None, seed, threshold)
     assert (got.float() - want.float()).abs().max() < 2e-2 * want.float().abs().max()
     assert kept < x.numel()  # less than one byte per input element: no mask, no copy
+
+
+def test_compiled_fsdp2_layers_run_the_op_without_a_graph_break(tmp_path, monkeypatch):
+    """The recipe as the planner runs it on a GPU (FSDP2, NF4, compiled layers, a selective
+    recompute policy, grouped adapters, lora.fused_down), here a world of one on the CPU: the
+    layers compile without a graph break, their graphs call kit::lora_down, and it trains."""
+    import shutil
+
+    import torch._dynamo.utils as dynamo_utils
+    import torch._inductor.config as inductor_config
+
+    from kit.inputs import builtin
+    from kit.train import Recipe
+
+    shutil.copytree(builtin.resolve("kit:tiny-llama"), tmp_path / "model")
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    called = []
+
+    def ops(graph):
+        called.extend(n.target for n in graph.nodes if n.op == "call_function")
+
+    cfg = load_config(None, [
+        f"model.name={tmp_path / 'model'}", "training.device=cpu", "sharding.engine=fsdp2",
+        "quantization.method=nf4", "training.compile=true", "lora.group_inputs=true",
+        "lora.fused_down=true", "lora.dropout=0.1", "training.recompute.keeps=attention_matmuls",
+        "training.batch_size=2", "data.max_seq_len=32", f"run.output_dir={tmp_path / 'run'}"])
+    with inductor_config.patch(fx_graph_cache=False, post_grad_custom_post_pass=ops):
+        torch._dynamo.reset()
+        dynamo_utils.counters.clear()
+        recipe = Recipe(cfg)
+        try:
+            recipe.setup()
+            losses = [recipe.train_step()["loss"] for _ in range(4)]
+        finally:
+            recipe.cleanup()
+        breaks = dict(dynamo_utils.counters["graph_break"])
+    torch._dynamo.reset()
+    assert not breaks, breaks
+    assert torch.ops.kit.lora_down.default in called
+    assert all(loss == loss for loss in losses) and losses[-1] < losses[0], losses
