@@ -159,69 +159,66 @@ def _kernels():
     return triton, k.down, k.dx, k.da
 
 
-BM, BK = 64, 64
-
-
-def _launch_common(x_like, a, bounds, rows, seed):
+def _launch(x_like, a, bounds, rows, seed):
+    """(M, K, R, S, the flags and pointers every kernel takes)."""
     triton = _kernels()[0]
-    m, k = x_like.shape[0], a.shape[-1]
-    r = a.shape[1]
-    br = max(16, triton.next_power_of_2(r))
-    flags = dict(HAS_BOUNDS=bounds is not None, HAS_ROWS=rows is not None,
-                 DROP=seed is not None, IEEE=x_like.dtype == torch.float32, BR=br)
+    m, k, r = x_like.shape[0], a.shape[-1], a.shape[1]
+    segments = 1 if bounds is None else bounds.shape[0] - 1
+    flags = dict(HAS_BOUNDS=bounds is not None, HAS_ROWS=rows is not None, DROP=seed is not None,
+                 IEEE=x_like.dtype == torch.float32, BR=max(16, triton.next_power_of_2(r)))
     dummy = a  # an unused pointer argument (its flag is off)
-    lo = hi = dummy
-    if bounds is not None:  # each row block's first and last segment
-        starts = torch.arange(0, max(m, 1), BM, device=a.device, dtype=torch.int32)
-        last = torch.clamp(starts + BM, max=m) - 1
-        segs = bounds.shape[0] - 2
-        lo = torch.clamp(torch.searchsorted(bounds, starts, right=True) - 1, 0, segs).int()
-        hi = torch.clamp(torch.searchsorted(bounds, last, right=True) - 1, 0, segs).int()
-    ptrs = (bounds if bounds is not None else dummy, lo, hi,
-            rows if rows is not None else dummy, seed if seed is not None else dummy)
-    return m, k, r, flags, ptrs
+    ptrs = (bounds if bounds is not None else dummy, rows if rows is not None else dummy,
+            seed if seed is not None else dummy)
+    return m, k, r, segments, flags, ptrs
+
+
+def _log2(segments: int) -> int:
+    return max(1, (segments - 1).bit_length())
 
 
 @lora_down.register_kernel("cuda")
 def down_triton(x, a, bounds, rows, seed, threshold):
     triton, down, _, _ = _kernels()
     x, a = x.contiguous(), a.contiguous()
-    m, k, r, flags, (b, lo, hi, ids, sd) = _launch_common(x, a, bounds, rows, seed)
+    m, k, r, segments, flags, ptrs = _launch(x, a, bounds, rows, seed)
     out = x.new_empty(m, r)
     if m:
-        down[(triton.cdiv(m, BM),)](x, a, out, b, lo, hi, ids, sd, m, k, r, threshold,
-                                    BM=BM, BK=BK, **flags)
+        down[lambda meta: (triton.cdiv(m, meta["BM"]),)](
+            x, a, out, *ptrs, m, k, r, segments, threshold, LOG_S=_log2(segments), **flags)
     return out
 
 
 @lora_down_dx.register_kernel("cuda")
 def dx_triton(g, a, bounds, rows, seed, threshold, like):
     triton, _, dx, _ = _kernels()
-    a = a.contiguous()
-    m, k, r, flags, (b, lo, hi, ids, sd) = _launch_common(g, a, bounds, rows, seed)
+    g, a = g.contiguous(), a.contiguous()
+    m, k, r, segments, flags, ptrs = _launch(g, a, bounds, rows, seed)
     flags["IEEE"] = like.dtype == torch.float32
     out = like.new_empty(m, k)
     if m:
-        dx[(triton.cdiv(m, BM), triton.cdiv(k, BK))](g, a, out, b, lo, hi, ids, sd, m, k, r,
-                                                     threshold, BM=BM, BK=BK, **flags)
+        dx[lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(k, meta["BK"]))](
+            g, a, out, *ptrs, m, k, r, segments, threshold, LOG_S=_log2(segments), **flags)
     return out
 
 
 @lora_down_da.register_kernel("cuda")
 def da_triton(g, x, bounds, rows, seed, threshold, like):
+    """The factors' gradient: one program per (64 columns, segment, share of its rows); a dense
+    layer's one segment is split so that the GPU has ~4 programs per multiprocessor, each share
+    summed after (fp32 partials, no atomics: the same sum every run)."""
+    from kit.recipe.lora_down_kernels import DA_BK
+
     triton, _, _, da = _kernels()
-    x = x.contiguous()
-    m, k, r, flags, (b, _, _, ids, sd) = _launch_common(x, like, bounds, rows, seed)
-    segments = like.shape[0]
-    programs = triton.cdiv(k, BK) * segments
+    g, x = g.contiguous(), x.contiguous()
+    m, k, r, segments, flags, ptrs = _launch(x, like, bounds, rows, seed)
+    programs = triton.cdiv(k, DA_BK) * segments
     units = (torch.cuda.get_device_properties(x.device).multi_processor_count
              if x.is_cuda else 8)  # fmt: skip
-    split = max(1, min(16, triton.cdiv(4 * units, programs)))
-    split = min(split, max(1, triton.cdiv(m, BM * segments)))
+    split = max(1, min(16, triton.cdiv(4 * units, programs), triton.cdiv(m, 64 * segments)))
     parts = torch.empty(split, segments, r, k, device=x.device, dtype=torch.float32)
-    da[(triton.cdiv(k, BK), segments, split)](g, x, parts, b, ids, sd, m, k, r, threshold,
-                                              split, BM=BM, BK=BK, **flags)
-    return parts.sum(0).to(like.dtype)
+    da[(triton.cdiv(k, DA_BK), segments, split)](g, x, parts, *ptrs, m, k, r, threshold,
+                                                 BK=DA_BK, **flags)
+    return (parts.sum(0) if split > 1 else parts[0]).to(like.dtype)
 
 
 # ---------------------------------------------------------------- the adapters that use it

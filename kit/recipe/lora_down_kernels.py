@@ -1,25 +1,34 @@
-"""The Triton kernels of kit.recipe.lora_down (imported only where they run: triton is on CUDA
-machines, not in the CPU install). Each tile computes the dropout mask from its rows' ids and
-columns (kit.recipe.drop_mask's hash, the same bits), accumulates in fp32 and
-masks the rows outside the segment it multiplies."""
+"""The Triton kernels of kit.recipe.lora_down (imported only where they run: triton comes with
+CUDA builds of torch, not with the CPU install).
+
+Each tile computes the dropout mask from its rows' ids and its columns: kit.recipe.drop_mask's
+hash, the same bits, in uint32 here (logical shifts: the masks torch's int32 version needs to
+undo its arithmetic shifts are not needed), ~11 integer operations per element, which with the
+input's read bounds these kernels. Rows are in segments (`bounds`); each row block finds its
+first and last segment by a binary search over the bounds and masks the rows outside a segment
+on the r-wide product, not on the input tile. Accumulation in fp32; the tiles autotuned once per
+width and rank."""
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def mix(h):  # kit.recipe.drop_mask._mix, the same bits
-    h = h ^ ((h >> 16) & 0xFFFF)
+def mix(h):  # kit.recipe.drop_mask._mix on uint32
+    h = h ^ (h >> 16)
     h = h * 0x21F0AAAD
-    h = h ^ ((h >> 15) & 0x1FFFF)
+    h = h ^ (h >> 15)
     h = h * 0x735A2D97
-    return h ^ ((h >> 15) & 0x1FFFF)
+    return h ^ (h >> 15)
+
 
 @triton.jit
-def keep(seed, ids, cols, threshold):  # kit.recipe.drop_mask._hashed, negated
-    key = mix(mix(ids) ^ seed)
-    h = mix(key[:, None] ^ ((cols ^ 0x5BD1E995) * 0x61C88647)[None, :])
-    return ((h >> 1) & 0x7FFFFFFF) >= threshold
+def keep(seed, ids, cols, threshold):  # not kit.recipe.drop_mask._hashed: the values kept
+    key = mix(mix(ids.to(tl.uint32)) ^ seed.to(tl.uint32))
+    spread = (cols.to(tl.uint32) ^ 0x5BD1E995) * 0x61C88647
+    h = mix(key[:, None] ^ spread[None, :])
+    return (h >> 1).to(tl.int32) >= threshold
+
 
 @triton.jit
 def row_ids(rows_ptr, m, ok, HAS_ROWS: tl.constexpr):
@@ -27,22 +36,47 @@ def row_ids(rows_ptr, m, ok, HAS_ROWS: tl.constexpr):
         return tl.load(rows_ptr + m, mask=ok, other=0).to(tl.int32)
     return m.to(tl.int32)
 
+
 @triton.jit
 def bound(bounds_ptr, s, M, HAS_BOUNDS: tl.constexpr):
     if HAS_BOUNDS:
         return tl.load(bounds_ptr + s)
     return s * M  # one segment: 0, M
 
-@triton.jit
-def segment_range(lo_ptr, hi_ptr, pid, HAS_BOUNDS: tl.constexpr):
-    if HAS_BOUNDS:
-        return tl.load(lo_ptr + pid), tl.load(hi_ptr + pid)
-    return 0, 0
 
 @triton.jit
-def down(x_ptr, a_ptr, out_ptr, bounds_ptr, lo_ptr, hi_ptr, rows_ptr, seed_ptr, M, K, R,
-         threshold, HAS_BOUNDS: tl.constexpr, HAS_ROWS: tl.constexpr, DROP: tl.constexpr,
-         IEEE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+def segment_of(bounds_ptr, row, S, LOG_S: tl.constexpr):
+    """The last segment s in [0, S) whose start bounds[s] <= row (empty segments before it
+    share its start and are passed over)."""
+    lo = row * 0
+    hi = lo + S - 1
+    for _ in tl.static_range(LOG_S):
+        mid = (lo + hi + 1) // 2
+        go = tl.load(bounds_ptr + mid) <= row
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def segments(bounds_ptr, first, last, S, HAS_BOUNDS: tl.constexpr, LOG_S: tl.constexpr):
+    if HAS_BOUNDS:
+        return segment_of(bounds_ptr, first, S, LOG_S), segment_of(bounds_ptr, last, S, LOG_S)
+    return 0, 0
+
+
+def _configs(pairs):
+    return [triton.Config({"BM": bm, "BK": bk}, num_warps=w) for bm, bk, w in pairs]
+
+
+@triton.autotune(configs=_configs([(64, 64, 4), (128, 64, 4), (128, 64, 8), (64, 128, 4),
+                                   (128, 128, 8)]),
+                 key=["K", "R", "HAS_BOUNDS", "DROP"])
+@triton.jit
+def down(x_ptr, a_ptr, out_ptr, bounds_ptr, rows_ptr, seed_ptr, M, K, R, S, threshold,
+         HAS_BOUNDS: tl.constexpr, HAS_ROWS: tl.constexpr, DROP: tl.constexpr,
+         IEEE: tl.constexpr, LOG_S: tl.constexpr, BR: tl.constexpr, BM: tl.constexpr,
+         BK: tl.constexpr):
     pid = tl.program_id(0)
     m = pid * BM + tl.arange(0, BM)
     m_ok = m < M
@@ -51,7 +85,8 @@ def down(x_ptr, a_ptr, out_ptr, bounds_ptr, lo_ptr, hi_ptr, rows_ptr, seed_ptr, 
     seed = 0
     if DROP:
         seed = tl.load(seed_ptr)
-    s_lo, s_hi = segment_range(lo_ptr, hi_ptr, pid, HAS_BOUNDS)
+    s_lo, s_hi = segments(bounds_ptr, pid * BM, tl.minimum(pid * BM + BM, M) - 1, S,
+                          HAS_BOUNDS, LOG_S)
     acc = tl.zeros((BM, BR), dtype=tl.float32)
     for k0 in range(0, K, BK):
         k = k0 + tl.arange(0, BK)
@@ -61,39 +96,46 @@ def down(x_ptr, a_ptr, out_ptr, bounds_ptr, lo_ptr, hi_ptr, rows_ptr, seed_ptr, 
         if DROP:
             xt = tl.where(keep(seed, ids, k, threshold), xt, 0.0)
         for s in range(s_lo, s_hi + 1):
-            start = bound(bounds_ptr, s, M, HAS_BOUNDS)
-            end = bound(bounds_ptr, s + 1, M, HAS_BOUNDS)
-            rows_in = (m >= start) & (m < end)
             at = tl.load(a_ptr + s * R * K + r[None, :] * K + k[:, None],
                          mask=(r[None, :] < R) & k_ok[:, None], other=0.0)
-            part = tl.where(rows_in[:, None], xt, 0.0)
             if IEEE:
-                acc += tl.dot(part, at, input_precision="ieee")
+                part = tl.dot(xt, at, input_precision="ieee")
             else:
-                acc += tl.dot(part, at)
+                part = tl.dot(xt, at)
+            if HAS_BOUNDS:  # rows of other segments: masked on the r-wide product
+                start = bound(bounds_ptr, s, M, HAS_BOUNDS)
+                end = bound(bounds_ptr, s + 1, M, HAS_BOUNDS)
+                part = tl.where(((m >= start) & (m < end))[:, None], part, 0.0)
+            acc += part
     tl.store(out_ptr + m[:, None].to(tl.int64) * R + r[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (r[None, :] < R))
 
+
+@triton.autotune(configs=_configs([(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8)]),
+                 key=["K", "R", "HAS_BOUNDS", "DROP"])
 @triton.jit
-def dx(g_ptr, a_ptr, dx_ptr, bounds_ptr, lo_ptr, hi_ptr, rows_ptr, seed_ptr, M, K, R,
-       threshold, HAS_BOUNDS: tl.constexpr, HAS_ROWS: tl.constexpr, DROP: tl.constexpr,
-       IEEE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+def dx(g_ptr, a_ptr, dx_ptr, bounds_ptr, rows_ptr, seed_ptr, M, K, R, S, threshold,
+       HAS_BOUNDS: tl.constexpr, HAS_ROWS: tl.constexpr, DROP: tl.constexpr,
+       IEEE: tl.constexpr, LOG_S: tl.constexpr, BR: tl.constexpr, BM: tl.constexpr,
+       BK: tl.constexpr):
     pid = tl.program_id(0)
     m = pid * BM + tl.arange(0, BM)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     m_ok, k_ok = m < M, k < K
     r = tl.arange(0, BR)
-    s_lo, s_hi = segment_range(lo_ptr, hi_ptr, pid, HAS_BOUNDS)
+    s_lo, s_hi = segments(bounds_ptr, pid * BM, tl.minimum(pid * BM + BM, M) - 1, S,
+                          HAS_BOUNDS, LOG_S)
     gt = tl.load(g_ptr + m[:, None].to(tl.int64) * R + r[None, :],
                  mask=m_ok[:, None] & (r[None, :] < R), other=0.0)
     acc = tl.zeros((BM, BK), dtype=tl.float32)
     for s in range(s_lo, s_hi + 1):
-        start = bound(bounds_ptr, s, M, HAS_BOUNDS)
-        end = bound(bounds_ptr, s + 1, M, HAS_BOUNDS)
-        rows_in = (m >= start) & (m < end)
+        part = gt
+        if HAS_BOUNDS:
+            start = bound(bounds_ptr, s, M, HAS_BOUNDS)
+            end = bound(bounds_ptr, s + 1, M, HAS_BOUNDS)
+            part = tl.where(((m >= start) & (m < end))[:, None], gt, 0.0)
         at = tl.load(a_ptr + s * R * K + r[:, None] * K + k[None, :],
                      mask=(r[:, None] < R) & k_ok[None, :], other=0.0)
-        part = tl.where(rows_in[:, None], gt, 0.0)
         if IEEE:
             acc += tl.dot(part, at, input_precision="ieee")
         else:
@@ -105,13 +147,21 @@ def dx(g_ptr, a_ptr, dx_ptr, bounds_ptr, lo_ptr, hi_ptr, rows_ptr, seed_ptr, M, 
     tl.store(dx_ptr + m[:, None].to(tl.int64) * K + k[None, :],
              acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & k_ok[None, :])
 
+
+DA_BK = 64  # fixed: the host sizes the split of each segment's rows by it
+
+
+@triton.autotune(configs=[triton.Config({"BM": bm}, num_warps=w)
+                          for bm, w in ((64, 4), (128, 4), (128, 8))],
+                 key=["K", "R", "HAS_BOUNDS", "DROP"])
 @triton.jit
-def da(g_ptr, x_ptr, da_ptr, bounds_ptr, rows_ptr, seed_ptr, M, K, R, threshold, SPLIT,
+def da(g_ptr, x_ptr, da_ptr, bounds_ptr, rows_ptr, seed_ptr, M, K, R, threshold,
        HAS_BOUNDS: tl.constexpr, HAS_ROWS: tl.constexpr, DROP: tl.constexpr,
-       IEEE: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+       IEEE: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
     k = tl.program_id(0) * BK + tl.arange(0, BK)
     s = tl.program_id(1)
     j = tl.program_id(2)
+    split = tl.num_programs(2)
     k_ok = k < K
     r = tl.arange(0, BR)
     start = bound(bounds_ptr, s, M, HAS_BOUNDS)
@@ -120,7 +170,7 @@ def da(g_ptr, x_ptr, da_ptr, bounds_ptr, rows_ptr, seed_ptr, M, K, R, threshold,
     if DROP:
         seed = tl.load(seed_ptr)
     acc = tl.zeros((BR, BK), dtype=tl.float32)
-    for m0 in range(start + j * BM, end, SPLIT * BM):
+    for m0 in range(start + j * BM, end, split * BM):
         m = m0 + tl.arange(0, BM)
         m_ok = m < end
         xt = tl.load(x_ptr + m[:, None].to(tl.int64) * K + k[None, :],
