@@ -300,3 +300,45 @@ def plot_trainable_bytes(models: dict):
         ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def dropout_keeps(p: float = 0.05, width: int = 256, tokens: int = 512,
+                  r: int = 16) -> tuple[list[dict], float]:
+    """What one adapted bf16 linear layer keeps for backward, by autograd's saved tensors, under
+    PEFT's dropout and under lora.fused_down (kit.recipe.lora_down: the mask computed inside the
+    down-projection, here its torch reference), besides the input itself (alive anyway: the
+    layer's input); and the largest difference of their outputs at dropout 0."""
+    from peft import LoraConfig, get_peft_model
+
+    from kit.recipe import lora_down
+
+    rows, outputs = [], {}
+    for path in ("PEFT", "lora.fused_down"):
+        torch.manual_seed(0)
+        base = torch.nn.Sequential(torch.nn.Linear(width, width, bias=False)).bfloat16()
+        model = get_peft_model(base, LoraConfig(r=r, target_modules=["0"], lora_dropout=p))
+        model.bfloat16().train()
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.02)
+        if path != "PEFT":
+            lora_down.enable(model)
+        x = torch.randn(tokens, width, dtype=torch.bfloat16, requires_grad=True)
+        skip = {t.untyped_storage().data_ptr() for t in (x, *model.parameters())}
+        kept = {}
+
+        def pack(t, kept=kept, skip=skip):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in skip:
+                kept[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x)
+        rows.append({"path": path, "kept bytes": sum(kept.values()),
+                     "per input element": round(sum(kept.values()) / x.numel(), 2)})
+        model.eval()  # no dropout: the two paths compute the same
+        with torch.no_grad():
+            outputs[path] = model(x).float()
+    diff = (outputs["PEFT"] - outputs["lora.fused_down"]).abs().max().item()
+    return rows, diff
