@@ -68,3 +68,8 @@ def drop_mask(seed: torch.Tensor, rows: torch.Tensor, width: int, threshold: int
         torch._dynamo.mark_static(cols, 0)  # a constant width: no integer division per element
         return _fused()(seed, rows, cols, threshold)
     return _hashed(seed, rows, cols, threshold)
+
+
+def threshold_of(p: float) -> int:
+    """drop_mask's threshold for dropout rate p: dropped where the hash's top 31 bits < p * 2^31."""
+    return min(round(p * 2**31), 2**31 - 1)

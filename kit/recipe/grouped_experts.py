@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from kit.recipe.drop_mask import drop_mask
+from kit.recipe.drop_mask import drop_mask, threshold_of
 
 
 def grouped_kernel(device: torch.device, dtype: torch.dtype) -> bool:
@@ -159,7 +159,7 @@ class Mask:
 
     def __init__(self, seed: torch.Tensor, width: int, p: float):
         self.seed, self.width, self.p = seed, width, p
-        self.threshold = min(round(p * 2**31), 2**31 - 1)
+        self.threshold = threshold_of(p)
 
     def at(self, rows: torch.Tensor) -> torch.Tensor:
         """The bool drop-mask (len(rows), width) of the flat rows `rows` (token*k + choice)."""

@@ -1,7 +1,8 @@
 """An adapter's down-projection with its dropout inside: one kernel reads the input once.
 
     low = lora_down(x, a, bounds, rows, seed, threshold)   # (M, R) = (x * keep) @ a[s]^T
-    on = enabled(cfg_value, device)                        # lora.fused_down: where it runs
+    deltas = branches(x, downs, ups, scales, p)            # adapters reading x: B(A(drop(x))) s
+    enable(peft_model)                                     # lora.fused_down: every adapter
 
 `x` (M, K) holds M rows in S contiguous segments (`bounds`: int32 (S + 1,) segment starts and
 the end; None: one segment), `a` (S, R, K) one down-projection per segment: a dense layer's
@@ -32,21 +33,21 @@ import functools
 
 import torch
 
-from kit.recipe.drop_mask import drop_mask
+from kit.recipe.drop_mask import drop_mask, threshold_of
 
 
 def available(device: torch.device) -> bool:
-    """The Triton kernels can run here: a CUDA GPU (compute capability 8.0 or newer, where
-    Triton's bf16 dot runs) with triton importable."""
+    """The Triton kernels can run here: kit.budget.machine.triton_kernels, the planner's rule,
+    asked of this process's device."""
     import importlib.util
 
-    return (device.type == "cuda" and importlib.util.find_spec("triton") is not None
-            and torch.cuda.get_device_capability(device) >= (8, 0))  # fmt: skip
+    from kit.budget.machine import triton_kernels
 
-
-def threshold_of(p: float) -> int:
-    """The mask's threshold for dropout rate p: drop where the hash's top 31 bits < p * 2^31."""
-    return min(round(p * 2**31), 2**31 - 1)
+    if device.type != "cuda":
+        return False
+    major, minor = torch.cuda.get_device_capability(device)
+    return triton_kernels({"capability": f"{major}.{minor}"},
+                          {"triton": importlib.util.find_spec("triton") is not None})
 
 
 # ---------------------------------------------------------------- reference (torch ops)
