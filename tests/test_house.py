@@ -35,6 +35,7 @@ package ``fakekit`` with one violation each, so a checker that goes blind fails 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import subprocess
@@ -92,6 +93,9 @@ RANK_SIDE = [
 KERNEL_HEAVY = ("torch", "transformers", "peft", "bitsandbytes", "ipywidgets")
 MAY_IMPORT_IPYWIDGETS = ("run.widgets", "__main__")  # relative to the package
 RANK_NEVER = ("ipywidgets", "{pkg}.run", "{pkg}.doctor")  # and below them
+# Modules that are only GPU code, importing a package only a GPU machine has (CUDA builds of torch
+# bring triton; the CPU install does not): where it is missing, their import is not asked.
+GPU_PACKAGE = {"recipe.lora_down_kernels": "triton"}  # relative to the package
 PROCESS_GROUP_CALLS = ("init_process_group", "init_device_mesh")
 MAX_LINES, REASON = 400, "Longer than 400 lines because"
 
@@ -352,6 +356,10 @@ def rank_side_findings(root: Path, pkg: str, module: str, imported: dict) -> lis
             by_line.setdefault(line, name)
     found = [f"{path.relative_to(root)}:{line} imports {name}" for line, name in sorted(by_line.items())]
     found += [f"importing it loads {name}" for name in imported["loaded"]]
+    needs = GPU_PACKAGE.get(module.removeprefix(f"{pkg}."))
+    if needs and importlib.util.find_spec(needs) is None and \
+            imported.get("error") == f"ModuleNotFoundError: No module named '{needs}'":
+        return found
     return found + ([f"importing it fails: {imported['error']}"] if "error" in imported else [])
 
 
