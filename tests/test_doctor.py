@@ -106,6 +106,12 @@ CHECKS = [
     ("data_missing", ["data.path=/nonexistent/train.jsonl"], CPU, [], CPU),
     ("data_too_small", ["training.batch_size=100000"], CPU, [], CPU),
     ("no_gpu", ["training.device=cuda"], CPU, ["training.device=cuda"], H100),
+    # the Triton kernels of lora.fused_down: compute capability 8.0+ and triton
+    ("fused_down_no_triton", ["lora.fused_down=true"],
+     env(H100, gpus=[{"name": "Tesla V100-SXM2-32GB", "memory_gib": 31.7, "capability": "7.0"}] * 2),
+     ["lora.fused_down=true"], H100),
+    ("fused_down_no_triton", ["lora.fused_down=true"], env(H100, packages={"triton": False}),
+     ["lora.fused_down=auto"], env(H100, packages={"triton": False})),
     ("more_ranks_than_gpus", [], env(H100, gpus=H100["gpus"][:1], nproc_per_node=2), [], H100),
     ("cpu_bf16_slow", ["model.name=kit:llama-1b"], env(CPU, host_ram_gib=None),
      ["model.name=kit:llama-1b", "model.dtype=float32"], env(CPU, host_ram_gib=None)),

@@ -308,6 +308,28 @@ def _group_inputs(c: Context) -> list[Finding]:
 
 
 @_check
+def _fused_down(c: Context) -> list[Finding]:
+    """lora.fused_down=true where its Triton kernels cannot run (a GPU below compute capability
+    8.0, or no triton): the ranks would fail at their first step (kit.recipe.lora_down). A GPU
+    described rather than probed is taken to have triton, as CUDA builds of torch bring it."""
+    if c.get("lora.fused_down") is not True or c.device != "cuda":
+        return []
+    from kit.budget.machine import triton_kernels
+
+    packages = {"triton": True, **(c.env.get("packages") or {})}
+    gpus = [g for g in c.env.get("gpus") or [] if not triton_kernels(g, packages)]
+    if not gpus:
+        return []
+    gpu = gpus[0]
+    why = "triton is not installed" if not packages["triton"] else \
+        f"compute capability {gpu.get('capability') or 'unknown'}, 8.0 or later needed"
+    return [Finding("error", "fused_down_no_triton",
+                    f"lora.fused_down: True is not allowed on {gpu.get('name', 'this GPU')} "
+                    f"({why}); allowed: false, or auto (the planner's choice)",
+                    "lora.fused_down=false", "lora.fused_down")]
+
+
+@_check
 def _seq_len(c: Context) -> list[Finding]:
     """data.max_seq_len past the model's positions: the rank side (kit.recipe.model.build) refuses it
     with the same line; on this CPU it would train ~30x slower before anything else went wrong."""

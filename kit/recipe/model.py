@@ -63,6 +63,10 @@ def build(cfg: Config, device: torch.device, *, train: bool = True) -> Built:
     if cfg.lora.fused_down:  # before the groups: a member's own forward is their fallback
         from kit.recipe import lora_down
 
+        if device.type == "cuda" and not lora_down.available(device):  # as the pre-flight says
+            raise ConfigError(f"lora.fused_down: True is not allowed on "
+                              f"{torch.cuda.get_device_name(device)} (its Triton kernels need "
+                              "compute capability 8.0+ and triton); allowed: false, or auto")
         lora_down.enable(peft_model)
     if cfg.lora.group_inputs:
         from kit.recipe.levers import lora_groups
