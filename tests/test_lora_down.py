@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from levers import saved_bytes, tiny_model
+from levers import saved_bytes
 from test_grouped_experts import chain_of, routed, run
+from test_lora_groups import _build
 from test_moe import built, outermost_wrapper
 
 from kit.budget import plan as kplan
 from kit.config import load_config
-from kit.recipe import lora, lora_down, recompute
+from kit.recipe import lora_down, recompute
 from kit.recipe.drop_mask import drop_mask
 from kit.recipe.levers import lora_groups
 
@@ -89,20 +90,10 @@ def test_the_op_compiles_and_a_recompute_policy_keeps_it():
         assert policy(None, torch.ops.kit.lora_down.default, x, a) == CheckpointPolicy.MUST_SAVE
 
 
-def _fused_model(overrides, group: bool):
-    cfg = load_config(None, ["quantization.method=none", *overrides])
-    torch.manual_seed(0)
-    model = lora.apply_lora(tiny_model(), cfg)
-    for n, p in model.named_parameters():  # non-zero B, so every branch matters
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(len(n)))
-    return model
-
-
 def test_a_lora_layer_runs_the_kernel_with_the_hash_mask():
     """One adapted linear layer: base(x) + ((x * keep) / (1 - p)) @ A^T @ B^T * scale, keep the
     hash mask of the seed torch's generator gives; in eval mode PEFT's own forward (no dropout)."""
-    model = _fused_model(["lora.dropout=0.25"], group=False)
+    model = _build(["lora.dropout=0.25"], False)
     assert lora_down.enable(model) == 7 * 2  # q k v o gate up down, two layers
     layer = model.base_model.model.model.layers[0].self_attn.o_proj.train()
     x = torch.randn(2, 5, layer.in_features)
@@ -130,7 +121,7 @@ def test_fused_adapters_train_as_the_unfused_ones(group):
     ids = torch.randint(3, 1024, (2, 32), generator=torch.Generator().manual_seed(3))
 
     def build(p, fused):
-        model = _fused_model([f"lora.dropout={p}"], group)
+        model = _build([f"lora.dropout={p}"], False)  # groups after the fused forward
         if fused:
             lora_down.enable(model)
         if group:

@@ -310,6 +310,7 @@ def dropout_keeps(p: float = 0.05, width: int = 256, tokens: int = 512,
     layer's input); and the largest difference of their outputs at dropout 0."""
     from peft import LoraConfig, get_peft_model
 
+    from kit.lab.memory import saved_bytes
     from kit.recipe import lora_down
 
     rows, outputs = [], {}
@@ -325,18 +326,9 @@ def dropout_keeps(p: float = 0.05, width: int = 256, tokens: int = 512,
             lora_down.enable(model)
         x = torch.randn(tokens, width, dtype=torch.bfloat16, requires_grad=True)
         skip = {t.untyped_storage().data_ptr() for t in (x, *model.parameters())}
-        kept = {}
-
-        def pack(t, kept=kept, skip=skip):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in skip:
-                kept[ptr] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(x)
-        rows.append({"path": path, "kept bytes": sum(kept.values()),
-                     "per input element": round(sum(kept.values()) / x.numel(), 2)})
+        _, kept = saved_bytes(lambda model=model, x=x: model(x), skip)
+        rows.append({"path": path, "kept bytes": kept,
+                     "per input element": round(kept / x.numel(), 2)})
         model.eval()  # no dropout: the two paths compute the same
         with torch.no_grad():
             outputs[path] = model(x).float()

@@ -19,6 +19,24 @@ from kit.budget.estimate import Setup, activation_bytes_per_token_layer
 from kit.budget.shapes import shape_of
 
 
+def saved_bytes(fn, exclude=frozenset()):
+    """(fn()'s result, bytes autograd saves for backward while fn runs): each storage once, less
+    those whose data pointers are in `exclude` (weights, an input alive anyway)."""
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in exclude:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
 def measure_saved_activations(model, batch_size: int, seq_len: int, vocab: int | None = None) -> int:
     """Bytes autograd saves for backward in one forward of `model` (a torch module on CPU or GPU),
     counted through saved-tensor hooks, each storage once. Parameters that autograd saves are
@@ -28,18 +46,10 @@ def measure_saved_activations(model, batch_size: int, seq_len: int, vocab: int |
     vocab = vocab or model.config.vocab_size
     ids = torch.randint(0, vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(0))
     ids = ids.to(next(model.parameters()).device)
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss, kept = saved_bytes(lambda: model(input_ids=ids, labels=ids, use_cache=False).loss)
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return sum(seen.values())
+    return kept
 
 
 def measured_vs_estimated(model: str = "kit:tiny-llama", batch_size: int = 8,
@@ -98,19 +108,12 @@ def long_context_levers(model: str = "kit:tiny-llama", seq_len: int = 256, tile:
         if name == "tiles + lean norms":
             lean_norms(m)
         weights = {p.untyped_storage().data_ptr() for p in m.parameters()}
-        seen: dict[int, int] = {}
-
-        def pack(t, seen=seen, weights=weights):
-            if t.untyped_storage().data_ptr() not in weights:
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+        loss, kept = saved_bytes(lambda m=m: m(input_ids=ids, labels=ids, use_cache=False).loss,
+                                 weights)
         loss.backward()
         grads = torch.cat([p.grad.float().flatten() for p in m.parameters() if p.grad is not None])
         base = grads if base is None else base
-        rows.append({"setting": name, "kept_kib": round(sum(seen.values()) / 1024, 1),
+        rows.append({"setting": name, "kept_kib": round(kept / 1024, 1),
                      "loss": round(loss.item(), 4),
                      "grad_difference": round(((grads - base).abs().max()
                                                / base.abs().max()).item(), 4)})
