@@ -87,7 +87,8 @@ def test_the_op_compiles_and_a_recompute_policy_keeps_it():
         torch.autograd.grad(eager, (x, a)), torch.autograd.grad(compiled, (x, a)), strict=True))
     for keeps in recompute.KEEPS[1:]:
         policy = recompute.save_policy(keeps, rank=16, mlp_width=64)
-        assert policy(None, torch.ops.kit.lora_down.default, x, a) == CheckpointPolicy.MUST_SAVE
+        assert all(policy(None, op, x, a) == CheckpointPolicy.MUST_SAVE
+                   for op in lora_down.OPS)  # the reference's op and, where triton is, the kernels'
 
 
 def test_a_lora_layer_runs_the_kernel_with_the_hash_mask():
@@ -232,11 +233,11 @@ def test_the_triton_kernels_equal_the_reference(m, k, r, segments, rows, dtype):
                                         device="cuda")
         g = torch.randn(m, r, device="cuda", dtype=dtype)
         pairs = [
-            (lora_down.down_triton(x, a, bounds, ids, seed, threshold),
+            (lora_down.KERNELS.down_op(x, a, bounds, ids, seed, threshold),
              lora_down._ref_down(x, a, bounds, ids, seed, threshold)),
-            (lora_down.dx_triton(g, a, bounds, ids, seed, threshold, x),
+            (lora_down.KERNELS.dx_op(g, a, bounds, ids, seed, threshold, x),
              lora_down._ref_dx(g, a, bounds, ids, seed, threshold, dtype)),
-            (lora_down.da_triton(g, x, bounds, ids, seed, threshold, a),
+            (lora_down.KERNELS.da_op(g, x, bounds, ids, seed, threshold, a),
              lora_down._ref_da(g, x, bounds, ids, seed, threshold, dtype)),
         ]
         for got, want in pairs:
@@ -253,8 +254,11 @@ def test_the_triton_kernels_equal_the_reference(m, k, r, segments, rows, dtype):
 @pytest.mark.gpu
 @gpu
 def test_the_kernel_path_keeps_less_and_matches_in_a_compiled_layer():
-    """Through the custom op on CUDA, compiled: the output and gradients equal the reference
-    expression's in bf16, and autograd keeps no (rows, width) mask or dropped copy."""
+    """Through the Triton op on CUDA, compiled: the output and gradients equal the reference
+    expression's in bf16, autograd keeps no (rows, width) mask or dropped copy, and the compiled
+    code launches the kernels itself (no op call left in it: no dispatch per call)."""
+    from torch._inductor.utils import run_and_get_code
+
     threshold = lora_down.threshold_of(0.05)
     x, a, _, _, seed = _case(4096, 4096, 48, 1, dtype=torch.bfloat16, device="cuda")
     x.requires_grad_(), a.requires_grad_()
@@ -264,6 +268,14 @@ def test_the_kernel_path_keeps_less_and_matches_in_a_compiled_layer():
     want = _explicit(x, a, None, None, seed, threshold)
     assert (got.float() - want.float()).abs().max() < 2e-2 * want.float().abs().max()
     assert kept < x.numel()  # less than one byte per input element: no mask, no copy
+    grads = torch.autograd.grad(want.float().sum(), (x, a))
+    torch._dynamo.reset()
+    _, code = run_and_get_code(lambda: torch.autograd.grad(f(x, a).float().sum(), (x, a)))
+    source = "\n".join(code)
+    assert "lora_down_triton" not in source and "def down(" in source and "def da(" in source
+    got_grads = torch.autograd.grad(f(x, a).float().sum(), (x, a))
+    for g, w in zip(got_grads, grads, strict=True):
+        assert (g.float() - w.float()).abs().max() < 2e-2 * w.float().abs().max()
 
 
 def test_compiled_fsdp2_layers_run_the_op_without_a_graph_break(tmp_path, monkeypatch):

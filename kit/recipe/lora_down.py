@@ -29,8 +29,6 @@ a whole mask drawn and gathered).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from kit.recipe.drop_mask import drop_mask, threshold_of
@@ -90,13 +88,14 @@ def _ref_da(g, x, bounds, rows, seed, threshold, dtype):
 
 
 @torch.library.custom_op("kit::lora_down", mutates_args=())
-def lora_down(x: torch.Tensor, a: torch.Tensor, bounds: torch.Tensor | None,
-              rows: torch.Tensor | None, seed: torch.Tensor | None, threshold: int) -> torch.Tensor:
+def lora_down_ref(x: torch.Tensor, a: torch.Tensor, bounds: torch.Tensor | None,
+                  rows: torch.Tensor | None, seed: torch.Tensor | None,
+                  threshold: int) -> torch.Tensor:
     """(M, R): row m of segment s is (x[m] * keep[m]) @ a[s]^T (module docstring)."""
     return _ref_down(x, a, bounds, rows, seed, threshold)
 
 
-@lora_down.register_fake
+@lora_down_ref.register_fake
 def _(x, a, bounds, rows, seed, threshold):
     return x.new_empty(x.shape[0], a.shape[1])
 
@@ -133,93 +132,51 @@ def _setup(ctx, inputs, output):
     ctx.threshold = threshold
 
 
-def _backward(ctx, g):
-    x, a, bounds, rows, seed = ctx.saved_tensors
-    g = g.contiguous()
-    dx = da = None
-    if ctx.needs_input_grad[0]:
-        dx = lora_down_dx(g, a, bounds, rows, seed, ctx.threshold, x)
-    if ctx.needs_input_grad[1]:
-        da = lora_down_da(g, x, bounds, rows, seed, ctx.threshold, a)
-    return dx, da, None, None, None, None
+def _backward_of(dx_op, da_op):
+    def backward(ctx, g):
+        x, a, bounds, rows, seed = ctx.saved_tensors
+        g = g.contiguous()
+        dx = da = None
+        if ctx.needs_input_grad[0]:
+            dx = dx_op(g, a, bounds, rows, seed, ctx.threshold, x)
+        if ctx.needs_input_grad[1]:
+            da = da_op(g, x, bounds, rows, seed, ctx.threshold, a)
+        return dx, da, None, None, None, None
+
+    return backward
 
 
-lora_down.register_autograd(_backward, setup_context=_setup)
+lora_down_ref.register_autograd(_backward_of(lora_down_dx, lora_down_da), setup_context=_setup)
 
 
-# ---------------------------------------------------------------- the Triton kernels
+def _triton_ops():
+    """The Triton ops (kit.recipe.lora_down_kernels) with their gradients, where triton is
+    installed (CUDA builds of torch ship it; the CPU install does not): None elsewhere."""
+    import importlib.util
 
-
-@functools.cache
-def _kernels():
-    """The Triton module, imported on first use (triton is imported only on a CUDA machine)."""
-    import triton
-
+    if importlib.util.find_spec("triton") is None:
+        return None
     from kit.recipe import lora_down_kernels as k
 
-    return triton, k.down, k.dx, k.da
+    k.down_op.register_autograd(_backward_of(k.dx_op, k.da_op), setup_context=_setup)
+    return k
 
 
-def _launch(x_like, a, bounds, rows, seed):
-    """(M, K, R, S, the flags and pointers every kernel takes)."""
-    triton = _kernels()[0]
-    m, k, r = x_like.shape[0], a.shape[-1], a.shape[1]
-    segments = 1 if bounds is None else bounds.shape[0] - 1
-    flags = dict(HAS_BOUNDS=bounds is not None, HAS_ROWS=rows is not None, DROP=seed is not None,
-                 IEEE=x_like.dtype == torch.float32, BR=max(16, triton.next_power_of_2(r)))
-    dummy = a  # an unused pointer argument (its flag is off)
-    ptrs = (bounds if bounds is not None else dummy, rows if rows is not None else dummy,
-            seed if seed is not None else dummy)
-    return m, k, r, segments, flags, ptrs
+KERNELS = _triton_ops()
+OPS = tuple(op._opoverload for op in (lora_down_ref, *((KERNELS.down_op,) if KERNELS else ())))
+"""The ops whose result is an adapter's down-projection (the recompute policies keep it)."""
 
 
-def _log2(segments: int) -> int:
-    return max(1, (segments - 1).bit_length())
-
-
-@lora_down.register_kernel("cuda")
-def down_triton(x, a, bounds, rows, seed, threshold):
-    triton, down, _, _ = _kernels()
-    x, a = x.contiguous(), a.contiguous()
-    m, k, r, segments, flags, ptrs = _launch(x, a, bounds, rows, seed)
-    out = x.new_empty(m, r)
-    if m:
-        down[lambda meta: (triton.cdiv(m, meta["BM"]),)](
-            x, a, out, *ptrs, m, k, r, segments, threshold, LOG_S=_log2(segments), **flags)
-    return out
-
-
-@lora_down_dx.register_kernel("cuda")
-def dx_triton(g, a, bounds, rows, seed, threshold, like):
-    triton, _, dx, _ = _kernels()
-    g, a = g.contiguous(), a.contiguous()
-    m, k, r, segments, flags, ptrs = _launch(g, a, bounds, rows, seed)
-    flags["IEEE"] = like.dtype == torch.float32
-    out = like.new_empty(m, k)
-    if m:
-        dx[lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(k, meta["BK"]))](
-            g, a, out, *ptrs, m, k, r, segments, threshold, LOG_S=_log2(segments), **flags)
-    return out
-
-
-@lora_down_da.register_kernel("cuda")
-def da_triton(g, x, bounds, rows, seed, threshold, like):
-    """The factors' gradient: one program per (64 columns, segment, share of its rows); a dense
-    layer's one segment is split so that the GPU has ~4 programs per multiprocessor, each share
-    summed after (fp32 partials, no atomics: the same sum every run)."""
-    from kit.recipe.lora_down_kernels import DA_BK
-
-    triton, _, _, da = _kernels()
-    g, x = g.contiguous(), x.contiguous()
-    m, k, r, segments, flags, ptrs = _launch(x, like, bounds, rows, seed)
-    programs = triton.cdiv(k, DA_BK) * segments
-    units = (torch.cuda.get_device_properties(x.device).multi_processor_count
-             if x.is_cuda else 8)  # fmt: skip
-    split = max(1, min(16, triton.cdiv(4 * units, programs), triton.cdiv(m, 64 * segments)))
-    parts = torch.empty(split, segments, r, k, device=x.device, dtype=torch.float32)
-    da[(triton.cdiv(k, DA_BK), segments, split)](g, x, parts, *ptrs, m, k, r, threshold,
-                                                 BK=DA_BK, **flags)
-    return (parts.sum(0) if split > 1 else parts[0]).to(like.dtype)
+def lora_down(x: torch.Tensor, a: torch.Tensor, bounds: torch.Tensor | None,
+              rows: torch.Tensor | None, seed: torch.Tensor | None,
+              threshold: int) -> torch.Tensor:
+    """(M, R): row m of segment s is (x[m] * keep[m]) @ a[s]^T (module docstring). On CUDA the
+    Triton op (kit::lora_down_triton: a compiled layer launches its kernels from its own code),
+    elsewhere the reference op (kit::lora_down); the build refuses lora.fused_down on a GPU
+    where the kernels cannot run (`available`)."""
+    if x.is_cuda and KERNELS is not None:
+        return KERNELS.down_op(x, a, bounds, rows, seed, threshold)
+    return lora_down_ref(x, a, bounds, rows, seed, threshold)
 
 
 # ---------------------------------------------------------------- the adapters that use it

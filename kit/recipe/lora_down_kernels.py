@@ -9,6 +9,7 @@ first and last segment by a binary search over the bounds and masks the rows out
 on the r-wide product, not on the input tile. Accumulation in fp32; the tiles autotuned once per
 width and rank."""
 
+import torch
 import triton
 import triton.language as tl
 
@@ -188,3 +189,72 @@ def da(g_ptr, x_ptr, da_ptr, bounds_ptr, rows_ptr, seed_ptr, M, K, R, threshold,
     base = (j.to(tl.int64) * tl.num_programs(1) + s) * R * K
     tl.store(da_ptr + base + r[:, None] * K + k[None, :], acc,
              mask=(r[:, None] < R) & k_ok[None, :])
+
+
+# ---------------------------------------------------------------- the ops (kit.recipe.lora_down)
+# torch.library.triton_op: eagerly a custom op that launches the kernels; inside a compiled layer
+# the compiler sees the kernels themselves and launches them from the layer's generated code (no
+# op dispatch, no Python launcher per call: measured 127 ms of host time a step as custom ops,
+# benchmarks/records/2026-11-29-fused-down-1xh200). Arguments as kit.recipe.lora_down's.
+
+
+def _launch(x_like, a, bounds, rows, seed):
+    """(M, K, R, S, the flags and pointers every kernel takes)."""
+    m, k, r = x_like.shape[0], a.shape[-1], a.shape[1]
+    segments = 1 if bounds is None else bounds.shape[0] - 1
+    flags = dict(HAS_BOUNDS=bounds is not None, HAS_ROWS=rows is not None, DROP=seed is not None,
+                 IEEE=x_like.dtype == torch.float32, BR=max(16, triton.next_power_of_2(r)))
+    dummy = a  # an unused pointer argument (its flag is off)
+    ptrs = (bounds if bounds is not None else dummy, rows if rows is not None else dummy,
+            seed if seed is not None else dummy)
+    return m, k, r, segments, flags, ptrs
+
+
+def _log2(segments: int) -> int:
+    return max(1, (segments - 1).bit_length())
+
+
+@torch.library.triton_op("kit::lora_down_triton", mutates_args=())
+def down_op(x: torch.Tensor, a: torch.Tensor, bounds: torch.Tensor | None,
+            rows: torch.Tensor | None, seed: torch.Tensor | None, threshold: int) -> torch.Tensor:
+    x, a = x.contiguous(), a.contiguous()
+    m, k, r, segments, flags, ptrs = _launch(x, a, bounds, rows, seed)
+    out = x.new_empty(m, r)
+    if m:
+        torch.library.wrap_triton(down)[lambda meta: (triton.cdiv(m, meta["BM"]),)](
+            x, a, out, *ptrs, m, k, r, segments, threshold, LOG_S=_log2(segments), **flags)
+    return out
+
+
+@torch.library.triton_op("kit::lora_down_triton_dx", mutates_args=())
+def dx_op(g: torch.Tensor, a: torch.Tensor, bounds: torch.Tensor | None,
+          rows: torch.Tensor | None, seed: torch.Tensor | None, threshold: int,
+          like: torch.Tensor) -> torch.Tensor:
+    g, a = g.contiguous(), a.contiguous()
+    m, k, r, segments, flags, ptrs = _launch(g, a, bounds, rows, seed)
+    flags["IEEE"] = like.dtype == torch.float32
+    out = like.new_empty(m, k)
+    if m:
+        torch.library.wrap_triton(dx)[
+            lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(k, meta["BK"]))](
+            g, a, out, *ptrs, m, k, r, segments, threshold, LOG_S=_log2(segments), **flags)
+    return out
+
+
+@torch.library.triton_op("kit::lora_down_triton_da", mutates_args=())
+def da_op(g: torch.Tensor, x: torch.Tensor, bounds: torch.Tensor | None,
+          rows: torch.Tensor | None, seed: torch.Tensor | None, threshold: int,
+          like: torch.Tensor) -> torch.Tensor:
+    """One program per (64 columns, segment, share of its rows); a dense layer's one segment is
+    split so that the GPU has ~4 programs per multiprocessor, each share summed after (fp32
+    partials, no atomics: the same sum every run)."""
+    g, x = g.contiguous(), x.contiguous()
+    m, k, r, segments, flags, ptrs = _launch(x, like, bounds, rows, seed)
+    programs = triton.cdiv(k, DA_BK) * segments
+    units = (torch.cuda.get_device_properties(x.device).multi_processor_count
+             if x.is_cuda else 8)  # fmt: skip
+    split = max(1, min(16, triton.cdiv(4 * units, programs), triton.cdiv(m, 64 * segments)))
+    parts = torch.empty(split, segments, r, k, device=x.device, dtype=torch.float32)
+    torch.library.wrap_triton(da)[(triton.cdiv(k, DA_BK), segments, split)](
+        g, x, parts, *ptrs, m, k, r, threshold, BK=DA_BK, **flags)
+    return (parts.sum(0) if split > 1 else parts[0]).to(like.dtype)

@@ -41,9 +41,8 @@ import torch
 from kit.recipe.layers import decoder_layers
 from kit.recipe.levers.attention_tiles import restored_rng, rng_state, tile_attention
 from kit.recipe.levers.norms import lean_norms
-from kit.recipe.lora_down import lora_down as _lora_down_op
+from kit.recipe.lora_down import OPS as _LORA_DOWN
 
-_LORA_DOWN = _lora_down_op._opoverload  # torch.ops.kit.lora_down.default
 KEEPS = ("inputs", "matmuls", "mlp_matmuls", "attention_matmuls")
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 _TWO_OPERANDS = {getattr(torch.ops.aten, name).default for name in ("_scaled_mm", "_grouped_mm")
@@ -111,7 +110,7 @@ def save_policy(keeps: str, rank: int, mlp_width: int):
     ranks = (rank, rank + -rank % 8)
 
     def policy(ctx, op, *args, **kwargs):
-        if op in _ATTENTION or op is _LORA_DOWN:  # an adapter's down-projection, dropout inside
+        if op in _ATTENTION or op in _LORA_DOWN:  # an adapter's down-projection, dropout inside
             return CheckpointPolicy.MUST_SAVE
         shape = _matmul_shape(op, args)
         if shape is None:
