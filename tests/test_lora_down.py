@@ -272,7 +272,8 @@ def test_the_kernel_path_keeps_less_and_matches_in_a_compiled_layer():
     torch._dynamo.reset()
     _, code = run_and_get_code(lambda: torch.autograd.grad(f(x, a).float().sum(), (x, a)))
     source = "\n".join(code)
-    assert "lora_down_triton" not in source and "def down(" in source and "def da(" in source
+    # the op's name is left only in comments (the graph's source nodes): the kernels are launched
+    assert "ops.kit." not in source and "def down(" in source and "def da(" in source
     got_grads = torch.autograd.grad(f(x, a).float().sum(), (x, a))
     for g, w in zip(got_grads, grads, strict=True):
         assert (g.float() - w.float()).abs().max() < 2e-2 * w.float().abs().max()

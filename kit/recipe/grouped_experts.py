@@ -14,8 +14,10 @@ Per layer and pass, for the rows (token, k-th choice) of the top-k routing:
   recompute's restored RNG state give the same masks). Integer arithmetic only: the same bits on
   CPU and CUDA, eager and compiled. Backward computes the mask again from the seed and the rows
   (a few int ops that inductor fuses into the kernel that reads the input): no mask is kept;
-- gate/activation (the module's own `_apply_gate`), biases, the routing weights; the rows are put
-  back in token order and summed over the k choices (a deterministic reduction, no atomics).
+- gate/activation (the module's own `_apply_gate`), biases; the rows are gathered back to token
+  order, weighted and summed over the k choices in one reduction, and every backward of the
+  layout is a gather too (the permutation's inverse, `Groups.inverse`): no scatter, no atomics,
+  the same sums every run.
 
 Backward: `_FrozenBase` keeps nothing of the dequantized stack; it dequantizes the stack again for
 the input's gradient (the base is frozen: no weight gradient). Under a recompute policy
@@ -66,6 +68,9 @@ class Groups:
         self.offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         self.ends = None if fast else self.offsets.tolist()
         self.fast, self.top_k = fast, index.shape[-1]
+        # flat row -> its sorted position (the permutation's inverse: one int scatter)
+        self.inverse = torch.empty_like(self.order).index_put_(
+            (self.order,), torch.arange(ids.numel(), device=ids.device))
 
     def bounds(self) -> torch.Tensor:
         """int32 (E + 1,): every group's start, then the end (kit.recipe.lora_down's layout)."""
@@ -134,6 +139,45 @@ def _(t):
 
 
 dense_copy.register_autograd(lambda ctx, grad: grad)
+
+
+class _Dispatch(torch.autograd.Function):
+    """Token rows to sorted rows, x[order // k]; backward sums each token's k rows by a gather
+    at `inverse` (autograd's own gradient of the gather is a scatter-add into zeros: atomics,
+    or a sort where deterministic)."""
+
+    @staticmethod
+    def forward(ctx, x, groups):
+        ctx.groups = groups
+        return x[groups.order // groups.top_k]
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = ctx.groups
+        return grad[g.inverse].view(-1, g.top_k, grad.shape[-1]).sum(1), None
+
+
+class _Combine(torch.autograd.Function):
+    """Sorted rows back to tokens, weighted and summed over the k choices: out[t] =
+    sum_j w[t, j] h[inverse[t k + j]], one gather and reduction (no index_copy into a
+    (tokens k, width) buffer and a second pass to sum it); backward gathers again:
+    dh = g[order // k] w[order], dw[t, j] = <g[t], h[inverse[t k + j]]>."""
+
+    @staticmethod
+    def forward(ctx, h, weights, groups):
+        ctx.groups = groups
+        ctx.save_for_backward(h, weights)
+        rows = h[groups.inverse].view(weights.shape[0], groups.top_k, -1)
+        return (rows * weights[..., None]).sum(1)  # the dtype torch's promotion gives
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weights = ctx.saved_tensors
+        g = ctx.groups
+        dh = (grad[g.order // g.top_k] * weights.reshape(-1)[g.order, None]).to(h.dtype)
+        rows = h[g.inverse].view(weights.shape[0], g.top_k, -1)
+        dw = (rows * grad[:, None, :]).sum(-1)  # in the dtypes autograd's product would use
+        return dh, dw.to(weights.dtype), None
 
 
 class _Dropped(torch.autograd.Function):
@@ -261,15 +305,10 @@ def forward(self, hidden_states, top_k_index=None, top_k_weights=None, router_in
                 for d in p.shape[1:])]  # fmt: skip
     fast = grouped_kernel(hidden_states.device, dtype) and all(w % 8 == 0 for w in widths)
     groups = Groups(index, self.num_experts, fast)
-    tokens, k = index.shape
     masks = dropout_masks(lora, (first, "down_proj"), hidden_states.device)
-    token = groups.order // k
-    h = _project(self, first, hidden_states[token], lora, masks[first], groups)
+    h = _project(self, first, _Dispatch.apply(hidden_states, groups), lora, masks[first], groups)
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
     h = _project(self, "down_proj", h, lora, masks["down_proj"], groups)
     if getattr(self, "has_post_expert_norm", False):
         h = self.post_expert_norm(h)
-    h = h * weights.reshape(-1)[groups.order, None]
-    # back to token order: every row is written (order is a permutation), so no zero fill
-    flat = h.new_empty(tokens * k, h.shape[-1]).index_copy_(0, groups.order, h)
-    return flat.view(tokens, k, -1).sum(1).to(hidden_states.dtype)
+    return _Combine.apply(h, weights, groups).to(hidden_states.dtype)
