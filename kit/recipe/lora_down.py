@@ -17,10 +17,13 @@ column indices inside the matmul's tiles, forward and backward: no mask and no d
 exist in memory, and the input is read once per pass. Backward is two kernels, the input's
 gradient (keep * (g @ a[s])) and the factors' ((g_s^T @ (x_s * keep)) per segment).
 
-The op is a torch custom op (compiled layers call it as one opaque kernel): on CUDA its Triton
-kernels, elsewhere the reference in torch ops (the same mask, the same sums), which is what the
-CPU runs and what the GPU tests hold the kernels to. `kit.recipe.recompute`'s policies keep its
-result as an adapter's down-projection.
+Two ops, one function (`lora_down`) choosing by device: on CUDA the Triton kernels as
+`torch.library.triton_op` ops (kit::lora_down_triton and its gradients, kit.recipe.
+lora_down_kernels: a compiled layer launches the kernels from its own generated code, no op
+dispatch per call), elsewhere the reference in torch ops as a custom op (kit::lora_down: the
+same mask, the same sums), which is what the CPU runs and what the GPU tests hold the kernels
+to. `kit.recipe.recompute`'s policies keep either's result as an adapter's down-projection
+(`OPS`).
 
 Gap filled: neither PEFT, torch nor bitsandbytes has a matmul with dropout inside it, and
 torch's bernoulli draws its mask in the tensor's order (the rows of a sorted MoE layer would need
