@@ -88,7 +88,7 @@ def test_the_op_compiles_and_a_recompute_policy_keeps_it():
     for keeps in recompute.KEEPS[1:]:
         policy = recompute.save_policy(keeps, rank=16, mlp_width=64)
         assert all(policy(None, op, x, a) == CheckpointPolicy.MUST_SAVE
-                   for op in lora_down.OPS)  # the reference's op and, where triton is, the kernels'
+                   for op in lora_down.ops())  # the reference's op and, once loaded, the kernels'
 
 
 def test_a_lora_layer_runs_the_kernel_with_the_hash_mask():
@@ -233,11 +233,11 @@ def test_the_triton_kernels_equal_the_reference(m, k, r, segments, rows, dtype):
                                         device="cuda")
         g = torch.randn(m, r, device="cuda", dtype=dtype)
         pairs = [
-            (lora_down.KERNELS.down_op(x, a, bounds, ids, seed, threshold),
+            (lora_down.kernels().down_op(x, a, bounds, ids, seed, threshold),
              lora_down._ref_down(x, a, bounds, ids, seed, threshold)),
-            (lora_down.KERNELS.dx_op(g, a, bounds, ids, seed, threshold, x),
+            (lora_down.kernels().dx_op(g, a, bounds, ids, seed, threshold, x),
              lora_down._ref_dx(g, a, bounds, ids, seed, threshold, dtype)),
-            (lora_down.KERNELS.da_op(g, x, bounds, ids, seed, threshold, a),
+            (lora_down.kernels().da_op(g, x, bounds, ids, seed, threshold, a),
              lora_down._ref_da(g, x, bounds, ids, seed, threshold, dtype)),
         ]
         for got, want in pairs:
@@ -260,6 +260,8 @@ def test_the_kernel_path_keeps_less_and_matches_in_a_compiled_layer():
     from torch._inductor.utils import run_and_get_code
 
     threshold = lora_down.threshold_of(0.05)
+    lora_down.kernels()  # as the build loads them: the policies keep their result too
+    assert torch.ops.kit.lora_down_triton.default in lora_down.ops()
     x, a, _, _, seed = _case(4096, 4096, 48, 1, dtype=torch.bfloat16, device="cuda")
     x.requires_grad_(), a.requires_grad_()
     f = torch.compile(lambda x, a: lora_down.lora_down(x, a, None, None, seed, threshold))

@@ -255,12 +255,14 @@ def _lora(x, down, up, scale, drop, p, experts, groups, fused=False):
         pad = -rank % 8
         a = torch.nn.functional.pad(a, (0, 0, 0, pad))
         b = torch.nn.functional.pad(b, (0, 0, 0, pad))
-    if groups.fast:  # a unit stride in the last two dims, compiled too (E x r x width: MBs)
-        a, b = dense_copy(a), dense_copy(b)
+    fused = fused and drop is not None
+    if groups.fast:  # a unit stride in the last two dims, compiled too (E x r x width: MBs);
+        # the fused op lays its own A out (its Triton op reads it row-major): no copy of it here
+        a, b = (a if fused else dense_copy(a)), dense_copy(b)
     else:
         b = b.contiguous()
     h = x.to(dtype)
-    if fused and drop is not None:
+    if fused:
         from kit.recipe.lora_down import lora_down
 
         low = lora_down(h, a, groups.bounds(), groups.order, drop.seed, drop.threshold)

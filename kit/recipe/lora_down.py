@@ -23,7 +23,7 @@ lora_down_kernels: a compiled layer launches the kernels from its own generated 
 dispatch per call), elsewhere the reference in torch ops as a custom op (kit::lora_down: the
 same mask, the same sums), which is what the CPU runs and what the GPU tests hold the kernels
 to. `kit.recipe.recompute`'s policies keep either's result as an adapter's down-projection
-(`OPS`).
+(`ops`).
 
 Gap filled: neither PEFT, torch nor bitsandbytes has a matmul with dropout inside it, and
 torch's bernoulli draws its mask in the tensor's order (the rows of a sorted MoE layer would need
@@ -152,22 +152,25 @@ def _backward_of(dx_op, da_op):
 lora_down_ref.register_autograd(_backward_of(lora_down_dx, lora_down_da), setup_context=_setup)
 
 
-def _triton_ops():
-    """The Triton ops (kit.recipe.lora_down_kernels) with their gradients, where triton is
-    installed (CUDA builds of torch ship it; the CPU install does not): None elsewhere."""
-    import importlib.util
-
-    if importlib.util.find_spec("triton") is None:
-        return None
-    from kit.recipe import lora_down_kernels as k
-
-    k.down_op.register_autograd(_backward_of(k.dx_op, k.da_op), setup_context=_setup)
-    return k
+_LOADED: list = []  # the Triton ops' module, once `kernels()` loaded it
 
 
-KERNELS = _triton_ops()
-OPS = tuple(op._opoverload for op in (lora_down_ref, *((KERNELS.down_op,) if KERNELS else ())))
-"""The ops whose result is an adapter's down-projection (the recompute policies keep it)."""
+def kernels():
+    """The Triton ops (kit.recipe.lora_down_kernels) with their gradients, loaded on first use:
+    triton is imported only where a CUDA run asks for them (the build does, before any layer is
+    compiled)."""
+    if not _LOADED:
+        from kit.recipe import lora_down_kernels as k
+
+        k.down_op.register_autograd(_backward_of(k.dx_op, k.da_op), setup_context=_setup)
+        _LOADED.append(k)
+    return _LOADED[0]
+
+
+def ops() -> tuple:
+    """The ops whose result is an adapter's down-projection (the recompute policies keep it):
+    the reference's and, once loaded, the kernels'."""
+    return (lora_down_ref._opoverload, *(m.down_op._opoverload for m in _LOADED))
 
 
 def lora_down(x: torch.Tensor, a: torch.Tensor, bounds: torch.Tensor | None,
@@ -177,8 +180,8 @@ def lora_down(x: torch.Tensor, a: torch.Tensor, bounds: torch.Tensor | None,
     Triton op (kit::lora_down_triton: a compiled layer launches its kernels from its own code),
     elsewhere the reference op (kit::lora_down); the build refuses lora.fused_down on a GPU
     where the kernels cannot run (`available`)."""
-    if x.is_cuda and KERNELS is not None:
-        return KERNELS.down_op(x, a, bounds, rows, seed, threshold)
+    if x.is_cuda:
+        return kernels().down_op(x, a, bounds, rows, seed, threshold)
     return lora_down_ref(x, a, bounds, rows, seed, threshold)
 
 

@@ -67,6 +67,8 @@ def build(cfg: Config, device: torch.device, *, train: bool = True) -> Built:
             raise ConfigError(f"lora.fused_down: True is not allowed on "
                               f"{torch.cuda.get_device_name(device)} (its Triton kernels need "
                               "compute capability 8.0+ and triton); allowed: false, or auto")
+        if device.type == "cuda":
+            lora_down.kernels()  # loaded before any layer compiles (and the policies know them)
         lora_down.enable(peft_model)
     if cfg.lora.group_inputs:
         from kit.recipe.levers import lora_groups

@@ -38,10 +38,10 @@ import types
 
 import torch
 
+from kit.recipe import lora_down
 from kit.recipe.layers import decoder_layers
 from kit.recipe.levers.attention_tiles import restored_rng, rng_state, tile_attention
 from kit.recipe.levers.norms import lean_norms
-from kit.recipe.lora_down import OPS as _LORA_DOWN
 
 KEEPS = ("inputs", "matmuls", "mlp_matmuls", "attention_matmuls")
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
@@ -110,7 +110,7 @@ def save_policy(keeps: str, rank: int, mlp_width: int):
     ranks = (rank, rank + -rank % 8)
 
     def policy(ctx, op, *args, **kwargs):
-        if op in _ATTENTION or op in _LORA_DOWN:  # an adapter's down-projection, dropout inside
+        if op in _ATTENTION or op in lora_down.ops():  # an adapter's down-projection, dropout inside
             return CheckpointPolicy.MUST_SAVE
         shape = _matmul_shape(op, args)
         if shape is None:
