@@ -36,22 +36,6 @@ def test_profile_sorts_kernels_into_families_and_skips_annotations():
     assert not profiling._is_annotation("nvjet_sm90_tst_16x64_64x16_1x2_h_bz_TNN")
 
 
-def test_profile_finds_the_gpu_idle_gaps_and_the_kernels_that_ended_them():
-    """idle_gaps: gaps of at least 20 us between kernel intervals (overlapping streams as one),
-    summed, placed in tenths of the step's span, and named by the kernel that ended them."""
-    spans = [(0.0, 100.0, "gemm"), (50.0, 300.0, "copy"),      # overlapping: no gap
-             (310.0, 400.0, "mm"),                            # a 10 us gap: below the floor
-             (1400.0, 1500.0, "dequant"),                     # 1,000 us, in the first half
-             (1500.0, 1600.0, "triton_a"), (9000.0, 9100.0, "dequant"),  # 7,400 us, at 0.16
-             (9700.0, 10000.0, "adam")]                       # 600 us, at 0.91
-    got = profiling.idle_gaps(spans)
-    assert got["gaps"] == 3 and got["gaps_ms"] == 9.0
-    assert got["by_tenth_ms"][0] == 1.0 and got["by_tenth_ms"][1] == 7.4
-    assert got["by_tenth_ms"][9] == 0.6 and sum(got["by_tenth_ms"]) == 9.0
-    assert got["top_after_ms"] == [["dequant", 2, 8.4], ["adam", 1, 0.6]]
-    assert profiling.idle_gaps([])["gaps"] == 0
-
-
 def test_profile_tells_launches_and_waits_on_the_gpu_from_the_ops():
     """host_side: CUDA runtime calls apart from the ops (launches counted, synchronizing calls
     summed as waits), the ops' own CPU time, the costliest ops first."""

@@ -1,6 +1,6 @@
 """One benchmark step under torch.profiler (kit.bench.worker's `profile` rows): GPU time per
-kernel family, the costliest kernels, the share of the step the GPU sat idle and where in the
-step (`idle_gaps`), and where the host's time went. GPUs only (the worker asks for it where the matrix's case has `profile`)."""
+kernel family, the costliest kernels, the share of the step the GPU sat idle, and where the
+host's time went. GPUs only (the worker asks for it where the matrix's case has `profile`)."""
 
 from __future__ import annotations
 
@@ -47,9 +47,9 @@ def profile_step(run, batch: dict) -> dict:
                and not _is_annotation(e.name)]
     by_family: dict[str, float] = {}
     by_name: dict[str, float] = {}
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in kernels)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
     busy, end = 0.0, float("-inf")
-    for a, b, _ in spans:  # union of kernel intervals over all streams
+    for a, b in spans:  # union of kernel intervals over all streams
         busy += max(0.0, b - max(a, end))
         end = max(end, b)
     for e in kernels:
@@ -61,32 +61,7 @@ def profile_step(run, batch: dict) -> dict:
             "families_ms": {k: round(v / 1e3, 1) for k, v in
                             sorted(by_family.items(), key=lambda kv: -kv[1])},
             "top_kernels_ms": [[n[:90], round(v / 1e3, 2)] for n, v in top],
-            "idle": idle_gaps(spans), "host": host_side(prof.key_averages())}
-
-
-def idle_gaps(spans: list[tuple[float, float, str]], least_us: float = 20.0) -> dict:
-    """Where the GPU sat idle in a profiled step: the gaps of at least `least_us` between kernel
-    intervals (start, end, name in us; all streams as one), their sum, their sum in each tenth of
-    the step's span (forward early, backward and the optimizer late), and the kernels that ended
-    the longest gaps in sum (what the GPU waited for the host to launch). The profiler slows the
-    host, so the sums are an upper bound; their places are what to read."""
-    tenths = [0.0] * 10
-    after: dict[str, list] = {}
-    total, count, end = 0.0, 0, None
-    first, last = (spans[0][0], max(b for _, b, _ in spans)) if spans else (0.0, 0.0)
-    width = max(last - first, 1e-9)
-    for a, b, name in spans:
-        if end is not None and a - end >= least_us:
-            gap = a - end
-            total, count = total + gap, count + 1
-            tenths[min(9, int((end - first) / width * 10))] += gap
-            slot = after.setdefault(name[:90], [0, 0.0])
-            slot[0], slot[1] = slot[0] + 1, slot[1] + gap
-        end = b if end is None else max(end, b)
-    top = sorted(after.items(), key=lambda kv: -kv[1][1])[:10]
-    return {"gaps": count, "gaps_ms": round(total / 1e3, 1),
-            "by_tenth_ms": [round(t / 1e3, 1) for t in tenths],
-            "top_after_ms": [[n, c, round(t / 1e3, 1)] for n, (c, t) in top]}
+            "host": host_side(prof.key_averages())}
 
 
 def host_side(averages) -> dict:
