@@ -87,7 +87,8 @@ class LoraConfig:
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     # Recompute each adapter's dropout and down-projection in backward instead of storing the
     # dropout mask and the dropped copy of the input (kit.recipe.lora.recompute_adapters): same result,
-    # less activation memory; the speed levers (kit.bench) use it.
+    # less activation memory; the speed levers (kit.bench) use it. Where lora.fused_down is on, the
+    # fused kernel (which keeps neither) runs those layers instead.
     recompute: bool = False
     # Adapters that read one input (q/k/v; gate/up) drop it once and run their down-projections
     # as one matmul (kit.recipe.levers.lora_groups): fewer, larger kernels. The members share one dropout mask
