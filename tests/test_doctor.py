@@ -82,6 +82,9 @@ CHECKS = [
     ("cuda_alloc_conf", [], env(H100, vars={"PYTORCH_CUDA_ALLOC_CONF": ""}), [], H100),
     ("dist_timeout_short", ["model.name=kit:llama-8b", "run.dist_timeout_min=1"], CPU,
      ["model.name=kit:llama-8b"], CPU),
+    # one rank: nobody waits on rank 0's load, so the same timeout is no finding there
+    ("dist_timeout_short", ["model.name=kit:llama-8b", "run.dist_timeout_min=1"], CPU,
+     ["model.name=kit:llama-8b", "run.dist_timeout_min=1"], env(CPU, nproc_per_node=1)),
     ("memory_over_gpu", [*LLAMA_8B_LONG, "training.batch_size=16",
                          "training.recompute.enabled=false",
                          "training.offload_activations=false"], H100,
