@@ -153,26 +153,37 @@ def test_a_mixture_of_experts_plan_states_no_speed_the_step_model_cannot_know():
     assert dense.tokens_per_s and "not predicted" not in dense.table()
 
 
-@pytest.mark.parametrize("record, case, layers", [
-    ("2026-11-29-moe-vs-unsloth-1xh200", "kit-80", 24),  # the point MOE_PEAK_SHARE is fitted to
-    ("2026-11-29-moe-vs-unsloth-1xh200", "kit-24", 24),  # whole-layer recompute, batch 10
-    ("2026-11-29-moe-compile-1xh200", "moe-80-defaults", 48),  # the full depth, batch 6
-])
-def test_the_step_model_predicts_the_grouped_experts_runs(record, case, layers):
-    """Qwen3-30B-A3B's shape on one H200, compiled grouped experts: the step model's speed for
-    each recorded plan (its batch and recompute policy, read from the record's setup row) lies
-    within 12% of the measured tokens/s."""
+SCALING = "2026-11-29-moe-scaling-gpt-oss-2xh200"
+
+
+@pytest.mark.parametrize("record, part, case, model, layers, within", [
+    ("2026-11-29-moe-vs-unsloth-1xh200", None, "kit-80", "qwen3-30b-a3b", 24, 0.12),  # MOE_PEAK_SHARE's point
+    ("2026-11-29-moe-vs-unsloth-1xh200", None, "kit-24", "qwen3-30b-a3b", 24, 0.12),  # whole-layer recompute
+    ("2026-11-29-moe-compile-1xh200", None, "moe-80-defaults", "qwen3-30b-a3b", 48, 0.12),  # full depth
+    (SCALING, "scaling", "kit-24-1gpu", "qwen3-30b-a3b", 24, 0.12),
+    (SCALING, "scaling", "kit-24", "qwen3-30b-a3b", 24, 0.12),  # two GPUs, batch 20 each
+    (SCALING, "moe-80", "kit-80", "qwen3-30b-a3b", 24, 0.12),
+    (SCALING, "gpt-oss", "gptoss-24", "gpt-oss-20b", None, 0.20),  # issue 55's bar: within 20%
+    (SCALING, "gpt-oss", "gptoss-80", "gpt-oss-20b", None, 0.20),
+])  # fmt: skip
+def test_the_step_model_predicts_the_grouped_experts_runs(record, part, case, model, layers, within):
+    """Compiled grouped experts on H200s: the step model's speed for each recorded plan (its batch
+    and recompute policy, read from the record's setup row, on the record's GPUs) lies within
+    `within` of the measured tokens/s per GPU: 12% on Qwen3-30B-A3B's shape, whose runs fitted it,
+    20% on gpt-oss-20b's (the issue's bar; its wider experts run faster than the model says)."""
     from kit.bench import records
     from kit.inputs.moe_shapes import MOE_SPECS
 
-    rows = [r for r in records.rows(record) if r["case"] == case]
+    rows = [r for r in records.rows(record, part) if r["case"] == case]
     choices = dict((f, v) for f, v, _ in next(r for r in rows if r["kind"] == "setup")["plan"]["choices"])
     measured = next(r for r in rows if r["kind"] == "batch" and r["status"] == "ok")
-    shape = shape_of(dict(MOE_SPECS["qwen3-30b-a3b"], num_hidden_layers=layers))
-    hw = kplan.Hardware("cuda", 1, measured["cap_gib"], "NVIDIA H200", fp8=True, grouped_gemm=True)
-    predicted = kplan.speed(shape, 2048, measured["batch"], choices["training.recompute.keeps"], hw)
+    spec = dict(MOE_SPECS[model], **({"num_hidden_layers": layers} if layers else {}))
+    hw = kplan.Hardware("cuda", measured["world"], measured["cap_gib"], "NVIDIA H200", fp8=True,
+                        grouped_gemm=True)
+    predicted = kplan.speed(shape_of(spec), 2048, measured["batch"],
+                            choices["training.recompute.keeps"], hw)
     assert measured["batch"] == choices["training.batch_size"]
-    assert 0.88 < predicted / measured["tokens_per_s_gpu"] < 1.12, (predicted, measured)
+    assert 1 - within < predicted / measured["tokens_per_s_gpu"] < 1 + within, (predicted, measured)
 
 
 def test_a_short_mixture_of_experts_step_is_not_predicted_absurdly_slow():

@@ -93,13 +93,20 @@ TILED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 #   (29,982 tokens/s, benchmarks/records/2026-11-29-moe-vs-unsloth-1xh200), over its knee: 0.273.
 # - MOE_KNEE_ROWS: the full depth at batch 6 (768 rows) ran 18.9% MFU
 #   (benchmarks/records/2026-11-29-moe-compile-1xh200, with the dropout masks drawn and gathered,
-#   which cost the 24-layer run ~8% at 24 GiB against the hash since): ~250. Predicted against
-#   measured: 24 layers at 24 GiB (whole-layer recompute, batch 10) 17.0% against 18.4%; the full
-#   depth at batch 6 20.6% against 18.9%. (The dense model's knee, quadratic in the tokens, would
-#   put a 512-token MoE step at ~10 tokens/s; this one at ~1,500.)
+#   which cost the 24-layer run ~8% at 24 GiB against the hash since): ~250. The full depth at
+#   batch 6 is predicted 8.7% over what it measured. (The dense model's knee, quadratic in the
+#   tokens, would put a 512-token MoE step at ~10 tokens/s; this one at ~1,500.)
+# - MOE_RERUN_COST: a layer run again costs a mixture of experts less than a dense model
+#   (RERUN_COST): its forward is a smaller share of its step. Whole-layer recompute against keeping
+#   every matmul, beyond the knee, measured 1.19x the step on both models measured
+#   (benchmarks/records/2026-11-29-moe-scaling-gpt-oss-2xh200: Qwen3-30B-A3B at 24 layers, batch
+#   10 against 15; gpt-oss-20b, batch 5 against 12): 0.145 + INPUTS_EXTRA. Predicted against
+#   measured there: Qwen3-30B-A3B 0.99 (24 and 80 GiB), 1.05 on two GPUs; gpt-oss-20b 0.85 at
+#   both caps (its wider experts, 2,880 against 768, run at a larger share of the peak).
 KNEE_TOKENS = 2350
 MOE_PEAK_SHARE = 0.273
 MOE_KNEE_ROWS = 250
+MOE_RERUN_COST = 0.145
 MATMUL_LAYER_SHARE = 0.5
 RERUN_COST = 0.30
 INPUTS_EXTRA = 0.045
@@ -253,7 +260,8 @@ def speed(shape: Shape, seq_len: int, batch: int, keeps: str | None, hw: Hardwar
     cost = 1.0
     if keeps is not None:  # recompute on
         lean = 1 - MATMUL_LAYER_SHARE * min(matmul_layers, shape.layers) / shape.layers
-        cost += (RERUN_COST * rerun_share(shape, keeps) * lean
+        rerun = MOE_RERUN_COST if shape.experts else RERUN_COST
+        cost += (rerun * rerun_share(shape, keeps) * lean
                  + (INPUTS_EXTRA if keeps == "inputs" else 0))
     if shape.experts:  # grouped experts: the rows each expert gets, their own share of the peak
         rows = n * shape.active_experts / shape.experts
