@@ -32,8 +32,9 @@ def kernel_family(name: str) -> str:
 
 
 def profile_step(run, batch: dict) -> dict:
-    """One more step under torch.profiler: GPU time per kernel family and the 20 costliest
-    kernels, plus the share of the step the GPU sat idle (launch overhead, host syncs), and
+    """One more step under torch.profiler: GPU time per kernel family, the 20 costliest
+    kernels and the 15 costliest of "other eager kernels" (with their launches: what that
+    family is made of), plus the share of the step the GPU sat idle (launch overhead, host syncs), and
     where the host's time went (host_side)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -47,6 +48,7 @@ def profile_step(run, batch: dict) -> dict:
                and not _is_annotation(e.name)]
     by_family: dict[str, float] = {}
     by_name: dict[str, float] = {}
+    launched: dict[str, int] = {}
     spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
     busy, end = 0.0, float("-inf")
     for a, b in spans:  # union of kernel intervals over all streams
@@ -56,11 +58,15 @@ def profile_step(run, batch: dict) -> dict:
         us = e.time_range.elapsed_us()
         by_family[kernel_family(e.name)] = by_family.get(kernel_family(e.name), 0.0) + us
         by_name[e.name] = by_name.get(e.name, 0.0) + us
+        launched[e.name] = launched.get(e.name, 0) + 1
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:20]
+    eager = sorted(((n, v) for n, v in by_name.items()
+                    if kernel_family(n) == "other eager kernels"), key=lambda kv: -kv[1])[:15]
     return {"wall_ms": round(wall_ms, 1), "gpu_busy_ms": round(busy / 1e3, 1),
             "families_ms": {k: round(v / 1e3, 1) for k, v in
                             sorted(by_family.items(), key=lambda kv: -kv[1])},
             "top_kernels_ms": [[n[:90], round(v / 1e3, 2)] for n, v in top],
+            "top_eager_ms": [[n[:200], round(v / 1e3, 2), launched[n]] for n, v in eager],
             "host": host_side(prof.key_averages())}
 
 
