@@ -12,7 +12,7 @@ import torch
 KERNEL_FAMILIES = [
     ("nccl", ("nccl",)), ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
     ("optimizer", ("adam", "multi_tensor")),
-    ("4-bit dequantize", ("dequantize", "kdequant")),
+    ("4-bit dequantize", ("dequant",)),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "splitk", "cublas")),
     ("compiled (triton)", ("triton",)), ("copy", ("memcpy", "memset", "copy")),
 ]
@@ -25,7 +25,14 @@ def _is_annotation(name: str) -> bool:
     return name.startswith(marks) or "#" in name
 
 
+# The kit's Triton kernels of lora.fused_down (kit/recipe/lora_down_kernels.py), by their exact
+# names: the adapters' down-projection with its dropout, its input's and its factor's gradients.
+LORA_DOWN_KERNELS = ("down", "dx", "da")
+
+
 def kernel_family(name: str) -> str:
+    if name in LORA_DOWN_KERNELS:
+        return "LoRA down (kit, Triton)"
     low = name.lower()
     return next((fam for fam, keys in KERNEL_FAMILIES if any(k in low for k in keys)),
                 "other eager kernels")
