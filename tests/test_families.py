@@ -143,3 +143,104 @@ def test_the_recipe_page_lists_every_family_as_the_kit_sees_it():
     table = families.readme_table(facts, GROUPED_FAMILIES)
     page = ROOT / "docs" / "recipe.md"
     assert table in page.read_text(), "docs/recipe.md's family table:\n" + table
+
+
+def _moe_families() -> dict[str, object]:
+    """Every causal-LM family of the installed transformers whose default config has experts (more
+    than one), built with 2 layers on the meta device (no memory, no weights): model_type -> the
+    model. A wrapper whose text model is its own family (qwen4_exp: qwen4_exp_text) is that family;
+    a default config without its layer types (lfm2_moe) gets plain attention layers."""
+    import warnings
+
+    import torch
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.utils import logging
+
+    counts = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+    found, before = {}, logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+            try:
+                text = CONFIG_MAPPING[model_type]().get_text_config()
+            except Exception:  # noqa: BLE001 - a family whose default config cannot be made
+                continue
+            if not any((getattr(text, k, None) or 0) > 1 for k in counts):
+                continue
+            if text.model_type != model_type and text.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+                continue  # its text model is a family of its own, built on its own
+            config = CONFIG_MAPPING[model_type](num_hidden_layers=2)
+            if getattr(config, "layer_types", False) is None:
+                config.layer_types = ["full_attention"] * 2
+            with warnings.catch_warnings(), torch.device("meta"):
+                warnings.simplefilter("ignore")
+                found[model_type] = AutoModelForCausalLM.from_config(config)
+    finally:
+        logging.set_verbosity(before)
+    return found
+
+
+def test_every_mixture_of_experts_family_trains_grouped_or_is_refused():
+    """Each MoE family transformers ships: its 3-D weights sit in transformers' experts modules
+    (which the kit stores in NF4, adapts and runs grouped: kit.recipe.experts), or its model_type
+    is refused before any process (kit.inputs.families.EXPERTS_REFUSED), and `all-linear` adapts
+    no router (a linear layer beside the experts with one output per expert)."""
+    import torch
+
+    from kit.recipe import experts
+
+    models = _moe_families()
+    assert {"mixtral", "qwen3_moe", "gpt_oss", "phimoe", "deepseek_v3"} <= set(models)
+    kept_elsewhere = set()
+    for model_type, model in models.items():
+        held = {n for n, _ in experts.find(model)}
+        convs = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Conv1d)}
+        if any(p.dim() == 3 and n.rpartition(".")[0] not in held | convs
+               for n, p in model.named_parameters()):
+            kept_elsewhere.add(model_type)
+            continue
+        targets, stacks = experts.split_targets(model, "all-linear")
+        routers = experts.routers(model)
+        adapted = [n for n, m in model.named_modules() if m in routers and (
+            n in targets or n.rsplit(".", 1)[-1] in targets)]
+        assert not adapted, (model_type, adapted)
+        assert not held or stacks, model_type
+    assert kept_elsewhere == set(families.EXPERTS_REFUSED) & set(models), kept_elsewhere
+    refused = families.experts_refusal("some/folder", "llama4_text")
+    assert refused.startswith("model.name: 'some/folder' is a llama4_text model, whose experts "
+                              "(Llama4TextExperts) are not") and "\n" not in refused
+
+
+def test_kit_check_refuses_a_family_whose_experts_it_cannot_train(tmp_path):
+    """The check step (run.sh's, before torchrun): exit 2 and the one line, for a local folder of
+    a family that keeps its experts outside transformers' experts modules."""
+    folder = _config_only(tmp_path / "model", "llama4_text", num_local_experts=4,
+                          intermediate_size_mlp=128)
+    proc = subprocess.run([sys.executable, "-m", "kit.run.check", str(TINY), f"model.name={folder}",
+                           f"run.output_dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "ConfigError: " + families.experts_refusal(folder, "llama4_text")]
+
+
+def test_a_router_that_is_a_linear_layer_is_never_adapted():
+    """PhiMoE's router is an nn.Linear subclass that returns a tuple: PEFT's all-linear wrapped it
+    (and the step failed: 'tuple' object has no attribute 'dtype'). Built as the recipe builds
+    it, the router stays itself and frozen, the experts get their adapters, and a step runs."""
+    import torch
+
+    from kit.recipe import experts
+    from kit.recipe import model as recipe
+
+    cfg = load_config(TINY, [f"model.name={families.model_name('phimoe')}", "model.loading=full"])
+    model = recipe.build(cfg, torch.device("cpu"), train=True).model
+    routers = experts.routers(model)
+    assert routers and all(type(r).__name__ == "PhimoeTopKRouter" for r in routers)
+    assert not any(p.requires_grad for r in routers for p in r.parameters())
+    ids = torch.randint(0, 1000, (2, 16))
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    lora = [p for n, p in model.named_parameters() if "lora_" in n and "experts" in n]
+    assert lora and all(p.grad is not None for p in lora)

@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import ROOT, read_run, reload_in_process, torchrun
 
-FAMILIES = ["kit:tiny-mixtral", "kit:tiny-qwen3-moe", "kit:tiny-olmoe", "kit:tiny-gpt-oss"]
+FAMILIES = ["kit:tiny-mixtral", "kit:tiny-qwen3-moe", "kit:tiny-olmoe", "kit:tiny-gpt-oss",
+            "kit:tiny-phimoe"]
 
 
 def built(name: str, *overrides: str):
@@ -144,7 +145,11 @@ def test_moe_trains_under_fsdp_and_reloads_with_plain_peft(tmp_path, name):
     cmp = reload(out)
     assert cmp["max_diff"] < 0.02 * cmp["scale"], cmp  # plain PEFT on the NF4 round trip
     assert cmp["max_diff_without_adapter"] > 10 * cmp["max_diff"], cmp  # the adapter matters
-    assert cmp["max_diff_dense"] < 0.25 * cmp["scale"], cmp  # on the bf16 base: NF4's error only
+    # on the bf16 base: NF4's error only. PhiMoE's sparsemixer keeps a second expert only within
+    # a margin of the first's logit: NF4's error in the layers before moves tokens across it
+    # (measured 0.50x the largest logit where the others stay under 0.25x)
+    dense = 0.6 if name == "kit:tiny-phimoe" else 0.25
+    assert cmp["max_diff_dense"] < dense * cmp["scale"], cmp
     if name != "kit:tiny-qwen3-moe":
         return
     # Merging: plain transformers loads the export (experts as trained, adapter folded in).

@@ -36,7 +36,15 @@ FAMILIES: dict[str, dict] = {
 # Mixture-of-experts families: their tiny models are in kit.inputs.moe_shapes (experts in NF4,
 # kit.recipe.experts; trained by tests/test_moe.py, one torchrun each).
 EXPERTS = {"mixtral": "tiny-mixtral", "qwen3_moe": "tiny-qwen3-moe", "olmoe": "tiny-olmoe",
-           "gpt_oss": "tiny-gpt-oss"}  # fmt: skip
+           "gpt_oss": "tiny-gpt-oss", "phimoe": "tiny-phimoe"}  # fmt: skip
+# Mixture-of-experts families whose experts are not transformers' experts modules (the kind its
+# `use_experts_implementation` decorator marks, which kit.recipe.experts stores in NF4, adapts and
+# runs as grouped GEMMs): model_type -> the module holding them. Refused before any process
+# (`experts_refusal`, from kit.inputs.sources.check_with_model on every path);
+# tests/test_families.py derives the same set from every MoE family of the installed transformers.
+EXPERTS_REFUSED = {"llama4": "Llama4TextExperts", "llama4_text": "Llama4TextExperts",
+                   "jetmoe": "JetMoeParallelExperts", "longcat_flash": "LongcatFlashExperts",
+                   "inkling_text": "InklingSharedExperts", "inkling2_loop_text": "message_input"}
 # Families whose tiny model was there before this table (kit.inputs.builtin.SPECS): same names.
 EXISTING = {"llama": "tiny-llama", "qwen2": "tiny-qwen2", **EXPERTS}
 ALL = [*FAMILIES, *EXPERTS]  # every family the kit is tested on (docs/recipe.md's table)
@@ -111,6 +119,19 @@ def pick_attention(facts: dict | None, device: str, dtype: str,
     return "eager", "nothing else runs it"
 
 
+def experts_refusal(name: str, model_type: str | None) -> str | None:
+    """One line refusing model.name where its family keeps experts the kit cannot train (3-D
+    weights outside transformers' experts modules), else None."""
+    held = EXPERTS_REFUSED.get(model_type or "")
+    if held is None:
+        return None
+    return (f"model.name: {name!r} is a {model_type} model, whose experts ({held}) are not "
+            "transformers' experts modules (use_experts_implementation): the kit can neither "
+            "store them in 4 bits nor adapt them; allowed: dense models and mixtures of experts "
+            "whose experts are such modules (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, GLM-4.5, "
+            "gpt-oss, PhiMoE, OLMoE, ...: docs/recipe.md)")
+
+
 def attention_refusal(requested: str, facts: dict | None) -> str | None:
     """One line refusing an attention.implementation the model does not support, else None."""
     allowed = allowed_attention(facts)
@@ -130,7 +151,7 @@ def levers(facts: dict, grouped: tuple[str, ...]) -> dict:
             "attention (CPU)": pick_attention(facts, "cpu", "float32")[0],
             "fused loss": "no: " + ", ".join(transforms) if transforms else "yes",
             "grouped adapters": "yes" if facts["model_type"] in grouped else "no (not measured)",
-            "compile (GPU plan)": "no: routed experts" if moe else "yes",
+            "compile (GPU plan)": "where grouped (Hopper, bf16)" if moe else "yes",
             "experts": "NF4, LoRA per expert" if moe else "-"}
 
 

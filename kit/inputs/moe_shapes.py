@@ -22,6 +22,9 @@ MOE_SPECS: dict[str, dict] = {
     # windows on every other layer; its gate_up stack interleaves gate and up columns.
     "tiny-gpt-oss": dict(_TINY, model_type="gpt_oss", intermediate_size=128, num_local_experts=4,
                          head_dim=16, sliding_window=128, max_position_embeddings=131072),
+    # PhiMoE (Phi-3.5-MoE): its router an nn.Linear subclass returning a tuple (never adapted:
+    # kit.recipe.experts.routers), LayerNorm with biases, a sparsemixer top-2.
+    "tiny-phimoe": dict(_TINY, model_type="phimoe", intermediate_size=128, num_local_experts=4),
     # Qwen3-30B-A3B's shape (30.5B parameters, 3.3B active: 48 layers, 128 experts, 8 active).
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
                           intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,

@@ -193,14 +193,17 @@ def model_facts(name: str, trust_remote_code: bool = False) -> dict | None:
 
 
 def check_with_model(cfg, facts: dict | None = None) -> None:
-    """Raise ConfigError for what the config asks of a model that the model does not allow: the
-    fused loss on logits softcapped or scaled after the head; an attention implementation its
+    """Raise ConfigError for what the config asks of a model that the model does not allow: a
+    mixture of experts whose experts the kit cannot train (kit.inputs.families.EXPERTS_REFUSED);
+    the fused loss on logits softcapped or scaled after the head; an attention implementation its
     class does not support. `facts`: model_facts' answer (None: config.json alone)."""
     from kit.inputs import families
 
     config = model_config(cfg.model.name)
     if facts is None and config is None:
         return
+    if line := families.experts_refusal(cfg.model.name, (facts or config).get("model_type")):
+        raise ConfigError(line)
     transforms = facts["logit_transforms"] if facts else logit_transforms(config)
     if cfg.training.loss == "fused" and transforms:
         raise ConfigError(fused_loss_refusal(transforms))

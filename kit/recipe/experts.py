@@ -238,21 +238,33 @@ def split_targets(model, targets) -> tuple[object, list[str]]:
     down_proj, ...) go to target_parameters, the rest stay module names."""
     import bitsandbytes as bnb
 
-    def linear_module_names(model):  # kit.recipe.lora's, which imports this module
-        kinds = (torch.nn.Linear, bnb.nn.Linear4bit)
-        return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                       if isinstance(m, kinds)})  # fmt: skip
-
     stacks = sorted({f"{n.rsplit('.', 1)[-1]}.{w}" for n, m in find(model) for w in weight_names(m)})
-    if targets == "all-linear":
-        head = model.get_output_embeddings()
-        heads = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is head}
-        return [n for n in linear_module_names(model) if n not in heads], stacks
+    if targets == "all-linear":  # by name; a name the head or a router shares: full paths
+        kinds = (torch.nn.Linear, bnb.nn.Linear4bit)
+        left = {id(model.get_output_embeddings()), *map(id, routers(model))}
+        linear = [(n, id(m) in left) for n, m in model.named_modules() if isinstance(m, kinds)]
+        shared = {n.rsplit(".", 1)[-1] for n, out in linear if out}
+        return sorted({n if n.rsplit(".", 1)[-1] in shared else n.rsplit(".", 1)[-1]
+                       for n, out in linear if not out}), stacks
     if isinstance(targets, str):  # one regex over module names: the experts only if listed
         return targets, []
     chosen = [s for s in stacks if s.rsplit(".", 1)[-1] in targets]
     named = {s.rsplit(".", 1)[-1] for s in chosen}
     return [t for t in targets if t not in named] or None, chosen
+
+
+def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The linear layers that route tokens: in a block that holds an experts module (its parent),
+    outside the experts, one output per expert (PhiMoE's and Llama 4's routers are nn.Linear
+    subclasses returning a tuple, AFMoE's `gate`, Hunyuan's `gate.wg`). Frozen, never adapted:
+    LoRA on a router moves tokens between experts, and PEFT's wrapper cannot return a tuple."""
+    found = []
+    for name, ex in find(model):
+        block = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        inside = {id(m) for m in ex.modules()}
+        found += [m for m in block.modules() if isinstance(m, torch.nn.Linear)
+                  and id(m) not in inside and m.out_features == ex.num_experts]
+    return found
 
 
 @contextlib.contextmanager
