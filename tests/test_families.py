@@ -212,6 +212,78 @@ def test_every_mixture_of_experts_family_trains_grouped_or_is_refused():
                               "(Llama4TextExperts) are not") and "\n" not in refused
 
 
+# A tiny shape for any MoE family's config class: the keys its defaults have, set small.
+MOE_TINY = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                vocab_size=1024, num_experts=4, n_routed_experts=4, num_local_experts=4,
+                moe_num_experts=4, num_experts_per_tok=2, num_experts_per_token=2, moe_k=2,
+                max_position_embeddings=512, first_k_dense_replace=0, kv_lora_rank=16,
+                q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1,
+                topk_group=1, num_expert_group=1, shared_expert_intermediate_size=64,
+                n_shared_experts=1, index_head_dim=16, index_n_heads=2, o_groups=2, o_lora_rank=16,
+                unpadded_vocab_size=1024, swa_num_attention_heads=4, swa_num_key_value_heads=2,
+                swa_head_dim=16, linear_head_dim=16, linear_num_heads=4, mamba_num_heads=4,
+                mamba_head_dim=16, n_groups=1, moe_shared_expert_intermediate_size=64)  # fmt: skip
+
+
+def _tiny_moe_folder(model_type: str, where) -> str:
+    """A tiny random model of an MoE family, saved as a user brings one (config, weights, the
+    kit's tokenizer). Multi-head latent attention's rotary part is its head_dim, with as many
+    key/value heads as query heads; ZAYA routes to one expert; dots.3 keeps key/value heads."""
+    import torch
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoTokenizer
+
+    defaults = CONFIG_MAPPING[model_type]().to_dict()
+    kw = {k: v for k, v in MOE_TINY.items() if k in defaults}
+    if "kv_lora_rank" in defaults:
+        kw.update(head_dim=kw["qk_rope_head_dim"], num_key_value_heads=kw["num_attention_heads"])
+    if model_type == "zaya":
+        kw["num_experts_per_tok"] = 1
+    if model_type.startswith("dots3"):
+        kw["num_key_value_heads"] = kw["num_attention_heads"]
+    config = CONFIG_MAPPING[model_type](**kw, pad_token_id=0)
+    if getattr(config, "layer_types", False) is None:
+        config.layer_types = ["full_attention"] * 2
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(where)
+    AutoTokenizer.from_pretrained(folder("llama")).save_pretrained(where)
+    return str(where)
+
+
+def test_every_mixture_of_experts_family_takes_a_training_step(tmp_path):
+    """Every MoE family of the installed transformers that the check does not refuse: a tiny
+    random model built as the recipe builds it (experts in NF4, LoRA all-linear with dropout)
+    takes a step on the CPU: a finite loss, and gradients on the experts' adapters wherever the
+    model has routed experts. (DeepSeek's sparse-attention indexers are adapted too and get no
+    gradient: their top-k is not differentiable.)"""
+    import math
+    import warnings
+
+    import torch
+    from transformers.utils import logging
+
+    from kit.recipe import model as recipe
+
+    done, before = {}, logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        for model_type in sorted(set(_moe_families()) - set(families.EXPERTS_REFUSED)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                where = _tiny_moe_folder(model_type, tmp_path / model_type)
+                cfg = load_config(TINY, [f"model.name={where}", "model.loading=full", "lora.r=4"])
+                model = recipe.build(cfg, torch.device("cpu"), train=True).model
+                ids = torch.randint(0, 1000, (2, 16))
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+            experts_lora = [p for n, p in model.named_parameters() if "lora_" in n and "experts" in n]
+            assert math.isfinite(loss.item()) and all(p.grad is not None for p in experts_lora), model_type
+            done[model_type] = len(experts_lora)
+    finally:
+        logging.set_verbosity(before)
+    assert sum(1 for n in done.values() if n) >= 45, done  # routed experts in the tiny shape
+
+
 def test_kit_check_refuses_a_family_whose_experts_it_cannot_train(tmp_path):
     """The check step (run.sh's, before torchrun): exit 2 and the one line, for a local folder of
     a family that keeps its experts outside transformers' experts modules."""

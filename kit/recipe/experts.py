@@ -233,16 +233,22 @@ def _project(self, name, e, x, absmax, lora, masks, rows):
 
 def split_targets(model, targets) -> tuple[object, list[str]]:
     """lora.target_modules -> (PEFT's target_modules, target_parameters) for a model with experts.
-    all-linear: every linear layer but the output head, and every expert stack (not the router:
-    PEFT's own all-linear would add it). A list: its names of expert stacks (gate_up_proj,
+    all-linear: every linear layer but the output head, the routers (`routers`) and the linear
+    layers whose forward is not a linear map (an nn.Linear subclass with a forward of its own:
+    PhiMoE's and Llama 4's routers return a tuple, DeepSeek-V4's grouped output projection is
+    block-diagonal: an adapter over the whole input does not fit it), and every expert stack
+    (PEFT's own all-linear would take the routers). A list: its names of expert stacks (gate_up_proj,
     down_proj, ...) go to target_parameters, the rest stay module names."""
     import bitsandbytes as bnb
 
     stacks = sorted({f"{n.rsplit('.', 1)[-1]}.{w}" for n, m in find(model) for w in weight_names(m)})
     if targets == "all-linear":  # by name; a name the head or a router shares: full paths
-        kinds = (torch.nn.Linear, bnb.nn.Linear4bit)
+        plain = (torch.nn.Linear.forward, bnb.nn.Linear4bit.forward)
         left = {id(model.get_output_embeddings()), *map(id, routers(model))}
-        linear = [(n, id(m) in left) for n, m in model.named_modules() if isinstance(m, kinds)]
+        every = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+        refused = {k for k in {n.rsplit(".", 1)[-1] for n, _ in every} if peft_refuses(model, k)}
+        linear = [(n, id(m) in left or type(m).forward not in plain  # a forward of its own
+                   or n.rsplit(".", 1)[-1] in refused) for n, m in every]
         shared = {n.rsplit(".", 1)[-1] for n, out in linear if out}
         return sorted({n if n.rsplit(".", 1)[-1] in shared else n.rsplit(".", 1)[-1]
                        for n, out in linear if not out}), stacks
@@ -251,6 +257,22 @@ def split_targets(model, targets) -> tuple[object, list[str]]:
     chosen = [s for s in stacks if s.rsplit(".", 1)[-1] in targets]
     named = {s.rsplit(".", 1)[-1] for s in chosen}
     return [t for t in targets if t not in named] or None, chosen
+
+
+def peft_refuses(model: torch.nn.Module, name: str) -> bool:
+    """PEFT's own refusal of a LoRA target name for this model (its rule for Mamba-based models:
+    a mamba mixer's out_proj and conv1d; NVIDIA's Nemotron-H MoE is one). Asked of PEFT's
+    checker, so that the rule stays PEFT's; a PEFT without it refuses nothing here."""
+    try:
+        from peft import LoraConfig
+        from peft.tuners.tuners_utils import _check_lora_target_modules_mamba
+    except ImportError:
+        return False
+    try:
+        _check_lora_target_modules_mamba(LoraConfig(), model, name)
+    except ValueError:
+        return True
+    return False
 
 
 def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
