@@ -58,3 +58,23 @@ def test_flops_per_token_of_the_8b_shape_is_what_the_benchmark_recorded():
     # Every row of the recorded 2x H200 run carries the number its MFU was computed with.
     recorded = records.rows("2026-11-23-speed-8b-2xh200")
     assert {r["flops_per_token"] for r in recorded if "flops_per_token" in r} == {flops}
+
+
+@pytest.mark.parametrize("model_type, total, active", [
+    ("deepseek_v3", 671e9, 37e9),  # DeepSeek-V3: n_routed_experts, 3 dense layers, MLA
+    ("glm4_moe", 106e9, 12e9),  # GLM-4.5-Air's shape: n_routed_experts, a shared expert
+    ("ernie4_5_moe", 21e9, 3e9),  # ERNIE-4.5-21B-A3B: moe_num_experts, moe_k
+    ("qwen2_moe", 14.3e9, 2.7e9),  # Qwen1.5-MoE-A2.7B's shape: num_experts, 4 shared experts
+])
+def test_a_config_counts_its_experts_under_any_of_their_names(model_type, total, active):
+    """config.json names the experts' count as its family does (transformers aliases the names
+    in its config classes, which this module does not import): the shape counts them under every
+    name, where it counted DeepSeek-V3, GLM-4.5-Air and ERNIE-4.5 as dense models (40B, 9B and 3B
+    parameters). Within 10% of the published totals; shared experts and dense first layers are
+    not counted apart, so the active count is a floor (Qwen1.5-MoE's four shared experts: 0.69)."""
+    from transformers import CONFIG_MAPPING
+
+    shape = shapes.shape_of(CONFIG_MAPPING[model_type]().to_dict())
+    assert shape.experts > 1 and shape.active_experts > 1
+    assert abs(shape.params / total - 1) < 0.1, shape.params
+    assert 0.65 < shape.active_params / active < 1.1, shape.active_params

@@ -87,6 +87,17 @@ class Shape:
                 + self.embedding_params + self.norm_params)
 
 
+# The names config.json gives one quantity under (transformers' attribute_map aliases, read here
+# without transformers: DeepSeek's and GLM-4.5's n_routed_experts, ERNIE's moe_num_experts and
+# moe_k, Bailing's num_experts_per_token); Nemotron-H gives its depth as layers_block_type.
+EXPERT_COUNT = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+ACTIVE_EXPERTS = ("num_experts_per_tok", "num_experts_per_token", "moe_k")
+
+
+def _first(model: dict, names: tuple[str, ...]) -> int:
+    return next((model[n] for n in names if model.get(n)), 0)
+
+
 def shape_of(model) -> Shape:
     """A Shape from a Shape, a `kit:` name, a config dict, a transformers config or a folder."""
     if isinstance(model, Shape):
@@ -109,15 +120,19 @@ def shape_of(model) -> Shape:
         model = model.to_dict()
     model = model.get("text_config", model)  # multimodal configs nest the language model
     heads = model["num_attention_heads"]
-    experts = model.get("num_experts") or model.get("num_local_experts") or 0
-    expert_i = (model.get("moe_intermediate_size") or model["intermediate_size"]) if experts else 0
-    active = model.get("num_experts_per_tok") or 0 if experts else 0
+    experts = _first(model, EXPERT_COUNT)
+    dense_i = model.get("intermediate_size") or model.get("moe_intermediate_size")
+    expert_i = (model.get("moe_intermediate_size") or dense_i) if experts else 0
+    active = _first(model, ACTIVE_EXPERTS) if experts else 0
+    layers = model.get("num_hidden_layers") or len(model.get("layers_block_type") or [])
+    if not (dense_i and layers):
+        raise KeyError("intermediate_size" if not dense_i else "num_hidden_layers")
     return Shape(
         vocab=model["vocab_size"],
         hidden=model["hidden_size"],
-        intermediate=active * expert_i if experts else model["intermediate_size"],
+        intermediate=active * expert_i if experts else dense_i,
         experts=experts, active_experts=active, expert_intermediate=expert_i,
-        layers=model["num_hidden_layers"],
+        layers=layers,
         heads=heads,
         kv_heads=model.get("num_key_value_heads") or heads,
         head_dim=model.get("head_dim") or model["hidden_size"] // heads,
