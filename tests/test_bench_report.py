@@ -122,3 +122,14 @@ def test_unsloth_is_a_baseline_column_and_its_skip_is_said(tmp_path):
     assert "| - | 20,000 (8, 20.0%) | 26,000 (6, 26.0%) | kit-none | 1.30x |" in table
     assert f"\nunsloth: skipped: {why} (uns-24)\n" in table
     assert "article" not in table.split("### Every case")[0]
+
+
+def test_a_scaling_run_names_every_number_of_gpus_it_ran_on():
+    """A matrix of one setup on one and two GPUs: the header says both (it said the first row's),
+    and the scaling table gives the total against the fewest GPUs."""
+    name = "2026-11-29-moe-scaling-gpt-oss-2xh200"
+    rows = records.rows(name, "scaling")
+    matrix = load_matrix(records.path(name, "moe-30b-a3b-2gpu.yaml"))
+    table = bench_report.render(rows, matrix)
+    assert table.startswith("Device: NVIDIA H200 x 1 and 2;"), table.splitlines()[0]
+    assert "| kit-24 | 2 | 20 | 24,789 | 49,578 | 20.3 | 2.04x | 1.02 |" in table

@@ -90,7 +90,8 @@ def render(rows: list[dict], matrix: dict) -> str:
 
 def _header(rows: list[dict], matrix: dict) -> str:
     first = next((r for r in rows if r.get("device")), {})
-    return (f"Device: {first.get('device', '?')} x {first.get('world', '?')}; model "
+    worlds = sorted({r["world"] for r in rows if r.get("device") and r.get("world")})
+    return (f"Device: {first.get('device', '?')} x {' and '.join(map(str, worlds)) or '?'}; model "
             f"{matrix['model']}, sequence length {matrix['seq_len']}; model FLOPs per token "
             f"{_fmt(first.get('flops_per_token', 0) / 1e9, '.3g')} G (LoRA: forward + input "
             "gradients, attention included, recompute not counted)"
