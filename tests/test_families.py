@@ -202,6 +202,9 @@ def test_every_mixture_of_experts_family_trains_grouped_or_is_refused():
             continue
         targets, stacks = experts.split_targets(model, "all-linear")
         routers = experts.routers(model)
+        named = {n: m for n, m in model.named_modules()}
+        shared = [n for n, m in named.items() if m in routers and "shared" in n]
+        assert not shared, (model_type, shared)  # Qwen3-Next's shared expert is 512 wide, as E
         adapted = [n for n, m in model.named_modules() if m in routers and (
             n in targets or n.rsplit(".", 1)[-1] in targets)]
         assert not adapted, (model_type, adapted)

@@ -277,15 +277,21 @@ def peft_refuses(model: torch.nn.Module, name: str) -> bool:
 
 def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The linear layers that route tokens: in a block that holds an experts module (its parent),
-    outside the experts, one output per expert (PhiMoE's and Llama 4's routers are nn.Linear
+    outside the experts, one output per expert, and no linear layer beside them reading that
+    output (as an MLP's down-projection reads its gate's) (PhiMoE's and Llama 4's routers are nn.Linear
     subclasses returning a tuple, AFMoE's `gate`, Hunyuan's `gate.wg`). Frozen, never adapted:
     LoRA on a router moves tokens between experts, and PEFT's wrapper cannot return a tuple."""
     found = []
     for name, ex in find(model):
         block = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         inside = {id(m) for m in ex.modules()}
-        found += [m for m in block.modules() if isinstance(m, torch.nn.Linear)
-                  and id(m) not in inside and m.out_features == ex.num_experts]
+        for sub, m in block.named_modules():
+            if not isinstance(m, torch.nn.Linear) or id(m) in inside or m.out_features != ex.num_experts:
+                continue
+            parent = block.get_submodule(sub.rpartition(".")[0]) if "." in sub else block
+            if not any(isinstance(o, torch.nn.Linear) and o is not m and o.in_features == m.out_features
+                       for o in parent.children()):  # else an MLP's gate or up projection as wide
+                found.append(m)  # as the experts are many (Qwen3-Next's shared expert: 512)
     return found
 
 
