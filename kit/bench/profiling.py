@@ -26,9 +26,8 @@ def _is_annotation(name: str) -> bool:
 
 
 # The kit's Triton kernels of lora.fused_down (kit/recipe/lora_down_kernels.py), by their exact
-# names: the adapters' down-projection with its dropout, its input's and its factor's gradients
-# (both at once: dxa).
-LORA_DOWN_KERNELS = ("down", "dx", "da", "dxa")
+# names: the adapters' down-projection with its dropout, its input's and its factor's gradients.
+LORA_DOWN_KERNELS = ("down", "dx", "da")
 
 
 def kernel_family(name: str) -> str:

@@ -14,9 +14,8 @@ rescaled (the caller scales the R-wide result or the up-projection by 1/(1-p)).
 PEFT drops the input out into a copy (a bernoulli mask, a masked product), which the matmul then
 reads; backward reads the mask and the copy again. Here the mask is computed from the row and
 column indices inside the matmul's tiles, forward and backward: no mask and no dropped copy
-exist in memory, and the input is read once per pass. Backward is one kernel for both the
-input's gradient (keep * (g @ a[s])) and the factors' ((g_s^T @ (x_s * keep)) per segment): the
-input read and its mask hashed once (one kernel each where only one gradient is asked).
+exist in memory, and the input is read once per pass. Backward is two kernels, the input's
+gradient (keep * (g @ a[s])) and the factors' ((g_s^T @ (x_s * keep)) per segment).
 
 Two ops, one function (`lora_down`) choosing by device: on CUDA the Triton kernels as
 `torch.library.triton_op` ops (kit::lora_down_triton and its gradients, kit.recipe.
@@ -130,46 +129,27 @@ def _(g, x, bounds, rows, seed, threshold, like):
     return like.new_empty(like.shape)
 
 
-@torch.library.custom_op("kit::lora_down_dxa", mutates_args=())
-def lora_down_dxa(g: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bounds: torch.Tensor | None,
-                  rows: torch.Tensor | None, seed: torch.Tensor | None,
-                  threshold: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both gradients (dx in x's dtype, da in a's), as the kernels compute them in one pass."""
-    return (_ref_dx(g, a, bounds, rows, seed, threshold, x.dtype),
-            _ref_da(g, x, bounds, rows, seed, threshold, a.dtype))
-
-
-@lora_down_dxa.register_fake
-def _(g, x, a, bounds, rows, seed, threshold):
-    return x.new_empty(x.shape), a.new_empty(a.shape)
-
-
 def _setup(ctx, inputs, output):
     x, a, bounds, rows, seed, threshold = inputs
     ctx.save_for_backward(x, a, bounds, rows, seed)
     ctx.threshold = threshold
 
 
-def _backward_of(dx_op, da_op, dxa_op):
-    """Both gradients from one op where both are asked (one read of x, one mask), else one."""
-
+def _backward_of(dx_op, da_op):
     def backward(ctx, g):
         x, a, bounds, rows, seed = ctx.saved_tensors
         g = g.contiguous()
         dx = da = None
-        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
-            dx, da = dxa_op(g, x, a, bounds, rows, seed, ctx.threshold)
-        elif ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0]:
             dx = dx_op(g, a, bounds, rows, seed, ctx.threshold, x)
-        elif ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1]:
             da = da_op(g, x, bounds, rows, seed, ctx.threshold, a)
         return dx, da, None, None, None, None
 
     return backward
 
 
-lora_down_ref.register_autograd(_backward_of(lora_down_dx, lora_down_da, lora_down_dxa),
-                                setup_context=_setup)
+lora_down_ref.register_autograd(_backward_of(lora_down_dx, lora_down_da), setup_context=_setup)
 
 
 _LOADED: list = []  # the Triton ops' module, once `kernels()` loaded it
@@ -182,8 +162,7 @@ def kernels():
     if not _LOADED:
         from kit.recipe import lora_down_kernels as k
 
-        k.down_op.register_autograd(_backward_of(k.dx_op, k.da_op, k.dxa_op),
-                                    setup_context=_setup)
+        k.down_op.register_autograd(_backward_of(k.dx_op, k.da_op), setup_context=_setup)
         _LOADED.append(k)
     return _LOADED[0]
 

@@ -28,9 +28,7 @@ def keep(seed, ids, cols, threshold):  # not kit.recipe.drop_mask._hashed: the v
     key = mix(mix(ids.to(tl.uint32)) ^ seed.to(tl.uint32))
     spread = (cols.to(tl.uint32) ^ 0x5BD1E995) * 0x61C88647
     h = mix(key[:, None] ^ spread[None, :])
-    # (h >> 1) >= threshold, as h >= 2 threshold unsigned (threshold < 2^31): one shift a row
-    # of the tile fewer per element
-    return h >= threshold.to(tl.uint32) * 2
+    return (h >> 1).to(tl.int32) >= threshold
 
 
 @triton.jit
@@ -74,17 +72,13 @@ def _configs(pairs):
 
 # Few configs: each is compiled once per width and rank at the first step (the first tiles are
 # the ones measured before autotuning, benchmarks/records/2026-11-29-fused-down-1xh200).
-@triton.autotune(configs=_configs([(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8)]),
+@triton.autotune(configs=_configs([(64, 64, 4), (128, 64, 4), (64, 128, 4)]),
                  key=["K", "R", "HAS_BOUNDS", "DROP"])
 @triton.jit
 def down(x_ptr, a_ptr, out_ptr, bounds_ptr, rows_ptr, seed_ptr, M, K, R, S, threshold,
          HAS_BOUNDS: tl.constexpr, HAS_ROWS: tl.constexpr, DROP: tl.constexpr,
          IEEE: tl.constexpr, LOG_S: tl.constexpr, BR: tl.constexpr, BM: tl.constexpr,
          BK: tl.constexpr):
-    """The segments of the row block outside (one for most blocks), the columns inside: the
-    innermost loop is the one over the input's columns, which the compiler pipelines (its loads
-    in flight while the tile before is hashed and multiplied). Rows of other segments are not
-    loaded (zeros)."""
     pid = tl.program_id(0)
     m = pid * BM + tl.arange(0, BM)
     m_ok = m < M
@@ -96,23 +90,25 @@ def down(x_ptr, a_ptr, out_ptr, bounds_ptr, rows_ptr, seed_ptr, M, K, R, S, thre
     s_lo, s_hi = segments(bounds_ptr, pid * BM, tl.minimum(pid * BM + BM, M) - 1, S,
                           HAS_BOUNDS, LOG_S)
     acc = tl.zeros((BM, BR), dtype=tl.float32)
-    for s in range(s_lo, s_hi + 1):
-        start = bound(bounds_ptr, s, M, HAS_BOUNDS)
-        end = bound(bounds_ptr, s + 1, M, HAS_BOUNDS)
-        rows_in = m_ok & (m >= start) & (m < end)
-        for k0 in range(0, K, BK):
-            k = k0 + tl.arange(0, BK)
-            k_ok = k < K
-            xt = tl.load(x_ptr + m[:, None].to(tl.int64) * K + k[None, :],
-                         mask=rows_in[:, None] & k_ok[None, :], other=0.0)
-            if DROP:
-                xt = tl.where(keep(seed, ids, k, threshold), xt, 0.0)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < K
+        xt = tl.load(x_ptr + m[:, None].to(tl.int64) * K + k[None, :],
+                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if DROP:
+            xt = tl.where(keep(seed, ids, k, threshold), xt, 0.0)
+        for s in range(s_lo, s_hi + 1):
             at = tl.load(a_ptr + s * R * K + r[None, :] * K + k[:, None],
                          mask=(r[None, :] < R) & k_ok[:, None], other=0.0)
             if IEEE:
-                acc += tl.dot(xt, at, input_precision="ieee")
+                part = tl.dot(xt, at, input_precision="ieee")
             else:
-                acc += tl.dot(xt, at)
+                part = tl.dot(xt, at)
+            if HAS_BOUNDS:  # rows of other segments: masked on the r-wide product
+                start = bound(bounds_ptr, s, M, HAS_BOUNDS)
+                end = bound(bounds_ptr, s + 1, M, HAS_BOUNDS)
+                part = tl.where(((m >= start) & (m < end))[:, None], part, 0.0)
+            acc += part
     tl.store(out_ptr + m[:, None].to(tl.int64) * R + r[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (r[None, :] < R))
 
@@ -195,58 +191,6 @@ def da(g_ptr, x_ptr, da_ptr, bounds_ptr, rows_ptr, seed_ptr, M, K, R, threshold,
              mask=(r[:, None] < R) & k_ok[None, :])
 
 
-@triton.autotune(configs=[triton.Config({"BM": bm}, num_warps=w)
-                          for bm, w in ((64, 4), (128, 4), (128, 8))],
-                 key=["K", "R", "HAS_BOUNDS", "DROP"])
-@triton.jit
-def dxa(g_ptr, x_ptr, a_ptr, dx_ptr, da_ptr, bounds_ptr, rows_ptr, seed_ptr, M, K, R, threshold,
-        HAS_BOUNDS: tl.constexpr, HAS_ROWS: tl.constexpr, DROP: tl.constexpr,
-        IEEE: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr):
-    """Both gradients in one pass, on `da`'s grid (64 columns, a segment, a share of its rows):
-    each tile of the input is read once and its mask hashed once, for the input's gradient
-    (keep * (g @ a[s]), stored) and the factor's (g^T @ (x * keep), summed); a[s]'s columns are
-    loaded once per program. Every (row, column) of dx belongs to exactly one program."""
-    k = tl.program_id(0) * BK + tl.arange(0, BK)
-    s = tl.program_id(1)
-    j = tl.program_id(2)
-    split = tl.num_programs(2)
-    k_ok = k < K
-    r = tl.arange(0, BR)
-    start = bound(bounds_ptr, s, M, HAS_BOUNDS)
-    end = bound(bounds_ptr, s + 1, M, HAS_BOUNDS)
-    seed = 0
-    if DROP:
-        seed = tl.load(seed_ptr)
-    at = tl.load(a_ptr + s * R * K + r[:, None] * K + k[None, :],
-                 mask=(r[:, None] < R) & k_ok[None, :], other=0.0)
-    acc = tl.zeros((BR, BK), dtype=tl.float32)
-    for m0 in range(start + j * BM, end, split * BM):
-        m = m0 + tl.arange(0, BM)
-        m_ok = m < end
-        gt = tl.load(g_ptr + m[:, None].to(tl.int64) * R + r[None, :],
-                     mask=m_ok[:, None] & (r[None, :] < R), other=0.0)
-        xt = tl.load(x_ptr + m[:, None].to(tl.int64) * K + k[None, :],
-                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if IEEE:
-            d = tl.dot(gt, at, input_precision="ieee")
-        else:
-            d = tl.dot(gt, at)
-        if DROP:
-            ids = row_ids(rows_ptr, m, m_ok, HAS_ROWS)
-            kept = keep(seed, ids, k, threshold)
-            xt = tl.where(kept, xt, 0.0)
-            d = tl.where(kept, d, 0.0)
-        tl.store(dx_ptr + m[:, None].to(tl.int64) * K + k[None, :],
-                 d.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & k_ok[None, :])
-        if IEEE:
-            acc += tl.dot(tl.trans(gt), xt, input_precision="ieee")
-        else:
-            acc += tl.dot(tl.trans(gt), xt)
-    base = (j.to(tl.int64) * tl.num_programs(1) + s) * R * K
-    tl.store(da_ptr + base + r[:, None] * K + k[None, :], acc,
-             mask=(r[:, None] < R) & k_ok[None, :])
-
-
 # ---------------------------------------------------------------- the ops (kit.recipe.lora_down)
 # torch.library.triton_op: eagerly a custom op that launches the kernels; inside a compiled layer
 # the compiler sees the kernels themselves and launches them from the layer's generated code (no
@@ -297,40 +241,20 @@ def dx_op(g: torch.Tensor, a: torch.Tensor, bounds: torch.Tensor | None,
     return out
 
 
-def _split(x: torch.Tensor, k: int, segments: int, m: int) -> int:
-    """Shares of each segment's rows for the factor-gradient kernels: a dense layer's one segment
-    is split so that the GPU has ~4 programs per multiprocessor, each share summed after (fp32
-    partials, no atomics: the same sum every run)."""
-    programs = triton.cdiv(k, DA_BK) * segments
-    units = (torch.cuda.get_device_properties(x.device).multi_processor_count
-             if x.is_cuda else 8)  # fmt: skip
-    return max(1, min(16, triton.cdiv(4 * units, programs), triton.cdiv(m, 64 * segments)))
-
-
 @torch.library.triton_op("kit::lora_down_triton_da", mutates_args=())
 def da_op(g: torch.Tensor, x: torch.Tensor, bounds: torch.Tensor | None,
           rows: torch.Tensor | None, seed: torch.Tensor | None, threshold: int,
           like: torch.Tensor) -> torch.Tensor:
-    """One program per (64 columns, segment, share of its rows, `_split`)."""
+    """One program per (64 columns, segment, share of its rows); a dense layer's one segment is
+    split so that the GPU has ~4 programs per multiprocessor, each share summed after (fp32
+    partials, no atomics: the same sum every run)."""
     g, x = g.contiguous(), x.contiguous()
     m, k, r, segments, flags, ptrs = _launch(x, like, bounds, rows, seed)
-    split = _split(x, k, segments, m)
+    programs = triton.cdiv(k, DA_BK) * segments
+    units = (torch.cuda.get_device_properties(x.device).multi_processor_count
+             if x.is_cuda else 8)  # fmt: skip
+    split = max(1, min(16, triton.cdiv(4 * units, programs), triton.cdiv(m, 64 * segments)))
     parts = torch.empty(split, segments, r, k, device=x.device, dtype=torch.float32)
     torch.library.wrap_triton(da)[(triton.cdiv(k, DA_BK), segments, split)](
         g, x, parts, *ptrs, m, k, r, threshold, BK=DA_BK, **flags)
     return (parts.sum(0) if split > 1 else parts[0]).to(like.dtype)
-
-
-@torch.library.triton_op("kit::lora_down_triton_dxa", mutates_args=())
-def dxa_op(g: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bounds: torch.Tensor | None,
-           rows: torch.Tensor | None, seed: torch.Tensor | None,
-           threshold: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx in x's dtype, da in a's): `dxa`, one read of x and one mask for both, on da's grid."""
-    g, x, a = g.contiguous(), x.contiguous(), a.contiguous()
-    m, k, r, segments, flags, ptrs = _launch(x, a, bounds, rows, seed)
-    split = _split(x, k, segments, m)
-    dx_out = x.new_empty(m, k)
-    parts = torch.empty(split, segments, r, k, device=x.device, dtype=torch.float32)
-    torch.library.wrap_triton(dxa)[(triton.cdiv(k, DA_BK), segments, split)](
-        g, x, a, dx_out, parts, *ptrs, m, k, r, threshold, BK=DA_BK, **flags)
-    return dx_out, (parts.sum(0) if split > 1 else parts[0]).to(a.dtype)
