@@ -5,7 +5,8 @@
 - `peft`: torch's dropout (a bernoulli mask, a dropped copy) then the matmul, compiled;
 - `hash`: the hash mask (kit.recipe.drop_mask) as masked_fill, then the matmul,
   compiled (what the grouped experts ran before lora.fused_down);
-- `fused`: kit.recipe.lora_down's kernels (the mask inside the tiles).
+- `fused`: kit.recipe.lora_down's kernels (the mask inside the tiles);
+- `fused_p0`: the same kernels without dropout (what the mask itself costs them).
 
 Shapes: the Llama-3-8B layer's inputs at batch 10 x 2,048 tokens (q/k/v grouped, R = 48; the MLP's
 down-projection input, 14,336 wide) and Qwen3-30B-A3B's sorted expert rows at batch 12 (128
@@ -69,7 +70,7 @@ def case(name, m, k, r, segments):
 
     seed = torch.tensor([7], dtype=torch.int32, device="cuda")
     ways = {"peft": lambda: peft(x), "hash": lambda: hashed(x, seed),
-            "fused": lambda: fused(x, seed)}
+            "fused": lambda: fused(x, seed), "fused_p0": lambda: fused(x, None)}
     out = {"case": name, "rows": m, "width": k, "rank": r, "segments": segments,
            "ends_checked": ends[-1] == m}
     for way, fn in ways.items():

@@ -30,15 +30,18 @@ def _mix(h: torch.Tensor) -> torch.Tensor:
 
 
 def _hashed(seed, rows, cols, threshold):
-    """drop_mask's arithmetic. Per element one xor and one mix: the row's key is hashed once per
-    row; the column is only spread, (col ^ 0x5bd1e995) * 0x61c88647 (odd: 2^32 over the golden
-    ratio), so that distinct columns stay distinct and their xor-differences unaligned: no two
-    rows' keys give the same set of inputs (a mixed column would cost a second mix per element).
-    The xor first keeps inductor from folding arange * constant into index arithmetic (its CPU
-    kernel of a compiled layer then failed an index check)."""
+    """drop_mask's arithmetic. One mix per pair of columns (2c, 2c + 1), its low 16 bits drawing
+    column 2c and its high 16 bits column 2c + 1: the kernels (kit.recipe.lora_down_kernels)
+    hash half a tile and split each hash in two. The row's key is hashed once per row; the pair
+    is only spread, (pair ^ 0x5bd1e995) * 0x61c88647 (odd: 2^32 over the golden ratio), so that
+    distinct pairs stay distinct and their xor-differences unaligned: no two rows' keys give the
+    same set of inputs (a mixed pair would cost a second mix). The xor first keeps inductor from
+    folding arange * constant into index arithmetic (its CPU kernel of a compiled layer then
+    failed an index check). Here (torch ops) each column computes its pair's mix: the same bits."""
     key = _mix(_mix(rows.to(torch.int32)) ^ seed)
-    h = _mix(key[:, None] ^ ((cols ^ 0x5BD1E995) * 0x61C88647))
-    return ((h >> 1) & 0x7FFFFFFF) < threshold
+    h = _mix(key[:, None] ^ (((cols >> 1) ^ 0x5BD1E995) * 0x61C88647))
+    bits = torch.where((cols & 1) == 1, (h >> 16) & 0xFFFF, h & 0xFFFF)
+    return bits < threshold
 
 
 @functools.cache
@@ -56,9 +59,9 @@ def _fusable(device: torch.device) -> bool:
 
 
 def drop_mask(seed: torch.Tensor, rows: torch.Tensor, width: int, threshold: int) -> torch.Tensor:
-    """Bool (len(rows), width): hash(seed, row, col)'s top 31 bits < `threshold` (p * 2^31), as
-    mix(mix(mix(row) ^ seed) ^ spread(col)), not a hash of the flat index row * width + col (which
-    passes 2^31 at large batches). Inside a compiled layer these ops fuse into the kernel that
+    """Bool (len(rows), width): 16 bits of hash(seed, row, col // 2) < `threshold` (p * 2^16), as
+    mix(mix(mix(row) ^ seed) ^ spread(col // 2)), not a hash of the flat index row * width + col
+    (which passes 2^31 at large batches). Inside a compiled layer these ops fuse into the kernel that
     reads the input; eager on a GPU they run as one compiled kernel (the rows' count dynamic),
     since one by one they are ~15 passes over int32 (rows, width) tensors (6.6 ms and 2.3 GB at
     98,304 x 2,048 on an H200, against 0.4 ms for one fused kernel). On the CPU, op by op."""
@@ -70,6 +73,9 @@ def drop_mask(seed: torch.Tensor, rows: torch.Tensor, width: int, threshold: int
     return _hashed(seed, rows, cols, threshold)
 
 
+DRAW_BITS = 16  # bits of a hash a value's draw takes: two values a hash, p to 2^-16
+
+
 def threshold_of(p: float) -> int:
-    """drop_mask's threshold for dropout rate p: dropped where the hash's top 31 bits < p * 2^31."""
-    return min(round(p * 2**31), 2**31 - 1)
+    """drop_mask's threshold for dropout rate p: dropped where its 16 bits < p * 2^16."""
+    return min(round(p * 2**DRAW_BITS), 2**DRAW_BITS - 1)

@@ -3,8 +3,8 @@ CUDA builds of torch, not with the CPU install).
 
 Each tile computes the dropout mask from its rows' ids and its columns: kit.recipe.drop_mask's
 hash, the same bits, in uint32 here (logical shifts: the masks torch's int32 version needs to
-undo its arithmetic shifts are not needed), ~11 integer operations per element, which with the
-input's read bounds these kernels. Rows are in segments (`bounds`); each row block finds its
+undo its arithmetic shifts are not needed), one mix per two elements (~6 integer operations an
+element), which with the input's read bounds these kernels. Rows are in segments (`bounds`); each row block finds its
 first and last segment by a binary search over the bounds and masks the rows outside a segment
 on the r-wide product, not on the input tile. Accumulation in fp32; the tiles autotuned once per
 width and rank."""
@@ -24,11 +24,15 @@ def mix(h):  # kit.recipe.drop_mask._mix on uint32
 
 
 @triton.jit
-def keep(seed, ids, cols, threshold):  # not kit.recipe.drop_mask._hashed: the values kept
+def keep(seed, ids, k0, threshold, BK: tl.constexpr):
+    """Not kit.recipe.drop_mask._hashed (the values kept) of columns k0 .. k0 + BK (k0 even):
+    one mix per pair of columns, half the tile, each hash's low and high 16 bits the pair's two
+    draws (joined and laid out as columns 2c, 2c + 1)."""
     key = mix(mix(ids.to(tl.uint32)) ^ seed.to(tl.uint32))
-    spread = (cols.to(tl.uint32) ^ 0x5BD1E995) * 0x61C88647
-    h = mix(key[:, None] ^ spread[None, :])
-    return (h >> 1).to(tl.int32) >= threshold
+    pairs = (k0 // 2 + tl.arange(0, BK // 2)).to(tl.uint32)
+    h = mix(key[:, None] ^ ((pairs ^ 0x5BD1E995) * 0x61C88647)[None, :])
+    bits = tl.reshape(tl.join(h & 0xFFFF, h >> 16), (h.shape[0], BK))
+    return bits >= threshold.to(tl.uint32)
 
 
 @triton.jit
@@ -96,7 +100,7 @@ def down(x_ptr, a_ptr, out_ptr, bounds_ptr, rows_ptr, seed_ptr, M, K, R, S, thre
         xt = tl.load(x_ptr + m[:, None].to(tl.int64) * K + k[None, :],
                      mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if DROP:
-            xt = tl.where(keep(seed, ids, k, threshold), xt, 0.0)
+            xt = tl.where(keep(seed, ids, k0, threshold, BK), xt, 0.0)
         for s in range(s_lo, s_hi + 1):
             at = tl.load(a_ptr + s * R * K + r[None, :] * K + k[:, None],
                          mask=(r[None, :] < R) & k_ok[:, None], other=0.0)
@@ -145,7 +149,7 @@ def dx(g_ptr, a_ptr, dx_ptr, bounds_ptr, rows_ptr, seed_ptr, M, K, R, S, thresho
     if DROP:
         seed = tl.load(seed_ptr)
         ids = row_ids(rows_ptr, m, m_ok, HAS_ROWS)
-        acc = tl.where(keep(seed, ids, k, threshold), acc, 0.0)
+        acc = tl.where(keep(seed, ids, tl.program_id(1) * BK, threshold, BK), acc, 0.0)
     tl.store(dx_ptr + m[:, None].to(tl.int64) * K + k[None, :],
              acc.to(dx_ptr.dtype.element_ty), mask=m_ok[:, None] & k_ok[None, :])
 
@@ -179,7 +183,7 @@ def da(g_ptr, x_ptr, da_ptr, bounds_ptr, rows_ptr, seed_ptr, M, K, R, threshold,
                      mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if DROP:
             ids = row_ids(rows_ptr, m, m_ok, HAS_ROWS)
-            xt = tl.where(keep(seed, ids, k, threshold), xt, 0.0)
+            xt = tl.where(keep(seed, ids, tl.program_id(0) * BK, threshold, BK), xt, 0.0)
         gt = tl.load(g_ptr + m[:, None].to(tl.int64) * R + r[None, :],
                      mask=m_ok[:, None] & (r[None, :] < R), other=0.0)
         if IEEE:
