@@ -255,6 +255,23 @@ def test_the_triton_kernels_equal_the_reference(m, k, r, segments, rows, dtype):
 
 @pytest.mark.gpu
 @gpu
+def test_the_compiler_sees_that_the_kernels_write_only_their_outputs(caplog):
+    """Inductor reads each Triton kernel to find the arguments it writes; where that analysis
+    fails it takes every input as written and copies them before each launch (measured: 17 ms a
+    step and 8 GiB more at the 8B shape, when a kernel called a method on a number argument)."""
+    threshold = lora_down.threshold_of(0.05)
+    x, a, bounds, ids, seed = _case(3000, 512, 16, 16, rows=True, dtype=torch.bfloat16,
+                                    device="cuda")
+    x.requires_grad_(), a.requires_grad_()
+    f = torch.compile(lambda x, a: lora_down.lora_down(x, a, bounds, ids, seed, threshold))
+    torch._dynamo.reset()
+    with caplog.at_level("WARNING", logger="torch._higher_order_ops.triton_kernel_wrap"):
+        torch.autograd.grad(f(x, a).float().sum(), (x, a))
+    assert "identify_mutated_tensors" not in caplog.text, caplog.text[-2000:]
+
+
+@pytest.mark.gpu
+@gpu
 def test_the_kernel_path_keeps_less_and_matches_in_a_compiled_layer():
     """Through the Triton op on CUDA, compiled: the output and gradients equal the reference
     expression's in bf16, autograd keeps no (rows, width) mask or dropped copy, and the compiled
