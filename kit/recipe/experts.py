@@ -233,7 +233,8 @@ def _project(self, name, e, x, absmax, lora, masks, rows):
 
 def split_targets(model, targets) -> tuple[object, list[str]]:
     """lora.target_modules -> (PEFT's target_modules, target_parameters) for a model with experts.
-    all-linear: every linear layer but the output head, the routers (`routers`) and the linear
+    all-linear: every linear layer but the output head, the routers (`routers`), the layers
+    backward never reaches (`undifferentiated`: sparse-attention indexers) and the linear
     layers whose forward is not a linear map (an nn.Linear subclass with a forward of its own:
     PhiMoE's and Llama 4's routers return a tuple, DeepSeek-V4's grouped output projection is
     block-diagonal: an adapter over the whole input does not fit it), and every expert stack
@@ -244,7 +245,8 @@ def split_targets(model, targets) -> tuple[object, list[str]]:
     stacks = sorted({f"{n.rsplit('.', 1)[-1]}.{w}" for n, m in find(model) for w in weight_names(m)})
     if targets == "all-linear":  # by name; a name the head or a router shares: full paths
         plain = (torch.nn.Linear.forward, bnb.nn.Linear4bit.forward)
-        left = {id(model.get_output_embeddings()), *map(id, routers(model))}
+        left = {id(model.get_output_embeddings()), *map(id, routers(model)),
+                *map(id, undifferentiated(model))}
         every = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
         refused = {k for k in {n.rsplit(".", 1)[-1] for n, _ in every} if peft_refuses(model, k)}
         linear = [(n, id(m) in left or type(m).forward not in plain  # a forward of its own
@@ -273,6 +275,20 @@ def peft_refuses(model: torch.nn.Module, name: str) -> bool:
     except ValueError:
         return True
     return False
+
+
+# Sparse-attention indexers (DeepSeek-V3.2's lightning indexer and its kin) whose scores reach the
+# model only as the indices of a top-k: backward never reaches their linear layers, so adapters
+# there never train (measured: tests/test_families.py, every MoE family's step). Other families'
+# indexers (MiniMax-M3, Qwen4's QSA) feed their scores on and do train: not listed.
+UNDIFFERENTIATED = ("DeepseekV32Indexer", "GlmMoeDsaIndexer", "HYV4Indexer", "AXK2Indexer",
+                    "Dots3NoteTextIndexer")
+
+
+def undifferentiated(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The linear layers inside an UNDIFFERENTIATED module: all-linear leaves them out."""
+    return [m for parent in model.modules() if type(parent).__name__ in UNDIFFERENTIATED
+            for m in parent.modules() if isinstance(m, torch.nn.Linear)]
 
 
 def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
