@@ -32,14 +32,25 @@ class Shape:
     experts: int = 0
     active_experts: int = 0
     expert_intermediate: int = 0
+    # Beside the routed experts, a dense MLP every token passes (shared experts, this wide in all:
+    # 0 for none), and the first layers whose MLP is dense (DeepSeek's first_k_dense_replace,
+    # Qwen's mlp_only_layers), dense_intermediate wide. The per-layer views (linears, the
+    # estimate's bytes, the adapters) count every layer as a routed one: a few layers over.
+    shared_intermediate: int = 0
+    dense_layers: int = 0
+    dense_intermediate: int = 0
 
     def linears(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each linear layer in one decoder layer (Llama family);
-        a mixture of experts: attention only (its experts: expert_stacks)."""
+        a mixture of experts: attention and the shared experts' MLP (its routed experts:
+        expert_stacks)."""
         h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
         attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
         if self.experts:
-            return attention
+            s = self.shared_intermediate
+            shared = {"shared_expert.gate_proj": (h, s), "shared_expert.up_proj": (h, s),
+                      "shared_expert.down_proj": (s, h)}
+            return {**attention, **shared} if s else attention
         return {**attention, "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
     def expert_stacks(self) -> dict[str, tuple[int, int]]:
@@ -69,8 +80,20 @@ class Shape:
         return sum(a * b for a, b in self.linears().values()) + active + self.router_params
 
     @property
+    def dense_layer_params(self) -> int:
+        """The matrices of one of a mixture of experts' dense first layers."""
+        attention = {k: v for k, v in self.linears().items() if not k.startswith("shared_")}
+        return sum(a * b for a, b in attention.values()) + 3 * self.hidden * self.dense_intermediate
+
+    @property
+    def active_linear_params(self) -> int:
+        """What one token multiplies through in all decoder layers."""
+        routed = self.layers - self.dense_layers
+        return routed * self.active_layer_params + self.dense_layers * self.dense_layer_params
+
+    @property
     def active_params(self) -> int:
-        return self.layers * self.active_layer_params + self.embedding_params + self.norm_params
+        return self.active_linear_params + self.embedding_params + self.norm_params
 
     @property
     def embedding_params(self) -> int:
@@ -83,7 +106,9 @@ class Shape:
 
     @property
     def params(self) -> int:
-        return (self.layers * (self.layer_linear_params + self.router_params)
+        routed = self.layers - self.dense_layers
+        return (routed * (self.layer_linear_params + self.router_params)
+                + self.dense_layers * self.dense_layer_params
                 + self.embedding_params + self.norm_params)
 
 
@@ -92,6 +117,7 @@ class Shape:
 # moe_k, Bailing's num_experts_per_token); Nemotron-H gives its depth as layers_block_type.
 EXPERT_COUNT = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 ACTIVE_EXPERTS = ("num_experts_per_tok", "num_experts_per_token", "moe_k")
+SHARED_EXPERTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
 
 
 def _first(model: dict, names: tuple[str, ...]) -> int:
@@ -127,11 +153,18 @@ def shape_of(model) -> Shape:
     layers = model.get("num_hidden_layers") or len(model.get("layers_block_type") or [])
     if not (dense_i and layers):
         raise KeyError("intermediate_size" if not dense_i else "num_hidden_layers")
+    # shared experts: Qwen's one shared MLP of its own width, DeepSeek's n of the experts' width
+    shared = (model.get("shared_expert_intermediate_size") or _first(model, SHARED_EXPERTS) * expert_i
+              if experts else 0)  # fmt: skip
+    dense_layers = (model.get("first_k_dense_replace") or len(model.get("mlp_only_layers") or [])
+                    if experts else 0)  # fmt: skip
     return Shape(
         vocab=model["vocab_size"],
         hidden=model["hidden_size"],
         intermediate=active * expert_i if experts else dense_i,
         experts=experts, active_experts=active, expert_intermediate=expert_i,
+        shared_intermediate=shared, dense_layers=min(dense_layers, layers),
+        dense_intermediate=model.get("intermediate_size") or 0 if dense_layers else 0,
         layers=layers,
         heads=heads,
         kv_heads=model.get("num_key_value_heads") or heads,
@@ -198,8 +231,9 @@ def flops_per_token(shape: Shape, seq: int) -> float:
     frozen linear layers and the output head, attention's matmuls forward and backward (causal),
     no recompute counted (checkpointing's extra forward is overhead, not model work). Frozen
     weights get no gradient; the adapters' own matmuls (r wide) are left out. A mixture of
-    experts: from its active parameters (attention, router, the active experts)."""
-    linear = shape.layers * shape.active_layer_params + shape.hidden * shape.vocab
+    experts: from its active parameters (attention, router, the active and shared experts, the
+    dense first layers)."""
+    linear = shape.active_linear_params + shape.hidden * shape.vocab
     # QK^T and AV, per token, forward: 2 matmuls x 2 FLOPs x seq x width, halved by the mask.
     attention = 2 * seq * (shape.heads * shape.head_dim) * shape.layers
     return 4 * linear + 3 * attention
