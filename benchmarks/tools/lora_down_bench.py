@@ -6,7 +6,9 @@
 - `hash`: the hash mask (kit.recipe.drop_mask) as masked_fill, then the matmul,
   compiled (what the grouped experts ran before lora.fused_down);
 - `fused`: kit.recipe.lora_down's kernels (the mask inside the tiles);
-- `fused_p0`: the same kernels without dropout (what the mask itself costs them).
+- `fused_p0`: the same kernels without dropout (what the mask itself costs them);
+- each of the kernels alone (`kernel_down_ms`, `kernel_dx_ms`, `kernel_da_ms`, with dropout):
+  triton.testing.do_bench (many launches, the L2 flushed between), no autograd around them.
 
 Shapes: the Llama-3-8B layer's inputs at batch 10 x 2,048 tokens (q/k/v grouped, R = 48; the MLP's
 down-projection input, 14,336 wide) and Qwen3-30B-A3B's sorted expert rows at batch 12 (128
@@ -77,6 +79,15 @@ def case(name, m, k, r, segments):
         out[f"{way}_fwd_ms"] = round(_timed(fn), 3)
         out[f"{way}_fwd_bwd_ms"] = round(_timed(lambda fn=fn: fn().backward(cot)), 3)
         x.grad = a.grad = None
+    from triton.testing import do_bench
+
+    ops, b = lora_down.kernels(), bounds if segments > 1 else None
+    with torch.no_grad():
+        kernels = {"down": lambda: ops.down_op(x, a, b, rows, seed, threshold),
+                   "dx": lambda: ops.dx_op(cot, a, b, rows, seed, threshold, x),
+                   "da": lambda: ops.da_op(cot, x, b, rows, seed, threshold, a)}
+        for kernel, fn in kernels.items():
+            out[f"kernel_{kernel}_ms"] = round(do_bench(fn, warmup=25, rep=200), 3)
     return out
 
 
