@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 2 plain_recipe.py MODEL_FOLDER ROWS.jsonl --device cuda  # GPUs, nccl
 """
 import argparse
+import gc
 import json
 import os
 
@@ -87,4 +88,8 @@ while step < args.steps:
             print(f"step {step} loss {mean.item() / world:.8f}", flush=True)
         if step == args.steps:
             break
+# 8. Leave the group once the sharded modules are collected: they live in reference cycles (their
+# hooks), and a gloo thread freeing them at the interpreter's exit can abort the rank ("terminate
+# called without an active exception") after every step has passed.
+gc.collect()
 dist.destroy_process_group()
