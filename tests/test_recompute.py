@@ -383,3 +383,54 @@ def test_tiled_mlp_under_fsdp2_learns_the_same(tmp_path):
     # bf16 compute rounds each tile on its own: measured at most 1.2% of an adapter's norm after
     # 4 steps at lr 1e-2 (an adapter that missed its gradients would be 100% off).
     assert max(diffs.values()) < 0.05, diffs
+
+
+def test_compiled_matmuls_policy_keeps_the_adapted_sum_not_the_base():
+    """lora.fused_down's up-projection is one addmm onto the base's result
+    (kit.recipe.lora_down.add_up); a compiled layer under `matmuls` keeps that sum for backward
+    (gate and up feed SiLU's gradient) and not the base's result, so backward neither runs the
+    up-projection again nor reads base and delta to add them. Dropout off: the compiled run's
+    kept tensors are compared with the eager run's values of both."""
+    from kit.recipe import lora_down
+    from kit.recipe.layers import decoder_layers
+    from kit.recipe.recompute import compile_layers, selective_checkpointing
+
+    ids = torch.randint(3, 1000, (1, 64), generator=torch.Generator().manual_seed(5))
+    model, r = _nf4_layer_model()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    lora_down.enable(model)
+    gate = decoder_layers(model)[0].mlp.gate_proj
+    seen = {}
+    hooks = [gate.register_forward_hook(lambda m, a, out: seen.update(sum=out.detach())),
+             gate.base_layer.register_forward_hook(lambda m, a, out: seen.update(base=out.detach()))]
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    for hook in hooks:  # not traced: a hook's result would be one more output of the graph
+        hook.remove()
+    assert not torch.allclose(seen["sum"], seen["base"], atol=1e-3)  # the adapter matters
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    eager = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    assert selective_checkpointing(model, "matmuls", r, compiled=True) == [0, 1]
+    kept = []
+    try:
+        torch._dynamo.reset()
+        compile_layers(model)
+        embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            loss = model(inputs_embeds=embeds, labels=ids, use_cache=False).loss
+        loss.backward()
+    finally:
+        torch._dynamo.reset()
+
+    def held(want):
+        flat = want.reshape(-1, want.shape[-1])
+        return any(t.dim() and t.shape[-1] == flat.shape[-1] and t.numel() == flat.numel()
+                   and torch.allclose(t.reshape(flat.shape), flat, atol=1e-4) for t in kept)
+
+    assert held(seen["sum"]) and not held(seen["base"])
+    for n, p in model.named_parameters():  # and the adapters learn what they learn eagerly
+        if p.requires_grad:
+            assert torch.allclose(p.grad, eager[n], atol=1e-5), n

@@ -1,7 +1,8 @@
 """An adapter's down-projection with its dropout inside: one kernel reads the input once.
 
     low = lora_down(x, a, bounds, rows, seed, threshold)   # (M, R) = (x * keep) @ a[s]^T
-    deltas = branches(x, downs, ups, scales, p)            # adapters reading x: B(A(drop(x))) s
+    parts = lows(x, downs, p)                              # adapters reading x: A(drop(x))
+    y = add_up(result, part, up, scale / (1 - p))          # result + B(part) s/(1-p): one addmm
     enable(peft_model)                                     # lora.fused_down: every adapter
 
 `x` (M, K) holds M rows in S contiguous segments (`bounds`: int32 (S + 1,) segment starts and
@@ -188,24 +189,38 @@ def lora_down(x: torch.Tensor, a: torch.Tensor, bounds: torch.Tensor | None,
 # ---------------------------------------------------------------- the adapters that use it
 
 
-def branches(x, downs, ups, scales, p: float) -> tuple[torch.Tensor, ...]:
-    """Each adapter's B(A(dropout(x))) * scale for adapters that read one input `x` (one, or a
-    group: kit.recipe.levers.lora_groups), dropout inside the down-projection's kernel: one seed,
-    one mask, one read of x for every member's A. Tensors and numbers only (compiled once for
-    every layer)."""
-    shape = x.shape
-    flat = x.reshape(-1, shape[-1]).to(downs[0].dtype)
+def lows(x, downs, p: float) -> tuple[torch.Tensor, ...]:
+    """Each adapter's r-wide A(dropout(x)), not rescaled, for adapters that read one input `x`
+    (one, or a group: kit.recipe.levers.lora_groups), dropout inside the down-projection's
+    kernel: one seed, one mask, one read of x for every member's A. `add_up` applies each
+    member's up-projection with 1/(1-p) folded into its factor. Tensors and numbers only
+    (compiled once for every layer)."""
+    flat = x.reshape(-1, x.shape[-1]).to(downs[0].dtype)
     a = torch.cat(downs) if len(downs) > 1 else downs[0]
     if p > 0:
         # a tensor seed drawn from torch's generator: manual_seed and a recompute's restored RNG
         # state give the same mask, and a compiled layer takes it as an input, not a constant
         seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int32, device=x.device)
-        low = lora_down(flat, a.unsqueeze(0), None, None, seed, threshold_of(p)) * (1 / (1 - p))
+        low = lora_down(flat, a.unsqueeze(0), None, None, seed, threshold_of(p))
     else:
         low = torch.nn.functional.linear(flat, a)
-    parts = low.split([d.shape[0] for d in downs], dim=-1) if len(downs) > 1 else (low,)
-    return tuple((torch.nn.functional.linear(part, up) * s).reshape(*shape[:-1], -1)
-                 for part, up, s in zip(parts, ups, scales, strict=True))
+    return low.split([d.shape[0] for d in downs], dim=-1) if len(downs) > 1 else (low,)
+
+
+def add_up(result: torch.Tensor, low: torch.Tensor, up: torch.Tensor,
+           factor: float) -> torch.Tensor:
+    """result + factor * low @ up^T, shaped as `result`: the adapted projection's output as ONE
+    matmul with the base's result as its addend (`torch.addmm`) where the three share a dtype.
+    Under a compiled layer's recompute policy (kit.recipe.recompute, `sums`) this sum is what
+    backward keeps, in place of the base's result: backward then neither runs the r-wide
+    up-projection again nor reads two (tokens, out) tensors to add them. Other dtypes (fp32
+    adapters on a bf16 base) add the up-projection's result cast, as PEFT does."""
+    flat = result.reshape(-1, result.shape[-1])
+    low = low.reshape(-1, low.shape[-1])
+    if low.dtype == up.dtype == result.dtype:
+        return torch.addmm(flat, low, up.t(), alpha=factor).view(result.shape)
+    delta = torch.nn.functional.linear(low, up) * factor
+    return (flat + delta.to(result.dtype)).view(result.shape)
 
 
 def dropout_p(module, name: str) -> float:
@@ -214,21 +229,21 @@ def dropout_p(module, name: str) -> float:
 
 
 def _fused_forward(self, x, *args, **kwargs):
-    """A LoRA linear layer's forward with `branches` (training; PEFT's own otherwise)."""
+    """A LoRA linear layer's forward with `lows` and `add_up` (training; PEFT's own otherwise)."""
     if (not self.training or self.disable_adapters or self.merged
             or kwargs.get("adapter_names") is not None):
         return type(self).forward(self, x, *args, **kwargs)
     result = self.base_layer(x, *args, **kwargs)
     for name in self.active_adapters:
         if name in self.lora_A:
-            (delta,) = branches(x, [self.lora_A[name].weight], [self.lora_B[name].weight],
-                                [self.scaling[name]], dropout_p(self, name))
-            result = result + delta.to(result.dtype)
+            p = dropout_p(self, name)
+            (low,) = lows(x, [self.lora_A[name].weight], p)
+            result = add_up(result, low, self.lora_B[name].weight, self.scaling[name] / (1 - p))
     return result
 
 
 def enable(peft_model) -> int:
-    """lora.fused_down: every LoRA linear layer runs `branches` (groups of them too, when
+    """lora.fused_down: every LoRA linear layer runs `lows` and `add_up` (groups of them too, when
     kit.recipe.levers.lora_groups is enabled after this), and every experts module's adapters
     the kernel on its sorted rows (kit.recipe.grouped_experts); returns how many modules. The
     module tree, the keys and saving are PEFT's."""

@@ -92,11 +92,16 @@ def _matmul_shape(op, args) -> tuple[int, int] | None:
     return None
 
 
-def save_policy(keeps: str, rank: int, mlp_width: int):
+def save_policy(keeps: str, rank: int, mlp_width: int, sums: bool = False):
     """The policy for `keeps` ('matmuls', 'mlp_matmuls' or 'attention_matmuls'): which results of a decoder layer's
     forward backward gets from memory. Matmuls are told apart by shape: an adapter's
     down-projection has `rank` outputs, its up-projection `rank` inputs (the grouped experts pad
-    the rank to a multiple of 8: that width too); the MLP's gate and up projections have
+    the rank to a multiple of 8: that width too). With `sums` (compiled layers) an up-projection
+    that adds itself to the base's result in one `addmm` (kit.recipe.lora_down.add_up) is the
+    adapted projection's output and is kept as the base's would be: the compiler's partitioner
+    then keeps that sum and drops the base's result, which backward no longer needs. Eagerly
+    every kept result is held (torch's eager policy keeps what it is told), so there the sum is
+    recomputed from the kept base, as any up-projection. The MLP's gate and up projections have
     `mlp_width` outputs (2 x that when fused). A MoE layer's grouped GEMMs (kit.recipe.
     grouped_experts: one `aten._grouped_mm` per projection for every expert) are told apart the
     same way: gate_up is the MLP's, down (hidden-wide) is kept with attention's. Everything not
@@ -118,8 +123,8 @@ def save_policy(keeps: str, rank: int, mlp_width: int):
         inner, out = shape
         if out in ranks:  # adapter down-projection: rank numbers per token, cheap to keep
             return CheckpointPolicy.MUST_SAVE
-        if inner in ranks:  # adapter up-projection: recomputing it costs next to nothing
-            return CheckpointPolicy.PREFER_RECOMPUTE
+        if inner in ranks and not (sums and op is torch.ops.aten.addmm.default):
+            return CheckpointPolicy.PREFER_RECOMPUTE  # adapter up-projection: r-wide, cheap
         in_mlp = out in (mlp_width, 2 * mlp_width)
         if (keeps == "attention_matmuls" and in_mlp) or (keeps == "mlp_matmuls" and not in_mlp):
             return CheckpointPolicy.PREFER_RECOMPUTE
@@ -129,10 +134,12 @@ def save_policy(keeps: str, rank: int, mlp_width: int):
 
 
 def selective_checkpointing(model, keeps: str, rank: int, every: int = 1,
-                            matmul_layers: int = 0) -> list[int]:
+                            matmul_layers: int = 0, compiled: bool = False) -> list[int]:
     """Run decoder layers 0, every, 2*every, ... under torch.utils.checkpoint with the save policy
     for `keeps`, the first `matmul_layers` of them with the policy that keeps every matmul
-    (training.recompute.matmul_layers); returns their indices. Call before sharding and
+    (training.recompute.matmul_layers); returns their indices. `compiled`: the layers will be
+    compiled (training.compile), so the policy keeps adapted projections' sums (`save_policy`).
+    Call before sharding and
     compiling: the layer's forward is replaced in place (one function per policy, so a compiled
     layer compiles once per policy)."""
     from kit.config import ConfigError
@@ -144,19 +151,20 @@ def selective_checkpointing(model, keeps: str, rank: int, every: int = 1,
     if matmul_layers > len(chosen):
         raise ConfigError(f"training.recompute.matmul_layers: {matmul_layers} is not allowed; "
                           f"expected at most the {len(chosen)} recomputed decoder layers")
-    forwards = (_checkpointed("matmuls", rank, width), _checkpointed(keeps, rank, width))
+    forwards = (_checkpointed("matmuls", rank, width, compiled),
+                _checkpointed(keeps, rank, width, compiled))
     layers = decoder_layers(model)
     for n, i in enumerate(chosen):
         layers[i].forward = types.MethodType(forwards[n >= matmul_layers], layers[i])
     return chosen
 
 
-def _checkpointed(keeps: str, rank: int, width: int):
+def _checkpointed(keeps: str, rank: int, width: int, compiled: bool = False):
     """A decoder layer's forward under torch.utils.checkpoint with the save policy for `keeps`."""
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     context_fn = functools.partial(create_selective_checkpoint_contexts,
-                                   save_policy(keeps, rank, width))
+                                   save_policy(keeps, rank, width, sums=compiled))
 
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
@@ -251,7 +259,8 @@ def apply(model, cfg) -> list[int]:
         return []
     if rc.keeps == "inputs":
         return enable_activation_checkpointing(model, rc.every)
-    return selective_checkpointing(model, rc.keeps, cfg.lora.r, rc.every, rc.matmul_layers)
+    return selective_checkpointing(model, rc.keeps, cfg.lora.r, rc.every, rc.matmul_layers,
+                                   compiled=cfg.training.compile is True)
 
 
 def compile_layers(model, memory_budget: float = 1.0) -> int:

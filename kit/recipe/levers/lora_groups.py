@@ -17,9 +17,10 @@ is opt-in, with its loss difference measured: within two seeds' noise on a real 
 (`2026-11-24-grouped-adapters-8b-1xh100`).
 
 How: a forward pre-hook on the module that owns the group (attention, MLP) computes the group's
-deltas from its input and attaches them to that input tensor; a member called with that very
-tensor adds its delta to the base layer's output, and otherwise runs as before. With
-recompute=True (lora.recompute) the group's branch runs under torch.utils.checkpoint, as
+r-wide down-projections from its input and attaches them to that input tensor; a member called
+with that very tensor adds its up-projection to the base layer's output in one matmul
+(kit.recipe.lora_down.add_up), and otherwise runs as before. With recompute=True
+(lora.recompute) the group's down-projection runs under torch.utils.checkpoint, as
 kit.recipe.lora.recompute_adapters does per adapter.
 
 Gap filled: PEFT has no grouped LoRA forward for projections that share an input.
@@ -38,22 +39,23 @@ from kit.budget.shapes import (
 from kit.config import ConfigError
 
 
-def group_deltas(x, downs, ups, scales, p: float, training: bool,
-                 fused: bool = False) -> tuple[torch.Tensor, ...]:
-    """Each member's B(A(dropout(x))) * scale, with one dropout mask and one matmul for every
-    member's A (fused: the mask inside that matmul's kernel, kit.recipe.lora_down). Tensors and
-    numbers only: torch.compile traces it once for every layer."""
+def group_lows(x, downs, p: float, training: bool,
+               fused: bool = False) -> tuple[tuple[torch.Tensor, ...], float]:
+    """Each member's r-wide A(dropout(x)), with one dropout mask and one matmul for every
+    member's A (fused: the mask inside that matmul's kernel, kit.recipe.lora_down), and the
+    factor the up-projections take for dropout (1/(1-p) where the lows are not rescaled, else
+    1): each member adds its own B part * scale * factor (kit.recipe.lora_down.add_up). Tensors
+    and numbers only: torch.compile traces it once for every layer."""
+    p = p if training else 0.0
     if fused:
         from kit.recipe import lora_down
 
-        return lora_down.branches(x, downs, ups, scales, p if training else 0.0)
+        return lora_down.lows(x, downs, p), 1 / (1 - p)
     x = x.to(downs[0].dtype)
-    if p > 0 and training:
+    if p > 0:
         x = torch.nn.functional.dropout(x, p, True)
     low = torch.nn.functional.linear(x, torch.cat(downs))
-    parts = low.split([d.shape[0] for d in downs], dim=-1)
-    return tuple(torch.nn.functional.linear(part, up) * s
-                 for part, up, s in zip(parts, ups, scales, strict=True))
+    return low.split([d.shape[0] for d in downs], dim=-1), 1.0
 
 
 def _dropout_p(member, name: str) -> float:
@@ -85,19 +87,18 @@ def _pre_hook(module, args, kwargs):
         if name is None:
             continue
         downs = [m.lora_A[name].weight for m in members]
-        ups = [m.lora_B[name].weight for m in members]
-        scales = [m.scaling[name] for m in members]
         p, training = _dropout_p(members[0], name), members[0].training
         fused = getattr(members[0], "_kit_fused_down", False)
         if module._kit_lora_recompute:
             from torch.utils.checkpoint import checkpoint
 
-            deltas = checkpoint(group_deltas, x, downs, ups, scales, p, training, fused,
-                                use_reentrant=False)
+            parts, factor = checkpoint(group_lows, x, downs, p, training, fused,
+                                       use_reentrant=False)
         else:
-            deltas = group_deltas(x, downs, ups, scales, p, training, fused)
-        pending.extend(zip(members, deltas, strict=True))
-    # The deltas travel on the input tensor itself, which the layer's forward created: inside a
+            parts, factor = group_lows(x, downs, p, training, fused)
+        pending.extend((m, (part, m.lora_B[name].weight, m.scaling[name] * factor))
+                       for m, part in zip(members, parts, strict=True))
+    # The r-wide parts travel on the input tensor itself, which the layer's forward created: inside a
     # compiled layer under selective recompute (a higher-order op), torch.compile refuses to
     # mutate anything made outside it, such as the modules.
     x._kit_lora_pending = pending
@@ -106,17 +107,18 @@ def _pre_hook(module, args, kwargs):
 
 def _member_forward(self, x, *args, **kwargs):
     pending = getattr(x, "_kit_lora_pending", None)
-    delta = None
+    branch = None
     if pending and kwargs.get("adapter_names") is None:
-        for i, (member, d) in enumerate(pending):
+        for i, (member, b) in enumerate(pending):
             if member is self:
-                delta = d
+                branch = b
                 pending.pop(i)  # freed once used: the input may live on until backward
                 break
-    if delta is None:
+    if branch is None:
         return self._kit_own_forward(x, *args, **kwargs)
-    result = self.base_layer(x, *args, **kwargs)
-    return result + delta.to(result.dtype)
+    from kit.recipe.lora_down import add_up
+
+    return add_up(self.base_layer(x, *args, **kwargs), *branch)
 
 
 def enable(peft_model, recompute: bool = False) -> int:
