@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kit.budget import shapes
 from kit.config import ConfigError, load_config
 from kit.inputs import builtin
-from kit.recipe import lora
+from kit.recipe import lora, lora_down
 from kit.recipe.levers import lora_groups
 
 
@@ -24,7 +24,7 @@ class _CountMatmuls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
-                    torch.ops.aten.bmm.default):
+                    torch.ops.aten.bmm.default, lora_down.up_add_ref._opoverload):
             self.count += 1
         return func(*args, **(kwargs or {}))
 

@@ -164,6 +164,7 @@ def kernels():
         from kit.recipe import lora_down_kernels as k
 
         k.down_op.register_autograd(_backward_of(k.dx_op, k.da_op), setup_context=_setup)
+        k.up_add_op.register_autograd(_up_add_backward, setup_context=_up_add_setup)
         _LOADED.append(k)
     return _LOADED[0]
 
@@ -207,20 +208,58 @@ def lows(x, downs, p: float) -> tuple[torch.Tensor, ...]:
     return low.split([d.shape[0] for d in downs], dim=-1) if len(downs) > 1 else (low,)
 
 
+@torch.library.custom_op("kit::lora_up_add", mutates_args=())
+def up_add_ref(c: torch.Tensor, low: torch.Tensor, up: torch.Tensor,
+               alpha: float) -> torch.Tensor:
+    """c + alpha * low @ up^T: c (M, N), low (M, R), up (N, R), one dtype."""
+    return torch.addmm(c, low, up.t(), alpha=alpha)
+
+
+@up_add_ref.register_fake
+def _(c, low, up, alpha):
+    return torch.empty_like(c, memory_format=torch.contiguous_format)
+
+
+def _up_add_setup(ctx, inputs, output):
+    _, low, up, alpha = inputs
+    ctx.save_for_backward(low, up)
+    ctx.alpha = alpha
+
+
+def _up_add_backward(ctx, g):
+    """The base's gradient is g itself; the factors' as autograd's of alpha * low @ up^T."""
+    low, up = ctx.saved_tensors
+    d_low = (g @ up) * ctx.alpha if ctx.needs_input_grad[1] else None
+    d_up = (g.t() @ low) * ctx.alpha if ctx.needs_input_grad[2] else None
+    return g, d_low, d_up, None
+
+
+up_add_ref.register_autograd(_up_add_backward, setup_context=_up_add_setup)
+
+
 def add_up(result: torch.Tensor, low: torch.Tensor, up: torch.Tensor,
            factor: float) -> torch.Tensor:
-    """result + factor * low @ up^T, shaped as `result`: the adapted projection's output as ONE
-    matmul with the base's result as its addend (`torch.addmm`) where the three share a dtype.
-    Under a compiled layer's recompute policy (kit.recipe.recompute, `sums`) this sum is what
-    backward keeps, in place of the base's result: backward then neither runs the r-wide
-    up-projection again nor reads two (tokens, out) tensors to add them. Other dtypes (fp32
-    adapters on a bf16 base) add the up-projection's result cast, as PEFT does."""
+    """result + factor * low @ up^T, shaped as `result`: the adapted projection's output as one op
+    that reads the base's result once and writes the sum (on CUDA with the kernels loaded, the
+    Triton op kit::lora_up_add_triton: no copy of the base's result first, as torch.addmm's
+    cuBLAS call makes; elsewhere kit::lora_up_add, torch.addmm). Under a compiled layer's recompute
+    policy (kit.recipe.recompute, `sums`) this sum is what backward keeps, in place of the base's
+    result: backward then neither runs the r-wide up-projection again nor reads two (tokens, out)
+    tensors to add them. Other dtypes (fp32 adapters on a bf16 base) add the up-projection's
+    result cast, as PEFT does."""
     flat = result.reshape(-1, result.shape[-1])
     low = low.reshape(-1, low.shape[-1])
     if low.dtype == up.dtype == result.dtype:
-        return torch.addmm(flat, low, up.t(), alpha=factor).view(result.shape)
+        op = _LOADED[0].up_add_op if result.is_cuda and _LOADED else up_add_ref
+        return op(flat, low, up, float(factor)).view(result.shape)
     delta = torch.nn.functional.linear(low, up) * factor
     return (flat + delta.to(result.dtype)).view(result.shape)
+
+
+def sum_ops() -> tuple:
+    """The ops whose result is an adapted projection's output (`add_up`): the reference's and,
+    once loaded, the kernel's."""
+    return (up_add_ref._opoverload, *(m.up_add_op._opoverload for m in _LOADED))
 
 
 def dropout_p(module, name: str) -> float:

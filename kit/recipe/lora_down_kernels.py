@@ -197,6 +197,32 @@ def da(g_ptr, x_ptr, da_ptr, bounds_ptr, rows_ptr, seed_ptr, M, K, R, threshold,
              mask=(r[:, None] < R) & k_ok[None, :])
 
 
+@triton.autotune(configs=[triton.Config({"BM": bm, "BN": bn}, num_warps=w)
+                          for bm, bn, w in ((64, 128, 4), (128, 128, 8), (128, 64, 4))],
+                 key=["N", "R"])
+@triton.jit
+def up_add(c_ptr, low_ptr, up_ptr, out_ptr, M, N, R, alpha, IEEE: tl.constexpr,
+           BR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """out = c + alpha * low @ up^T: each (BM, BN) tile reads its c once, and an r-wide strip of
+    low and of up (the rank padded to BR >= 16 for the dot)."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    r = tl.arange(0, BR)
+    m_ok, n_ok = m < M, n < N
+    lo = tl.load(low_ptr + m[:, None].to(tl.int64) * R + r[None, :],
+                 mask=m_ok[:, None] & (r[None, :] < R), other=0.0)
+    ut = tl.load(up_ptr + n[None, :] * R + r[:, None], mask=n_ok[None, :] & (r[:, None] < R),
+                 other=0.0)  # (BR, BN): up^T
+    if IEEE:
+        acc = tl.dot(lo, ut, input_precision="ieee")
+    else:
+        acc = tl.dot(lo, ut)
+    at = m[:, None].to(tl.int64) * N + n[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    c = tl.load(c_ptr + at, mask=ok, other=0.0)
+    tl.store(out_ptr + at, (c.to(tl.float32) + alpha * acc).to(out_ptr.dtype.element_ty), mask=ok)
+
+
 # ---------------------------------------------------------------- the ops (kit.recipe.lora_down)
 # torch.library.triton_op: eagerly a custom op that launches the kernels; inside a compiled layer
 # the compiler sees the kernels themselves and launches them from the layer's generated code (no
@@ -264,3 +290,18 @@ def da_op(g: torch.Tensor, x: torch.Tensor, bounds: torch.Tensor | None,
     torch.library.wrap_triton(da)[(triton.cdiv(k, DA_BK), segments, split)](
         g, x, parts, *ptrs, m, k, r, threshold, BK=DA_BK, **flags)
     return (parts.sum(0) if split > 1 else parts[0]).to(like.dtype)
+
+
+@torch.library.triton_op("kit::lora_up_add_triton", mutates_args=())
+def up_add_op(c: torch.Tensor, low: torch.Tensor, up: torch.Tensor,
+              alpha: float) -> torch.Tensor:
+    """c + alpha * low @ up^T (kit.recipe.lora_down.add_up): c (M, N), low (M, R), up (N, R)."""
+    c, low, up = c.contiguous(), low.contiguous(), up.contiguous()
+    m, n, r = c.shape[0], c.shape[1], low.shape[1]
+    out = torch.empty_like(c)
+    if m:
+        torch.library.wrap_triton(up_add)[
+            lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]))](
+            c, low, up, out, m, n, r, alpha, IEEE=c.dtype == torch.float32,
+            BR=max(16, triton.next_power_of_2(r)))
+    return out

@@ -83,6 +83,8 @@ def _matmul_shape(op, args) -> tuple[int, int] | None:
     if op in _MATMULS:
         a, b = args[-2], args[-1]  # addmm(bias, a, b), mm(a, b)
         return a.shape[-1], b.shape[-1]
+    if op in lora_down.sum_ops():  # (base's result (M, N), low (M, r), up (N, r), alpha)
+        return args[1].shape[-1], args[0].shape[-1]
     if op in _TWO_OPERANDS:  # kit.recipe.levers.fp8's _scaled_mm(a, b, scale_a, scale_b); the grouped
         # experts' _grouped_mm(a (rows, in), b (E, in, out), offs=...): one op for every expert
         return args[0].shape[-1], args[1].shape[-1]
@@ -97,7 +99,7 @@ def save_policy(keeps: str, rank: int, mlp_width: int, sums: bool = False):
     forward backward gets from memory. Matmuls are told apart by shape: an adapter's
     down-projection has `rank` outputs, its up-projection `rank` inputs (the grouped experts pad
     the rank to a multiple of 8: that width too). With `sums` (compiled layers) an up-projection
-    that adds itself to the base's result in one `addmm` (kit.recipe.lora_down.add_up) is the
+    that adds itself to the base's result in one op (kit.recipe.lora_down.add_up) is the
     adapted projection's output and is kept as the base's would be: the compiler's partitioner
     then keeps that sum and drops the base's result, which backward no longer needs. Eagerly
     every kept result is held (torch's eager policy keeps what it is told), so there the sum is
@@ -123,7 +125,7 @@ def save_policy(keeps: str, rank: int, mlp_width: int, sums: bool = False):
         inner, out = shape
         if out in ranks:  # adapter down-projection: rank numbers per token, cheap to keep
             return CheckpointPolicy.MUST_SAVE
-        if inner in ranks and not (sums and op is torch.ops.aten.addmm.default):
+        if inner in ranks and not (sums and op in lora_down.sum_ops()):
             return CheckpointPolicy.PREFER_RECOMPUTE  # adapter up-projection: r-wide, cheap
         in_mlp = out in (mlp_width, 2 * mlp_width)
         if (keeps == "attention_matmuls" and in_mlp) or (keeps == "mlp_matmuls" and not in_mlp):
