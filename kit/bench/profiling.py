@@ -26,13 +26,14 @@ def _is_annotation(name: str) -> bool:
 
 
 # The kit's Triton kernels of lora.fused_down (kit/recipe/lora_down_kernels.py), by their exact
-# names: the adapters' down-projection with its dropout, its input's and its factor's gradients.
-LORA_DOWN_KERNELS = ("down", "dx", "da")
+# names: the adapters' down-projection with its dropout, its input's and its factor's gradients,
+# and the up-projection added onto the base's result (`up_add`).
+LORA_KERNELS = ("down", "dx", "da", "up_add")
 
 
 def kernel_family(name: str) -> str:
-    if name in LORA_DOWN_KERNELS:
-        return "LoRA down (kit, Triton)"
+    if name in LORA_KERNELS:
+        return "LoRA (kit, Triton)"
     low = name.lower()
     return next((fam for fam, keys in KERNEL_FAMILIES if any(k in low for k in keys)),
                 "other eager kernels")
