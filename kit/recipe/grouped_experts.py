@@ -235,32 +235,19 @@ def dropped(x: torch.Tensor, drop: torch.Tensor | None, p: float) -> torch.Tenso
     return x if drop is None else x.masked_fill(drop, 0).mul_(1 / (1 - p))
 
 
-def _lora(y, x, down, up, scale, drop, p, experts, groups, fused=False):
-    """y plus one LoRA branch on sorted rows: y + (drop(x) @ A_g^T) @ B_g^T * scale, two grouped
-    GEMMs (`drop`: its Mask, or None). Fused (lora.fused_down, with dropout): the mask inside the
-    down-projection's kernel (kit.recipe.lora_down, the same mask), and the up-projection and
-    the add as one op (kit.recipe.lora_down.add_up_segments; a Triton kernel on CUDA): no
-    (rows, out) product written and read again.
+def _lora(x, down, up, scale, drop, p, experts, groups, fused=False):
+    """One LoRA branch on sorted rows: (drop(x) @ A_g^T) @ B_g^T * scale, two grouped GEMMs
+    (`drop`: its Mask, or None; fused: the mask inside the first GEMM's kernel,
+    kit.recipe.lora_down, the same mask).
     PEFT's ParamWrapper layout: A (E*r, in) expert-major, B (out, r*E) rank-major. Dropout's
     1/(1-p) and the branch's scale are folded into B (E*r*out values, one multiply), not
     applied to the (rows, width) activations: two passes over them fewer, each way."""
     rank = down.shape[0] // experts
     a = down.reshape(experts, rank, -1)
-    factor = scale / (1 - p) if drop is not None else scale
+    b = up.reshape(up.shape[0], rank, experts).permute(2, 1, 0)  # (E, r, out)
     dtype = x.dtype if groups.fast else a.dtype  # the grouped kernel computes in bf16
     a = a.to(dtype)
-    h = x.to(dtype)
-    if fused and drop is not None and y.dtype == dtype:
-        # the Triton kernels read A and B row-major at any rank: no padding, one copy of B
-        # (E x out x r: MBs) in the layout the kernel and the grouped GEMMs of its backward read
-        from kit.recipe import lora_down
-
-        bounds = groups.bounds()
-        low = lora_down.lora_down(h, a, bounds, groups.order, drop.seed, drop.threshold)
-        b = dense_copy(up.reshape(up.shape[0], rank, experts).permute(2, 0, 1).to(dtype))
-        return lora_down.add_up_segments(y, low, b, bounds, factor)
-    b = up.reshape(up.shape[0], rank, experts).permute(2, 1, 0)  # (E, r, out)
-    b = (b * factor).to(dtype)
+    b = (b * (scale / (1 - p) if drop is not None else scale)).to(dtype)
     if groups.fast and rank % 8:
         # and 16-byte aligned rows: the rank padded to a multiple of 8 with zero rows (lora.r=4
         # would give 8-byte rows), which adds nothing to the product. Each op is a launch per
@@ -268,15 +255,23 @@ def _lora(y, x, down, up, scale, drop, p, experts, groups, fused=False):
         pad = -rank % 8
         a = torch.nn.functional.pad(a, (0, 0, 0, pad))
         b = torch.nn.functional.pad(b, (0, 0, 0, pad))
-    if groups.fast:  # a unit stride in the last two dims, compiled too (E x r x width: MBs)
-        a, b = dense_copy(a), dense_copy(b)
+    fused = fused and drop is not None
+    if groups.fast:  # a unit stride in the last two dims, compiled too (E x r x width: MBs);
+        # the fused op lays its own A out (its Triton op reads it row-major): no copy of it here
+        a, b = (a if fused else dense_copy(a)), dense_copy(b)
     else:
         b = b.contiguous()
+    h = x.to(dtype)
+    if fused:
+        from kit.recipe.lora_down import lora_down
+
+        low = lora_down(h, a, groups.bounds(), groups.order, drop.seed, drop.threshold)
+        return gmm(low, b, groups)
     # masked_fill, not a product with the mask: one dtype, so CUDA's vectorized kernel (a bf16 x
     # bool product casts per element: 113 of 974 GPU ms of the 30B-A3B step); the mask is hashed
     # at the sorted rows (groups.order) and autograd keeps only the seed
     h = h if drop is None else drop.zeroed(h, groups.order)
-    return y + gmm(gmm(h, a.transpose(1, 2), groups), b, groups).to(y.dtype)
+    return gmm(gmm(h, a.transpose(1, 2), groups), b, groups)
 
 
 def _project(module, name, x, lora, drops, groups):
@@ -290,8 +285,8 @@ def _project(module, name, x, lora, drops, groups):
     for (down, up, scale, p), drop in zip(lora.get(name, ()), drops, strict=True):
         # out of place: under training.recompute.keeps the base GEMM's result is kept for
         # backward as it is (kit.recipe.recompute), and torch refuses a kept tensor changed in place
-        y = _lora(y, x, down, up, scale, drop, p, module.num_experts, groups,
-                  getattr(module, "_kit_fused_down", False))
+        y = y + _lora(x, down, up, scale, drop, p, module.num_experts, groups,
+                      getattr(module, "_kit_fused_down", False)).to(y.dtype)
     return y
 
 

@@ -209,61 +209,29 @@ def lows(x, downs, p: float) -> tuple[torch.Tensor, ...]:
 
 
 @torch.library.custom_op("kit::lora_up_add", mutates_args=())
-def up_add_ref(c: torch.Tensor, low: torch.Tensor, up: torch.Tensor, bounds: torch.Tensor | None,
+def up_add_ref(c: torch.Tensor, low: torch.Tensor, up: torch.Tensor,
                alpha: float) -> torch.Tensor:
-    """c + alpha * low @ up[s]^T for the rows of segment s: c (M, N), low (M, R), up (S, N, R),
-    one dtype; bounds as `lora_down`'s (None: one segment)."""
-    if bounds is None:
-        return torch.addmm(c, low, up[0].t(), alpha=alpha)
-    out = c.clone()
-    for s, (lo, hi) in enumerate(_segments(bounds, c.shape[0])):
-        out[lo:hi] = torch.addmm(c[lo:hi], low[lo:hi], up[s].t(), alpha=alpha)
-    return out
+    """c + alpha * low @ up^T: c (M, N), low (M, R), up (N, R), one dtype."""
+    return torch.addmm(c, low, up.t(), alpha=alpha)
 
 
 @up_add_ref.register_fake
-def _(c, low, up, bounds, alpha):
+def _(c, low, up, alpha):
     return torch.empty_like(c, memory_format=torch.contiguous_format)
 
 
 def _up_add_setup(ctx, inputs, output):
-    _, low, up, bounds, alpha = inputs
-    ctx.save_for_backward(low, up, bounds)
+    _, low, up, alpha = inputs
+    ctx.save_for_backward(low, up)
     ctx.alpha = alpha
 
 
-def _per_segment(a, b, bounds, out_rows: bool):
-    """Per segment s: a_s @ b[s] (out_rows: (M, R) rows of the segments) or a_s^T @ b_s
-    (S, N, R): torch._grouped_mm where it runs (CUDA, bf16), else a loop."""
-    offs = bounds[1:]
-    if (a.is_cuda and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and a.shape[-1] % 8 == 0):
-        rank = b.shape[-1]  # padded to 16-byte rows with zeros (lora.r=4), cut after
-        b = torch.nn.functional.pad(b, (0, -rank % 8)) if rank % 8 else b
-        out = (torch._grouped_mm(a, b, offs=offs) if out_rows
-               else torch._grouped_mm(a.t(), b, offs=offs))
-        return out[..., :rank] if rank % 8 else out
-    spans = _segments(bounds, a.shape[0])
-    if out_rows:
-        out = a.new_zeros(a.shape[0], b.shape[-1])
-        for s, (lo, hi) in enumerate(spans):
-            out[lo:hi] = a[lo:hi] @ b[s]
-        return out
-    return torch.stack([a[lo:hi].t() @ b[lo:hi] for lo, hi in spans])
-
-
 def _up_add_backward(ctx, g):
-    """The base's gradient is g itself; the factors' as autograd's of alpha * low @ up[s]^T."""
-    low, up, bounds = ctx.saved_tensors
-    g = g.contiguous()
-    d_low = d_up = None
-    if ctx.needs_input_grad[1]:
-        d_low = (g @ up[0] if bounds is None
-                 else _per_segment(g, up.contiguous(), bounds, True)) * ctx.alpha
-    if ctx.needs_input_grad[2]:
-        d_up = ((g.t() @ low).unsqueeze(0) if bounds is None
-                else _per_segment(g, low.contiguous(), bounds, False)) * ctx.alpha
-    return g, d_low, d_up, None, None
+    """The base's gradient is g itself; the factors' as autograd's of alpha * low @ up^T."""
+    low, up = ctx.saved_tensors
+    d_low = (g @ up) * ctx.alpha if ctx.needs_input_grad[1] else None
+    d_up = (g.t() @ low) * ctx.alpha if ctx.needs_input_grad[2] else None
+    return g, d_low, d_up, None
 
 
 up_add_ref.register_autograd(_up_add_backward, setup_context=_up_add_setup)
@@ -283,18 +251,9 @@ def add_up(result: torch.Tensor, low: torch.Tensor, up: torch.Tensor,
     low = low.reshape(-1, low.shape[-1])
     if low.dtype == up.dtype == result.dtype:
         op = _LOADED[0].up_add_op if result.is_cuda and _LOADED else up_add_ref
-        return op(flat, low, up.unsqueeze(0), None, float(factor)).view(result.shape)
+        return op(flat, low, up, float(factor)).view(result.shape)
     delta = torch.nn.functional.linear(low, up) * factor
     return (flat + delta.to(result.dtype)).view(result.shape)
-
-
-def add_up_segments(result: torch.Tensor, low: torch.Tensor, up: torch.Tensor,
-                    bounds: torch.Tensor, factor: float) -> torch.Tensor:
-    """result + factor * low_s @ up[s]^T for the rows of each segment s (a mixture of experts'
-    sorted rows, kit.recipe.grouped_experts; up (S, N, R)) in one op: the Triton kernel where
-    the kernels are loaded, else the reference (a loop over the segments)."""
-    op = _LOADED[0].up_add_op if result.is_cuda and _LOADED else up_add_ref
-    return op(result, low, up, bounds, float(factor))
 
 
 def sum_ops() -> tuple:

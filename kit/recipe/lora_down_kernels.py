@@ -199,36 +199,24 @@ def da(g_ptr, x_ptr, da_ptr, bounds_ptr, rows_ptr, seed_ptr, M, K, R, threshold,
 
 @triton.autotune(configs=[triton.Config({"BM": bm, "BN": bn}, num_warps=w)
                           for bm, bn, w in ((64, 128, 4), (128, 128, 8), (128, 64, 4))],
-                 key=["N", "R", "HAS_BOUNDS"])
+                 key=["N", "R"])
 @triton.jit
-def up_add(c_ptr, low_ptr, up_ptr, out_ptr, bounds_ptr, M, N, R, S, alpha,
-           HAS_BOUNDS: tl.constexpr, IEEE: tl.constexpr, LOG_S: tl.constexpr, BR: tl.constexpr,
-           BM: tl.constexpr, BN: tl.constexpr):
-    """out = c + alpha * low @ up[s]^T for the rows of segment s: each (BM, BN) tile reads its c
-    once, an r-wide strip of low, and of up (S, N, R) per segment its rows meet (the rank padded
-    to BR >= 16 for the dot; rows of other segments masked on the product)."""
-    pid = tl.program_id(0)
-    m = pid * BM + tl.arange(0, BM)
+def up_add(c_ptr, low_ptr, up_ptr, out_ptr, M, N, R, alpha, IEEE: tl.constexpr,
+           BR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """out = c + alpha * low @ up^T: each (BM, BN) tile reads its c once, and an r-wide strip of
+    low and of up (the rank padded to BR >= 16 for the dot)."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     r = tl.arange(0, BR)
     m_ok, n_ok = m < M, n < N
     lo = tl.load(low_ptr + m[:, None].to(tl.int64) * R + r[None, :],
                  mask=m_ok[:, None] & (r[None, :] < R), other=0.0)
-    s_lo, s_hi = segments(bounds_ptr, pid * BM, tl.minimum(pid * BM + BM, M) - 1, S,
-                          HAS_BOUNDS, LOG_S)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for s in range(s_lo, s_hi + 1):
-        ut = tl.load(up_ptr + s * N * R + n[None, :] * R + r[:, None],
-                     mask=n_ok[None, :] & (r[:, None] < R), other=0.0)  # (BR, BN): up[s]^T
-        if IEEE:
-            part = tl.dot(lo, ut, input_precision="ieee")
-        else:
-            part = tl.dot(lo, ut)
-        if HAS_BOUNDS:
-            start = bound(bounds_ptr, s, M, HAS_BOUNDS)
-            end = bound(bounds_ptr, s + 1, M, HAS_BOUNDS)
-            part = tl.where(((m >= start) & (m < end))[:, None], part, 0.0)
-        acc += part
+    ut = tl.load(up_ptr + n[None, :] * R + r[:, None], mask=n_ok[None, :] & (r[:, None] < R),
+                 other=0.0)  # (BR, BN): up^T
+    if IEEE:
+        acc = tl.dot(lo, ut, input_precision="ieee")
+    else:
+        acc = tl.dot(lo, ut)
     at = m[:, None].to(tl.int64) * N + n[None, :]
     ok = m_ok[:, None] & n_ok[None, :]
     c = tl.load(c_ptr + at, mask=ok, other=0.0)
@@ -305,17 +293,15 @@ def da_op(g: torch.Tensor, x: torch.Tensor, bounds: torch.Tensor | None,
 
 
 @torch.library.triton_op("kit::lora_up_add_triton", mutates_args=())
-def up_add_op(c: torch.Tensor, low: torch.Tensor, up: torch.Tensor, bounds: torch.Tensor | None,
+def up_add_op(c: torch.Tensor, low: torch.Tensor, up: torch.Tensor,
               alpha: float) -> torch.Tensor:
-    """c + alpha * low @ up[s]^T per segment (kit.recipe.lora_down.add_up): c (M, N), low (M, R),
-    up (S, N, R), bounds as kit.recipe.lora_down's (None: one segment)."""
+    """c + alpha * low @ up^T (kit.recipe.lora_down.add_up): c (M, N), low (M, R), up (N, R)."""
     c, low, up = c.contiguous(), low.contiguous(), up.contiguous()
-    m, n, r, segments = c.shape[0], c.shape[1], low.shape[1], up.shape[0]
+    m, n, r = c.shape[0], c.shape[1], low.shape[1]
     out = torch.empty_like(c)
     if m:
         torch.library.wrap_triton(up_add)[
             lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]))](
-            c, low, up, out, bounds if bounds is not None else up, m, n, r, segments, alpha,
-            HAS_BOUNDS=bounds is not None, IEEE=c.dtype == torch.float32, LOG_S=_log2(segments),
+            c, low, up, out, m, n, r, alpha, IEEE=c.dtype == torch.float32,
             BR=max(16, triton.next_power_of_2(r)))
     return out
