@@ -334,3 +334,67 @@ def dropout_keeps(p: float = 0.05, width: int = 256, tokens: int = 512,
             outputs[path] = model(x).float()
     diff = (outputs["PEFT"] - outputs["lora.fused_down"]).abs().max().item()
     return rows, diff
+
+
+def sum_kept_for_backward(width: int = 64, tokens: int = 32, r: int = 8) -> list[dict]:
+    """What a compiled layer keeps of one adapted projection (lora.fused_down, dropout 0) that
+    feeds a SiLU, under training.recompute.keeps=matmuls, by autograd's saved tensors: the base's
+    result or the sum base + B(A(x)) s (kit.recipe.lora_down.add_up), with the policy before
+    (`sums` off: the sum recomputed from the kept base) and as compiled layers run it now; and
+    the largest difference of the adapter's gradients from the eager run's."""
+    import logging
+
+    # torch's one-time note that a policy (context_fn) runs under compile: this cell's point
+    notes = [logging.getLogger(n) for n in ("torch._higher_order_ops", "torch._dynamo")]
+    levels = [n.level for n in notes]
+    for n in notes:
+        n.setLevel(logging.ERROR)
+    try:
+        return [_kept_once(sums, width, tokens, r) for sums in (False, True)]
+    finally:
+        for n, level in zip(notes, levels, strict=True):
+            n.setLevel(level)
+
+
+def _kept_once(sums: bool, width: int, tokens: int, r: int) -> dict:
+    import functools
+
+    from peft import LoraConfig, get_peft_model
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from kit.recipe import lora_down
+    from kit.recipe.recompute import save_policy
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(width, 4 * width, bias=False))
+    model = get_peft_model(base, LoraConfig(r=r, target_modules=["0"], lora_dropout=0.0))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    lora_down.enable(model)
+    layer = model.base_model.model[0]
+    x = torch.randn(tokens, width)
+    with torch.no_grad():
+        adapted, plain = layer(x), layer.base_layer(x)
+    params = [p for p in model.parameters() if p.requires_grad]
+    eager = torch.autograd.grad(torch.nn.functional.silu(layer(x)).sum(), params)
+    context = functools.partial(create_selective_checkpoint_contexts,
+                                save_policy("matmuls", rank=r, mlp_width=4 * width, sums=sums))
+
+    def gate(x):
+        return torch.nn.functional.silu(layer(x))
+
+    block = torch.compile(lambda x: checkpoint(gate, x, use_reentrant=False, context_fn=context))
+    kept: list = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        out = block(x)
+    grads = torch.autograd.grad(out.sum(), params)
+    torch._dynamo.reset()
+
+    def held(want):
+        return any(t.shape == want.shape and torch.allclose(t, want, atol=1e-5) for t in kept)
+
+    return {"policy": "sum kept (compiled layers)" if sums else "base kept (before)",
+            "keeps base + B(A(x)) s": held(adapted), "keeps the base's result": held(plain),
+            "gradient difference from eager": max(
+                (g - e).abs().max().item() for g, e in zip(grads, eager, strict=True))}
