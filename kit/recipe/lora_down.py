@@ -2,7 +2,7 @@
 
     low = lora_down(x, a, bounds, rows, seed, threshold)   # (M, R) = (x * keep) @ a[s]^T
     parts = lows(x, downs, p)                              # adapters reading x: A(drop(x))
-    y = add_up(result, part, up, scale / (1 - p))          # result + B(part) s/(1-p): one addmm
+    y = add_up(result, part, up, scale / (1 - p))          # result + B(part) s/(1-p): one op
     enable(peft_model)                                     # lora.fused_down: every adapter
 
 `x` (M, K) holds M rows in S contiguous segments (`bounds`: int32 (S + 1,) segment starts and
