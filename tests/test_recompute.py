@@ -386,8 +386,8 @@ def test_tiled_mlp_under_fsdp2_learns_the_same(tmp_path):
 
 
 def test_compiled_matmuls_policy_keeps_the_adapted_sum_not_the_base():
-    """lora.fused_down's up-projection is one addmm onto the base's result
-    (kit.recipe.lora_down.add_up); a compiled layer under `matmuls` keeps that sum for backward
+    """lora.fused_down's up-projection is one op onto the base's result
+    (kit.recipe.lora_down.add_up: torch.addmm on the CPU, a Triton kernel on CUDA); a compiled layer under `matmuls` keeps that sum for backward
     (gate and up feed SiLU's gradient) and not the base's result, so backward neither runs the
     up-projection again nor reads base and delta to add them. Dropout off: the compiled run's
     kept tensors are compared with the eager run's values of both."""
