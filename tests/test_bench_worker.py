@@ -56,3 +56,24 @@ def test_profile_tells_launches_and_waits_on_the_gpu_from_the_ops():
     assert got["launches"] == 1000 and got["waits_ms"] == 250.0
     assert list(got["runtime_ms"])[0] == "cudaStreamSynchronize"
     assert got["ops_self_ms"] == 12.1 and got["top_ops_ms"][0] == ["aten::index", 96, 9.0]
+
+
+def test_idle_names_what_the_host_did_while_the_gpu_waited():
+    """idle: the GPU's lead-in, tail and gaps between kernels (any stream, overlaps merged), each
+    gap named by the ops holding the CPU at its middle (outer > inner, on the thread of the
+    longest), "python" where none did; gaps under the threshold are not counted."""
+    spans = [(1000, 5000), (4000, 10000), (30000, 40000), (40010, 50000), (90000, 95000)]  # us
+    host = [(0, 100000, "step", 1),
+            (12000, 29000, "aten::item", 1), (13000, 28000, "cudaStreamSynchronize", 1),
+            (60000, 70000, "autograd::engine::evaluate_function: MmBackward0", 2),
+            (61000, 69000, "aten::mm", 2)]
+    got = profiling.idle(spans, host, 0.0, 100000.0)
+    assert got["lead_ms"] == 1.0 and got["tail_ms"] == 5.0
+    assert got["gaps_ms"] == 60.0  # 10-30 and 50-90 ms; the 10 us at 40 ms is under 20 us
+    # 10-30 ms: middle 20, thread 1 holds step > aten::item > sync; 50-90: middle 70 is the
+    # backward op's end, so thread 1's step (the longest) names it
+    assert got["by_host_ms"] == [["step", 40.0, 1], ["step > cudaStreamSynchronize", 20.0, 1]]
+    assert [g[0] for g in got["longest"]] == ["step", "step > cudaStreamSynchronize"]
+    assert got["longest"][0][1:] == [50.0, 40.0]
+    bare = profiling.idle(spans, [], 0.0, 100000.0)
+    assert bare["by_host_ms"] == [["python", 60.0, 2]]

@@ -39,11 +39,70 @@ def kernel_family(name: str) -> str:
                 "other eager kernels")
 
 
-def profile_step(run, batch: dict) -> dict:
+def idle(spans: list[tuple[float, float]], host: list[tuple[float, float, str, int]],
+         start: float, end: float, least_us: float = 20.0) -> dict:
+    """Where the GPU sat idle in a profiled step, and what the host was doing then. `spans`:
+    kernel (start, end) in us, any streams; `host`: CPU ops (start, end, name, thread); `start`,
+    `end`: the step's bounds. lead: before the first kernel; tail: after the last; gaps: the
+    idle stretches of at least `least_us` between kernels, each named by the host op that held
+    the CPU at its middle on the thread of the longest such op (outer > inner; "python" where no
+    op held it: the interpreter between ops), summed by name, the costliest first, and the
+    eight longest with their offsets from the step's start (ms). What idles the GPU mid-step is
+    a read-back (a synchronize in an op) or a host that queues kernels slower than they run."""
+    spans = sorted(spans)
+    if not spans:
+        return {"lead_ms": round((end - start) / 1e3, 1), "tail_ms": 0.0, "gaps_ms": 0.0,
+                "by_host_ms": [], "longest": []}
+    gaps, reach = [], spans[0][1]
+    for a, b in spans[1:]:
+        if a - reach >= least_us:
+            gaps.append((reach, a))
+        reach = max(reach, b)
+    mids = sorted(((a + b) / 2, a, b) for a, b in gaps)
+    stacks: dict[int, list] = {}  # per thread, at each middle in turn: the ops holding the CPU
+    for thread in {h[3] for h in host}:
+        ops = sorted((h for h in host if h[3] == thread), key=lambda h: (h[0], -h[1]))
+        stack, i, at = [], 0, []
+        for t, _, _ in mids:  # ops nest on a thread: a stack, swept once
+            while i < len(ops) and ops[i][0] <= t:
+                while stack and stack[-1][1] <= ops[i][0]:
+                    stack.pop()
+                stack.append(ops[i])
+                i += 1
+            while stack and stack[-1][1] <= t:
+                stack.pop()
+            at.append(list(stack))
+        stacks[thread] = at
+    named = []
+    for j, (_, a, b) in enumerate(mids):
+        held = [st[j] for st in stacks.values() if st[j]]
+        if not held:
+            named.append(("python", a, b))
+            continue
+        chain = max(held, key=lambda st: st[0][1] - st[0][0])  # the longest outer op's thread
+        outer, inner = chain[0][2][:60], chain[-1][2][:60]
+        named.append((outer if outer == inner else f"{outer} > {inner}", a, b))
+    by_name: dict[str, list] = {}
+    for name, a, b in named:
+        row = by_name.setdefault(name, [name, 0.0, 0])
+        row[1] += b - a
+        row[2] += 1
+    longest = sorted(named, key=lambda g: g[1] - g[2])[:8]
+    return {"lead_ms": round((spans[0][0] - start) / 1e3, 1),
+            "tail_ms": round(max(0.0, end - reach) / 1e3, 1),
+            "gaps_ms": round(sum(b - a for a, b in gaps) / 1e3, 1),
+            "by_host_ms": [[n, round(us / 1e3, 2), c] for n, us, c in
+                           sorted(by_name.values(), key=lambda r: -r[1])[:10]],
+            "longest": [[n, round((a - start) / 1e3, 1), round((b - a) / 1e3, 2)]
+                        for n, a, b in longest]}
+
+
+def profile_step(run, batch: dict, trace: str | None = None) -> dict:
     """One more step under torch.profiler: GPU time per kernel family, the 20 costliest
     kernels and the 15 costliest of "other eager kernels" (with their launches: what that
-    family is made of), plus the share of the step the GPU sat idle (launch overhead, host syncs), and
-    where the host's time went (host_side)."""
+    family is made of), plus the share of the step the GPU sat idle (launch overhead, host syncs),
+    where the host's time went (host_side) and what it was doing while the GPU waited (idle).
+    `trace`: a path to write the whole timeline to (Chrome's trace format, gzipped)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize(run.env.device)
@@ -52,11 +111,21 @@ def profile_step(run, batch: dict) -> dict:
         run.step(batch)
         torch.cuda.synchronize(run.env.device)
     wall_ms = (time.perf_counter() - t) * 1e3
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
                and not _is_annotation(e.name)]
     by_family: dict[str, float] = {}
     by_name: dict[str, float] = {}
     launched: dict[str, int] = {}
+    if trace:  # the whole timeline, for chrome://tracing or Perfetto
+        import gzip
+        import os
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+            with open(os.path.join(tmp, "trace.json"), "rb") as f, gzip.open(trace, "wb") as out:
+                out.write(f.read())
     spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
     busy, end = 0.0, float("-inf")
     for a, b in spans:  # union of kernel intervals over all streams
@@ -75,7 +144,11 @@ def profile_step(run, batch: dict) -> dict:
                             sorted(by_family.items(), key=lambda kv: -kv[1])},
             "top_kernels_ms": [[n[:90], round(v / 1e3, 2)] for n, v in top],
             "top_eager_ms": [[n[:200], round(v / 1e3, 2), launched[n]] for n, v in eager],
-            "host": host_side(prof.key_averages())}
+            "host": host_side(prof.key_averages()),
+            "idle": idle(spans, [(e.time_range.start, e.time_range.end, e.name, e.thread)
+                                 for e in events if e.device_type != torch.autograd.DeviceType.CUDA],
+                         min(e.time_range.start for e in events),
+                         max(e.time_range.end for e in events))}
 
 
 def host_side(averages) -> dict:

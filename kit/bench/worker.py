@@ -310,7 +310,11 @@ def worker(this: experiment.Case) -> None:
               "peak_alloc_gib": alloc, "peak_reserved_gib": reserved,
               "loss_first": steps["losses"][0], "loss_last": steps["losses"][-1]})
     if case.get("profile") and env.device.type == "cuda" and not oom and run.batches:
-        emit({"kind": "profile", "batch": size, **profile_step(run, run.batch(step_no, size))})
+        # `profile: trace` also writes the step's timeline beside the rows (Perfetto reads it)
+        trace = (str(rows_file.with_name(f"{name}.trace.json.gz"))
+                 if case["profile"] == "trace" and env.is_main else None)
+        emit({"kind": "profile", "batch": size,
+              **profile_step(run, run.batch(step_no, size), trace)})
     seconds = round(time.perf_counter() - started, 1)
     emit({"kind": "done", "seconds": seconds})
     if env.is_main:  # the run folder's result: kit.run.launch.Run reads the case as completed
