@@ -70,3 +70,26 @@ def test_fsdp1_on_one_process_is_refused_before_loading(tmp_path):
     with pytest.raises(ConfigError, match=re.escape(line)):
         engines.get("fsdp1").check(cfg, world_size=1)
     engines.get("fsdp1").check(cfg, world_size=2)
+
+
+@pytest.mark.parametrize("model", ["kit:tiny-llama", "kit:tiny-qwen3-moe"])
+def test_fsdp2_on_a_group_of_one_leaves_the_frozen_weights_alone(group_of_one, model):
+    """On one rank FSDP2 has nothing to shard, yet each gather copies every parameter of a unit;
+    the frozen ones (4-bit weights, norms, the embeddings, a MoE's expert stacks and router)
+    stay plain tensors as loaded (ignored_params), the adapters are FSDP2's (DTensors, their
+    compute copy cast to bf16), and a step gives every adapter a gradient."""
+    from torch.distributed.tensor import DTensor
+
+    from kit.recipe import model as kmodel
+
+    cfg = load_config(None, [f"model.name={model}", "data.max_seq_len=16"])
+    built = kmodel.build(cfg, torch.device("cpu"))
+    wrapped = engines.get("fsdp2").wrap(built.model, cfg, torch.device("cpu"))
+    params = dict(wrapped.named_parameters())
+    frozen = {n for n, p in params.items() if not p.requires_grad}
+    assert frozen and not any(isinstance(params[n], DTensor) for n in frozen)
+    trainable = [p for p in params.values() if p.requires_grad]
+    assert trainable and all(isinstance(p, DTensor) for p in trainable)
+    ids = torch.randint(3, 100, (2, 16))
+    wrapped(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert all(p.grad is not None for p in trainable)

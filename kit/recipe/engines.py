@@ -81,6 +81,7 @@ class FSDP2(Engine):
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         dtype = DTYPES[cfg.model.dtype]
         kwargs = dict(mesh=mesh, reshard_after_forward=s.reshard_after_forward)
+        frozen = frozen_of if dist.get_world_size() == 1 and not s.cpu_offload else lambda m: None
         if s.mixed_precision and dtype != torch.float32:
             # Gather and compute in the model dtype; reduce (and keep the optimizer's copy) in fp32.
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -91,7 +92,7 @@ class FSDP2(Engine):
         fill = getattr(loading.streamer_of(model), "fill", lambda unit: None)
         for layer in decoder_layers(model):
             fill(layer)
-            fully_shard(layer, **kwargs)
+            fully_shard(layer, **kwargs, ignored_params=frozen(layer))
             keep_quant_state(layer)
         embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
         if head is None or head.weight is not embeddings.weight:
@@ -100,12 +101,13 @@ class FSDP2(Engine):
             # at the peak of memory: 1 GiB for a 128k x 4,096 vocabulary. Tied to the head, it
             # stays there.
             fill(embeddings)
-            fully_shard(embeddings, **kwargs)
+            fully_shard(embeddings, **kwargs, ignored_params=frozen(embeddings))
         fill(model)
         # The root (final norm, output head, tied embeddings) stays gathered from the end of
         # forward into backward: its first use there is the head's, right after the loss, which
         # needs it gathered anyway; resharding it in between would gather it twice per step.
-        fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+        fully_shard(model, **{**kwargs, "reshard_after_forward": False},
+                    ignored_params=frozen(model))
         # Backward ends at the first layer. Left implicit, FSDP2 prefetches there the unit that
         # ran before it in forward, the embeddings, which backward never reaches (they are
         # frozen; kit.recipe.recompute drops transformers' hook that made their output need a
@@ -215,6 +217,17 @@ class DDP(Engine):
 
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (FSDP2(), FSDP1(), DDP())}
+
+
+def frozen_of(module: nn.Module) -> set[nn.Parameter]:
+    """The parameters of `module` that take no gradient: what FSDP2 leaves alone (ignored_params)
+    on a group of one. There it has nothing to shard, yet each gather copies every parameter of
+    the unit, one copy call each (torch's one-rank path), in forward and again in backward:
+    2 x 23 copies a Llama layer a step, on the host's critical path where the host queues the
+    GPU's work (the 4-bit weights, norms and router: no gradient, no cast; they stay as loaded).
+    The adapters keep FSDP2's mixed precision (their bf16 copy is that cast) and reduction.
+    Not with cpu_offload, which keeps every parameter in host memory."""
+    return {p for p in module.parameters() if not p.requires_grad}
 
 
 def get(name: str) -> Engine:
