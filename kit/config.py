@@ -220,6 +220,13 @@ class TrainingConfig:
     # The first step pays the compile (tens of seconds; a new batch shape compiles once more).
     # auto: on GPUs (off on a CPU, with offloaded activations and with MLP tiles).
     compile: bool | Literal["auto"] = "auto"
+    # With compile: the host code that launches a compiled layer's kernels, inductor's Python
+    # (python) or C++ (cpp: its cpp_wrapper; the first step also compiles it, about a minute
+    # more). Where the GPU waits on the host, cpp is the faster: on one H200 the 8B shape at
+    # batch 2 ran 14,121 tokens/s with it (benchmarks/records/2026-11-30-host-overhead-1xh200).
+    # auto: cpp on GPUs for dense models (torch 2.11's C++ wrapper has no grouped GEMM, which a
+    # mixture of experts needs), python elsewhere.
+    compile_wrapper: Literal["auto", "python", "cpp"] = "auto"
     # With compile: the share of a compiled layer's activations kept for backward (1.0: the
     # default partitioner). Below 1, torch's partitioner recomputes the cheapest work in backward
     # (element-wise first, matmuls last) until the kept activations fit this fraction: selective
@@ -500,6 +507,8 @@ def _check_recompute(cfg: Config) -> None:
     t, rc, lo = cfg.training, cfg.training.recompute, cfg.lora
     _need(0 < t.activation_memory_budget <= 1, "training.activation_memory_budget",
           t.activation_memory_budget, "expected a number in (0, 1]")
+    _need(t.compile_wrapper != "cpp" or t.compile is not False, "training.compile_wrapper", "cpp",
+          "only with training.compile=true or auto (it launches a compiled layer's kernels)")
     _need(t.compile is not False or t.activation_memory_budget == 1, "training.activation_memory_budget",
           t.activation_memory_budget, "only 1.0 without training.compile=true (the budget steers "
           "the compiler's recompute)")

@@ -112,8 +112,9 @@ class Recipe:
         self.load.update(peak_host_mib=peaks, seconds=round(
             self.load["seconds"] + time.perf_counter() - wrapping, 2))
         if t.compile:
-            n = recompute.compile_layers(self.model, t.activation_memory_budget)
-            self.say(f"torch.compile: {n} decoder layers" + (
+            wrapper = "python" if t.compile_wrapper == "auto" else t.compile_wrapper
+            n = recompute.compile_layers(self.model, t.activation_memory_budget, wrapper)
+            self.say(f"torch.compile: {n} decoder layers, {wrapper} wrapper" + (
                 f", activation memory budget {t.activation_memory_budget}"
                 if t.activation_memory_budget < 1 else ""))
         trainable = [p for p in self.model.parameters() if p.requires_grad]

@@ -35,6 +35,7 @@ from kit.config import AUTO, Config, ConfigError
 
 # The recipe's plain values: what "auto" means where the kit does not plan (a CPU; plan=off).
 PLAIN = {"training.batch_size": 8, "training.loss": "hf", "training.compile": False,
+         "training.compile_wrapper": "python",
          "training.recompute.keeps": "inputs", "lora.group_inputs": False,
          "lora.fused_down": False,
          "training.offload_activations": False, "training.recompute.mlp_tile_tokens": 0,
@@ -103,7 +104,14 @@ TILED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 #   10 against 15; gpt-oss-20b, batch 5 against 12): 0.145 + INPUTS_EXTRA. Predicted against
 #   measured there: Qwen3-30B-A3B 0.99 (24 and 80 GiB), 1.05 on two GPUs; gpt-oss-20b 0.85 at
 #   both caps (its wider experts, 2,880 against 768, run at a larger share of the peak).
+# - KNEE_TOKENS_CPP: the knee where inductor's C++ wrapper launches the compiled layers' kernels
+#   (training.compile_wrapper=cpp): the host's share of a step is smaller, so small batches run
+#   closer to the ideal rate. On one H200, batch 2 keeping every matmul ran 14,121 tokens/s
+#   against 16,054 at batch 10 (Python wrapper, 2026-11-30-lora-up-add-2xh200; both at 78 GiB's
+#   rate per token): n = 4,096 at 0.868 of the ideal gives ~1,600
+#   (benchmarks/records/2026-11-30-host-overhead-1xh200).
 KNEE_TOKENS = 2350
+KNEE_TOKENS_CPP = 1600
 MOE_PEAK_SHARE = 0.273
 MOE_KNEE_ROWS = 250
 MOE_RERUN_COST = 0.145
@@ -250,12 +258,13 @@ def rerun_share(shape: Shape, keeps: str) -> float:
 
 
 def speed(shape: Shape, seq_len: int, batch: int, keeps: str | None, hw: Hardware,
-          matmul_layers: int = 0, attention_tiles: bool = False) -> float:
+          matmul_layers: int = 0, attention_tiles: bool = False, wrapper: str = "python") -> float:
     """Tokens/s per GPU the step model predicts (relative when the GPU's peak is unknown): a
     micro-step of n tokens runs at n^2 / (n^2 + KNEE_TOKENS^2) of the ideal rate (a mixture of
     experts: r / (r + MOE_KNEE_ROWS) for the r rows each expert gets, at MOE_PEAK_SHARE), slowed
     by what the recompute policy runs twice (in all layers but the `matmul_layers` that keep every
-    matmul), and by attention tiles (ATTENTION_TILES_SPEED)."""
+    matmul), and by attention tiles (ATTENTION_TILES_SPEED). A dense model's layers launched by
+    inductor's C++ wrapper (`wrapper`, training.compile_wrapper) have the knee KNEE_TOKENS_CPP."""
     n = batch * seq_len
     cost = 1.0
     if keeps is not None:  # recompute on
@@ -267,7 +276,8 @@ def speed(shape: Shape, seq_len: int, batch: int, keeps: str | None, hw: Hardwar
         rows = n * shape.active_experts / shape.experts
         knee, share = rows / (rows + MOE_KNEE_ROWS), MOE_PEAK_SHARE
     else:
-        knee, share = n * n / (n * n + KNEE_TOKENS**2), PEAK_SHARE
+        k = KNEE_TOKENS_CPP if wrapper == "cpp" else KNEE_TOKENS
+        knee, share = n * n / (n * n + k**2), PEAK_SHARE
     rate = knee / cost * (ATTENTION_TILES_SPEED if attention_tiles else 1)
     peak = hw.peak_flops
     return rate * share * peak / flops_per_token(shape, seq_len) if peak else rate
@@ -310,12 +320,32 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
         raise ConfigError(f"model.name: {cfg.model.name!r} has no config.json at hand to plan "
                           "from; allowed: a local folder or a cached hub id, or training.plan=off")
     tiles_auto = _loss_and_groups(planned, model_config, facts)
+    wrapper_by = _wrapper(planned, shape, model_config)
     search = _Search(planned, cfg, shape, model_config, tiles_auto)
     best = search.fit()
     search.say_fit()
-    _compile_keeps_batch(planned, shape, best)
+    _compile_keeps_batch(planned, shape, best, wrapper_by)
     _predict(planned, shape)
     return planned
+
+
+def _wrapper(planned: Planned, shape: Shape, model_config: dict | None) -> str | None:
+    """training.compile_wrapper, chosen before the search (the step model's knee depends on it):
+    inductor's C++ wrapper for the dense families it was measured on, compiled under FSDP2; the
+    Python one for a mixture of experts (torch 2.11's C++ wrapper has no `_grouped_mm`) and the
+    rest. Returns why, or None where you set it (said once compile is known)."""
+    out = planned.cfg
+    t = out.training
+    if t.compile_wrapper != AUTO:
+        return None
+    family = (model_config or {}).get("model_type")
+    why = ("a mixture of experts: torch 2.11's C++ wrapper has no grouped GEMM" if shape.experts
+           else f"measured under {MEASURED_ENGINE} only" if out.sharding.engine != MEASURED_ENGINE
+           else f"measured for {', '.join(GROUPED_FAMILIES)} only" if family not in
+           GROUPED_FAMILIES else None)
+    t.compile_wrapper = "python" if why else "cpp"
+    return why or ("C++ launches each compiled layer's kernels: less host time a step "
+                   "(the GPU waits on it at small batches)")
 
 
 def _everywhere(planned: Planned, facts: dict | None) -> None:
@@ -328,6 +358,10 @@ def _everywhere(planned: Planned, facts: dict | None) -> None:
         say(Choice("data.max_seq_len", seq_len, "plan", "the data's longest row (kit.recipe.data)"))
     else:
         say(Choice("data.max_seq_len", seq_len, "you", "set in the config"))
+    if t.compile_wrapper == "cpp" and hw.device != "cuda":
+        raise ConfigError("training.compile_wrapper: 'cpp' is not allowed on a CPU; GPUs only (on "
+                          "a CPU inductor's C++ wrapper cannot compile a recomputed layer's "
+                          "saved random state, torch 2.13); allowed here: python, auto")
     if t.compile == AUTO and t.activation_memory_budget < 1:  # the budget steers the compiler
         t.compile = True
         say(Choice("training.compile", True, "plan", "training.activation_memory_budget < 1 "
@@ -490,8 +524,9 @@ class _Search:
                             else "the MLP's tiles were enough"))
 
 
-def _compile_keeps_batch(planned: Planned, shape: Shape, best) -> None:
-    """Compiled layers where nothing runs outside a compiled graph; the policy and batch found."""
+def _compile_keeps_batch(planned: Planned, shape: Shape, best, wrapper_by: str | None) -> None:
+    """Compiled layers where nothing runs outside a compiled graph, their wrapper (`_wrapper`'s
+    reason, None where you set it); the policy and batch found."""
     out, hw, say = planned.cfg, planned.hardware, planned.choices.append
     t, rc = out.training, out.training.recompute
     if t.compile == AUTO:
@@ -508,6 +543,12 @@ def _compile_keeps_batch(planned: Planned, shape: Shape, best) -> None:
                    if not t.compile else "fuses each layer's element-wise work"))
     elif not any(c.field == "training.compile" for c in planned.choices):
         say(Choice("training.compile", t.compile, "you", "set in the config"))
+    if wrapper_by is None:
+        say(Choice("training.compile_wrapper", t.compile_wrapper, "you", "set in the config"))
+    else:
+        if t.compile is not True:
+            t.compile_wrapper, wrapper_by = "python", "no compiled layers"
+        say(Choice("training.compile_wrapper", t.compile_wrapper, "plan", wrapper_by))
     (keeps, batch), _ = best
     by_keeps = "you" if rc.keeps != AUTO else "plan"
     rc.keeps = keeps if rc.enabled else rc.keeps if rc.keeps != AUTO else "inputs"
@@ -530,7 +571,8 @@ def _predict(planned: Planned, shape: Shape) -> None:
     grouped = not shape.experts or (hw.grouped_gemm and out.training.compile is True)
     planned.tokens_per_s = (speed(shape, seq_len, out.training.batch_size,
                                   rc.keeps if rc.enabled else None, hw, rc.matmul_layers,
-                                  0 < rc.attention_tile_tokens < seq_len)
+                                  0 < rc.attention_tile_tokens < seq_len,
+                                  out.training.compile_wrapper)
                             if hw.peak_flops and grouped else None)
     if not grouped and hw.peak_flops:
         planned.notes.append(
@@ -602,7 +644,8 @@ def _search(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, policies, bat
             need = _fits(cfg, hw, seq_len, shape, batch_size=batch, recompute_keeps=keeps)
             if need is None:
                 break  # a larger batch needs more
-            s = speed(shape, seq_len, batch, keeps if rc.enabled else None, hw, rc.matmul_layers)
+            s = speed(shape, seq_len, batch, keeps if rc.enabled else None, hw, rc.matmul_layers,
+                      wrapper=cfg.training.compile_wrapper)
             if s > best_speed * 1.001:  # a tie goes to the smaller batch (less memory)
                 best, best_speed = ((keeps, batch), need), s
         if not rc.enabled:

@@ -3,7 +3,7 @@
     apply(model, cfg)                                 # what cfg.training.recompute asks for
     enable_activation_checkpointing(model, every=1)   # whole layers: keep only their inputs
     selective_checkpointing(model, "matmuls", r=16)   # keep the matmuls' results, redo the rest
-    compile_layers(model, memory_budget=1.0)          # torch.compile each layer (after sharding)
+    compile_layers(model, 1.0, "cpp")                 # torch.compile each layer (after sharding)
     tile_mlp(model, tokens=8192)                      # each MLP a tile of tokens at a time
 
 Backward needs what forward computed. Keeping all of it costs ~0.4 GiB per decoder layer and
@@ -265,8 +265,13 @@ def apply(model, cfg) -> list[int]:
                                    compiled=cfg.training.compile is True)
 
 
-def compile_layers(model, memory_budget: float = 1.0) -> int:
+def compile_layers(model, memory_budget: float = 1.0, wrapper: str = "python") -> int:
     """torch.compile the forward of every decoder layer, in place; returns how many.
+
+    `wrapper` (training.compile_wrapper): the host code inductor generates to launch a layer's
+    kernels, Python or C++ (its cpp_wrapper, compiled once more by the host's C++ compiler). The
+    kernels are the same; the host's time per launch is not, and on small batches the GPU waits
+    for it.
 
     `memory_budget` (training.activation_memory_budget) is torch's activation memory budget for
     the partitioner that splits each compiled layer into forward and backward: 1.0 keeps what the
@@ -281,6 +286,7 @@ def compile_layers(model, memory_budget: float = 1.0) -> int:
 
     functorch_config.activation_memory_budget = memory_budget
     layers = decoder_layers(model)
+    options = {"cpp_wrapper": True} if wrapper == "cpp" else None
     for layer in layers:
-        layer.forward = torch.compile(layer.forward)
+        layer.forward = torch.compile(layer.forward, options=options)
     return len(layers)
