@@ -55,24 +55,22 @@ def test_tiny_cpu_plan_keeps_what_the_config_sets_and_plain_values_for_the_rest(
 
 
 def test_8b_at_24_gib_plans_the_batch_that_was_measured_to_fit():
-    """One GPU capped at 24 GiB. With inductor's C++ wrapper (the default on GPUs for these
-    families) batch 2 keeping every matmul: 14,121 tokens/s and an 18.26 GiB peak on one H200
-    against 12,579 for batch 5 keeping attention's matmuls (benchmarks/records/
-    2026-11-30-host-overhead-1xh200); the estimate still counts the frozen weights' gathered
-    copies a rank of one no longer makes (kit.recipe.engines.frozen_of), ~1.1 GiB high. With the
-    Python wrapper, batch 5 keeping attention's matmuls, which peaked at 21.53 GiB on one H100
-    (2026-11-27-layers-24gib-8b-1xh100) before that change."""
-    cfg = load_config(None, ["model.name=kit:llama-8b", "lora.r=16", "lora.alpha=32"])
-    planned = kplan.plan(cfg, _gpu(1, 24), 2048)
+    """One GPU capped at 24 GiB: batch 5 keeping attention's matmuls, which peaked at 21.53 GiB
+    on one H100 (2026-11-27-layers-24gib-8b-1xh100; FSDP2 then still gathered the frozen
+    weights on one rank). With inductor's C++ wrapper set (training.compile_wrapper=cpp), batch 2
+    keeping every matmul: 14,121 tokens/s and an 18.26 GiB peak on one H200, against 12,579 for
+    batch 5 (benchmarks/records/2026-11-30-host-overhead-1xh200); the estimate still counts the
+    frozen weights' gathered copies a rank of one no longer makes (~1.1 GiB high)."""
+    sets = ["model.name=kit:llama-8b", "lora.r=16", "lora.alpha=32"]
+    planned = kplan.plan(load_config(None, sets), _gpu(1, 24), 2048)
     t = planned.cfg.training
-    assert (t.batch_size, t.recompute.keeps, t.compile_wrapper) == (2, "matmuls", "cpp")
-    assert 18.26 < planned.predicted_gib < 18.26 * 1.12
+    assert (t.batch_size, t.recompute.keeps, t.compile_wrapper) == (5, "attention_matmuls", "python")
+    assert planned.predicted_gib == pytest.approx(21.53, rel=0.01)
     assert t.recompute.matmul_layers == 0  # opt-in: measured ~0.2% a layer
-    python = kplan.plan(load_config(None, ["model.name=kit:llama-8b", "lora.r=16", "lora.alpha=32",
-                                           "training.compile_wrapper=python"]), _gpu(1, 24), 2048)
-    t = python.cfg.training
-    assert (t.batch_size, t.recompute.keeps) == (5, "attention_matmuls")
-    assert python.predicted_gib == pytest.approx(21.53, rel=0.01)
+    cpp = kplan.plan(load_config(None, [*sets, "training.compile_wrapper=cpp"]), _gpu(1, 24), 2048)
+    t = cpp.cfg.training
+    assert (t.batch_size, t.recompute.keeps) == (2, "matmuls")
+    assert 18.26 < cpp.predicted_gib < 18.26 * 1.12
 
 
 def test_layers_keeping_every_matmul_are_counted_when_set():
@@ -103,15 +101,13 @@ def test_8b_on_one_gpu_is_the_fastest_that_fits_by_the_estimate(gib):
     assert planned.needed_gib == pytest.approx(_needed(planned), abs=0.01) and planned.needed_gib <= gib
     assert _needed(planned, batch_size=t.batch_size + 1) > gib
     shape = shape_of("kit:llama-8b")
-    assert t.compile_wrapper == "cpp"
-    best = kplan.speed(shape, 2048, t.batch_size, t.recompute.keeps, planned.hardware,
-                       wrapper="cpp")
+    assert t.compile_wrapper == "python"
+    best = kplan.speed(shape, 2048, t.batch_size, t.recompute.keeps, planned.hardware)
     for keeps in kplan.POLICIES:
         for batch in range(1, kplan.MAX_BATCH + 1):
             if _needed(planned, batch_size=batch, recompute_keeps=keeps) > gib:
                 break
-            assert kplan.speed(shape, 2048, batch, keeps, planned.hardware,
-                               wrapper="cpp") <= best * 1.001
+            assert kplan.speed(shape, 2048, batch, keeps, planned.hardware) <= best * 1.001
     assert planned.tokens_per_s and planned.tokens_per_s == pytest.approx(best)
 
 
@@ -476,31 +472,31 @@ def test_kit_plan_says_the_length_it_planned_for_and_how_long_the_run_takes(caps
     assert auto[-1].startswith("time: ")
 
 
-def test_the_compiled_layers_wrapper_is_cpp_for_measured_dense_families_on_gpus_only():
-    """training.compile_wrapper=auto: inductor's C++ wrapper on a GPU for the dense families it
-    was measured on under FSDP2 (llama, mistral, qwen2, qwen3); Python for a mixture of experts
-    (torch 2.11's C++ wrapper has no grouped GEMM), other engines and on a CPU; yours is kept;
-    cpp on a CPU is refused in one line before anything runs."""
-    def planned(*sets, hw=None):
-        cfg = load_config(None, ["lora.r=16", *sets])
-        return kplan.plan(cfg, hw or _gpu(1, 80, "NVIDIA H200"), 2048)
+def test_the_compiled_layers_wrapper_is_python_unless_you_set_cpp_where_it_can_run():
+    """training.compile_wrapper: auto is inductor's Python wrapper, and for the dense families
+    where the C++ one was measured the plan says what setting it gave; yours is kept (with cpp
+    the step model's knee is KNEE_TOKENS_CPP); cpp is refused in one line before anything runs
+    for a mixture of experts (torch 2.11's C++ wrapper has no grouped GEMM) and on a CPU."""
+    h200 = kplan.Hardware("cuda", 1, 80, "NVIDIA H200", fp8=True, grouped_gemm=True, triton=True)
+
+    def planned(*sets, hw=h200):
+        return kplan.plan(load_config(None, ["lora.r=16", *sets]), hw, 2048)
 
     def choice(p):
         return next((c.value, c.by, c.why) for c in p.choices if c.field == "training.compile_wrapper")
 
     dense = planned("model.name=kit:llama-8b")
-    assert dense.cfg.training.compile_wrapper == "cpp" and choice(dense)[1] == "plan"
-    moe = planned("model.name=kit:qwen3-30b-a3b", hw=kplan.Hardware(
-        "cuda", 1, 80, "NVIDIA H200", fp8=True, grouped_gemm=True, triton=True))
-    assert moe.cfg.training.compile is True
+    assert choice(dense)[:2] == ("python", "plan") and "14,121 tokens/s" in choice(dense)[2]
+    mine = planned("model.name=kit:llama-8b", "training.compile_wrapper=cpp")
+    assert choice(mine)[:2] == ("cpp", "you") and mine.cfg.training.compile is True
+    shape = shape_of("kit:llama-8b")
+    assert (kplan.speed(shape, 2048, 2, "matmuls", h200, wrapper="cpp")
+            > kplan.speed(shape, 2048, 2, "matmuls", h200))  # a smaller knee
+    moe = planned("model.name=kit:qwen3-30b-a3b")
     assert choice(moe)[:2] == ("python", "plan") and "grouped GEMM" in choice(moe)[2]
-    ddp = planned("model.name=kit:llama-8b", "sharding.engine=ddp", "training.compile=true")
-    assert choice(ddp)[:2] == ("python", "plan") and "fsdp2" in choice(ddp)[2]
-    mine = planned("model.name=kit:llama-8b", "training.compile_wrapper=python")
-    assert choice(mine)[:2] == ("python", "you")
-    cpu = kplan.plan(load_config(None, ["model.name=kit:tiny-llama"]), kplan.Hardware("cpu", 2),
-                     64)
-    assert cpu.cfg.training.compile_wrapper == "python"
+    with pytest.raises(ConfigError, match=r"^training.compile_wrapper: 'cpp' is not allowed for a mixture"):
+        planned("model.name=kit:qwen3-30b-a3b", "training.compile_wrapper=cpp")
+    cpu = kplan.Hardware("cpu", 2)
+    assert planned("model.name=kit:tiny-llama", hw=cpu).cfg.training.compile_wrapper == "python"
     with pytest.raises(ConfigError, match=r"^training.compile_wrapper: 'cpp' is not allowed on a CPU"):
-        kplan.plan(load_config(None, ["model.name=kit:tiny-llama", "training.compile_wrapper=cpp"]),
-                   kplan.Hardware("cpu", 2), 64)
+        planned("model.name=kit:tiny-llama", "training.compile_wrapper=cpp", hw=cpu)

@@ -271,7 +271,9 @@ def compile_layers(model, memory_budget: float = 1.0, wrapper: str = "python") -
     `wrapper` (training.compile_wrapper): the host code inductor generates to launch a layer's
     kernels, Python or C++ (its cpp_wrapper, compiled once more by the host's C++ compiler). The
     kernels are the same; the host's time per launch is not, and on small batches the GPU waits
-    for it.
+    for it. Process-wide, as the memory budget: passed as one compile's options (torch.compile's
+    `options`) it reached the forward graph only, and the backward graph, compiled later, failed
+    ("CudaKernelParamCache not populated", torch 2.11, one H200).
 
     `memory_budget` (training.activation_memory_budget) is torch's activation memory budget for
     the partitioner that splits each compiled layer into forward and backward: 1.0 keeps what the
@@ -283,10 +285,11 @@ def compile_layers(model, memory_budget: float = 1.0, wrapper: str = "python") -
     forward (eager), not inside the compiled graph. One compiled code object serves every layer
     (parameters are graph inputs), so the compile is paid once per input shape, not per layer."""
     import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
 
     functorch_config.activation_memory_budget = memory_budget
+    inductor_config.cpp_wrapper = wrapper == "cpp"
     layers = decoder_layers(model)
-    options = {"cpp_wrapper": True} if wrapper == "cpp" else None
     for layer in layers:
-        layer.forward = torch.compile(layer.forward, options=options)
+        layer.forward = torch.compile(layer.forward)
     return len(layers)
