@@ -46,6 +46,27 @@ def shard_whole(model: nn.Module, cfg: Config, device: torch.device) -> nn.Modul
     return model
 
 
+def shard_every(model: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
+    """FSDP2 as torch wraps it, every parameter its own (the kit's engine leaves the frozen ones
+    alone on one rank: kit.recipe.engines.frozen_of)."""
+    return engines.FSDP2(frozen_alone=False).wrap(model, cfg, device)
+
+
+class Copies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the copy_ calls (and their bytes) a step makes: FSDP2's one-rank gather is one
+    copy per parameter of the unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.bytes = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default:
+            self.calls += 1
+            self.bytes += _bytes(args[1])
+        return func(*args, **(kwargs or {}))
+
+
 # --------------------------------------------------------------------------- what each rank holds (04)
 #
 #   torchrun --nproc_per_node=2 -m kit.lab.sharding CONFIG OUT [fsdp2 fsdp1 ddp] [key=value ...]
@@ -111,7 +132,7 @@ def held(model: nn.Module) -> dict[str, dict]:
         local, grad = _local(p), p.grad
         rows[clean_name(name)] = {
             "shape": list(local.shape), "dtype": str(local.dtype).removeprefix("torch."),
-            "bytes": _bytes(local), "trainable": p.requires_grad,
+            "bytes": _bytes(local), "trainable": p.requires_grad, "dtensor": hasattr(p, "to_local"),
             "grad_shape": None if grad is None else list(_local(grad).shape),
             "grad_dtype": None if grad is None else str(grad.dtype).removeprefix("torch."),
         }  # fmt: skip
@@ -278,7 +299,7 @@ def report_rank(cfg: Config, env, out, wrap=shard, label: str = "") -> dict:
     seen, handles = _seen_in_forward(wrapped)
     ids = torch.arange(2 * 16, device=env.device).reshape(2, 16) % 100 + 3
     timeline = Timeline(wrapped)
-    with Collectives() as collectives, timeline:  # one training step's forward and backward
+    with Collectives() as collectives, timeline, Copies() as copies:  # one step's forward, backward
         loss = wrapped(input_ids=ids, labels=ids).loss
         timeline.mark("backward")
         loss.backward()
@@ -299,6 +320,7 @@ def report_rank(cfg: Config, env, out, wrap=shard, label: str = "") -> dict:
         "collectives": collectives,
         "timeline": timeline.segments() if timeline.units else None,
         "plain_save": saved,
+        "copies": {"calls": copies.calls, "bytes": copies.bytes},
     }  # fmt: skip
 
 
@@ -310,10 +332,12 @@ EXPERIMENT = experiment.Experiment(
     cases={**{e: (lambda case: report_rank(case.cfg, case.env, case.out))
               for e in ("fsdp2", "fsdp1", "ddp")},
            "fsdp2-whole": lambda case: report_rank(case.cfg, case.env, case.out, shard_whole,
-                                                   "fsdp2-whole")},
+                                                   "fsdp2-whole"),
+           "fsdp2-every": lambda case: report_rank(case.cfg, case.env, case.out, shard_every,
+                                                   "fsdp2-every")},
     row_path=lambda out, engine, rank: out / engine / f"rank{rank}.json",
     row=lambda case, got, error, trace: got,
-    overrides=lambda engine: [f"sharding.engine={engine.removesuffix('-whole')}"],
+    overrides=lambda engine: [f"sharding.engine={engine.split('-')[0]}"],
 )
 
 if __name__ == "__main__":

@@ -218,3 +218,19 @@ def one_unit(report: dict[str, list[dict]], engines=("fsdp2", "fsdp2-whole")) ->
                      "most bytes gathered": tl["peak_gathered_bytes"],
                      "x the model": round(tl["peak_gathered_bytes"] / model, 2)})  # fmt: skip
     return rows
+
+
+def one_rank_copies(report: dict) -> list[dict]:
+    """Per wrap of a one-rank report (fsdp2: the kit's; fsdp2-every: as torch wraps it): the
+    copy_ calls and bytes of one step, and how many frozen parameters FSDP2 made its own."""
+    rows = []
+    for engine, ranks in report.items():
+        params = ranks[0]["params"]
+        frozen = [p for p in params.values() if not p.get("trainable")]
+        rows.append({"wrap": {"fsdp2": "the kit's FSDP2 (frozen weights alone)",
+                              "fsdp2-every": "FSDP2 as torch wraps it"}.get(engine, engine),
+                     "copy_ calls a step": ranks[0]["copies"]["calls"],
+                     "bytes copied": ranks[0]["copies"]["bytes"],
+                     "frozen params FSDP2 holds": sum(bool(p.get("dtensor")) for p in frozen),
+                     "frozen params": len(frozen)})
+    return rows

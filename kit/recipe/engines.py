@@ -72,6 +72,9 @@ class FSDP2(Engine):
 
     name = "fsdp2"
 
+    def __init__(self, frozen_alone: bool = True):
+        self.frozen_alone = frozen_alone  # on one rank (frozen_of); False: as torch wraps it
+
     def wrap(self, model, cfg, device):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -81,7 +84,8 @@ class FSDP2(Engine):
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         dtype = DTYPES[cfg.model.dtype]
         kwargs = dict(mesh=mesh, reshard_after_forward=s.reshard_after_forward)
-        frozen = frozen_of if dist.get_world_size() == 1 and not s.cpu_offload else lambda m: None
+        alone = self.frozen_alone and dist.get_world_size() == 1 and not s.cpu_offload
+        frozen = frozen_of if alone else lambda m: None
         if s.mixed_precision and dtype != torch.float32:
             # Gather and compute in the model dtype; reduce (and keep the optimizer's copy) in fp32.
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
