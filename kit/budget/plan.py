@@ -107,9 +107,9 @@ TILED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # - KNEE_TOKENS_CPP: the knee where inductor's C++ wrapper launches the compiled layers' kernels
 #   (training.compile_wrapper=cpp): the host's share of a step is smaller, so small batches run
 #   closer to the ideal rate. On one H200, batch 2 keeping every matmul ran 14,121 tokens/s
-#   against 16,054 at batch 10 (Python wrapper, 2026-11-30-lora-up-add-2xh200; both at 78 GiB's
-#   rate per token): n = 4,096 at 0.868 of the ideal gives ~1,600
-#   (benchmarks/records/2026-11-30-host-overhead-1xh200).
+#   (benchmarks/records/2026-11-30-host-overhead-1xh200); taking batch 10 keeping every matmul
+#   at 78 GiB (16,054, Python wrapper, 2026-11-30-lora-up-add-2xh200) as the ideal rate,
+#   n = 4,096 ran at 0.868 of it: ~1,600.
 KNEE_TOKENS = 2350
 KNEE_TOKENS_CPP = 1600
 MOE_PEAK_SHARE = 0.273
