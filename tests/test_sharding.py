@@ -10,11 +10,14 @@ from kit.lab import sharding_report
 
 
 def test_fsdp2_report_of_one_rank(group_of_one, tmp_path):
-    from kit.lab.sharding import report_rank
+    """The report's bookkeeping on one rank, FSDP2 as torch wraps it (every parameter its own:
+    kit.lab.sharding.shard_every; the kit's engine leaves the frozen weights alone on one rank,
+    so its root and embeddings hold nothing to gather there)."""
+    from kit.lab.sharding import report_rank, shard_every
 
     cfg = load_config(None, ["sharding.engine=fsdp2", "training.device=cpu"])
     torch.manual_seed(cfg.training.seed)
-    row = report_rank(cfg, group_of_one, tmp_path)
+    row = report_rank(cfg, group_of_one, tmp_path, shard_every, "fsdp2")
     # Units: each decoder layer, the input embeddings (a unit of their own), the root ('').
     assert row["units"] == ["", "base_model.model.model.embed_tokens",
                             "base_model.model.model.layers.0", "base_model.model.model.layers.1"]
