@@ -451,15 +451,19 @@ def test_the_cpp_wrapper_computes_what_the_python_wrapper_does():
                              "lora.fused_down=true", "lora.group_inputs=true"])
     ids = torch.randint(3, 100, (2, 64), device="cuda")
     got = {}
-    for wrapper in ("python", "cpp"):
+    try:
+        for wrapper in ("python", "cpp"):
+            torch._dynamo.reset()
+            model = kmodel.build(cfg, torch.device("cuda")).model
+            compile_layers(model, 1.0, wrapper)
+            torch.manual_seed(0)
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            got[wrapper] = (loss.item(), torch.cat([p.grad.flatten().float() for p in
+                                                    model.parameters() if p.requires_grad]))
+    finally:  # compile_layers sets the wrapper process-wide: the next tests compile as before
+        torch._inductor.config.cpp_wrapper = False
         torch._dynamo.reset()
-        model = kmodel.build(cfg, torch.device("cuda")).model
-        compile_layers(model, 1.0, wrapper)
-        torch.manual_seed(0)
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        got[wrapper] = (loss.item(), torch.cat([p.grad.flatten().float() for p in
-                                                model.parameters() if p.requires_grad]))
     (lp, gp), (lc, gc) = got["python"], got["cpp"]
     assert lc == pytest.approx(lp, rel=1e-3)
     assert torch.nn.functional.cosine_similarity(gp, gc, dim=0) > 0.999 and gc.abs().sum() > 0
