@@ -462,7 +462,9 @@ def test_the_cpp_wrapper_computes_what_the_python_wrapper_does():
             got[wrapper] = (loss.item(), torch.cat([p.grad.flatten().float() for p in
                                                     model.parameters() if p.requires_grad]))
     finally:  # compile_layers sets the wrapper process-wide: the next tests compile as before
-        torch._inductor.config.cpp_wrapper = False
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp_wrapper = False
         torch._dynamo.reset()
     (lp, gp), (lc, gc) = got["python"], got["cpp"]
     assert lc == pytest.approx(lp, rel=1e-3)
