@@ -55,22 +55,23 @@ def test_tiny_cpu_plan_keeps_what_the_config_sets_and_plain_values_for_the_rest(
 
 
 def test_8b_at_24_gib_plans_the_batch_that_was_measured_to_fit():
-    """One GPU capped at 24 GiB: batch 5 keeping attention's matmuls, which peaked at 21.53 GiB
-    on one H100 (2026-11-27-layers-24gib-8b-1xh100; FSDP2 then still gathered the frozen
-    weights on one rank). With inductor's C++ wrapper set (training.compile_wrapper=cpp), batch 2
-    keeping every matmul: 14,121 tokens/s and an 18.26 GiB peak on one H200, against 12,579 for
-    batch 5 (benchmarks/records/2026-11-30-host-overhead-1xh200); the estimate still counts the
-    frozen weights' gathered copies a rank of one no longer makes (~1.1 GiB high)."""
+    """One GPU capped at 24 GiB: inductor's C++ wrapper and batch 2 keeping every matmul, which
+    ran 14,121 tokens/s and peaked at 18.26 GiB on one H200 against 12,579 for batch 5
+    (benchmarks/records/2026-11-30-host-overhead-1xh200; the estimate still counts the frozen
+    weights' gathered copies a rank of one no longer makes, ~1.1 GiB high). With the Python
+    wrapper set: batch 5 keeping attention's matmuls, which peaked at 21.53 GiB on one H100
+    (2026-11-27-layers-24gib-8b-1xh100; FSDP2 then still gathered the frozen weights)."""
     sets = ["model.name=kit:llama-8b", "lora.r=16", "lora.alpha=32"]
     planned = kplan.plan(load_config(None, sets), _gpu(1, 24), 2048)
     t = planned.cfg.training
-    assert (t.batch_size, t.recompute.keeps, t.compile_wrapper) == (5, "attention_matmuls", "python")
-    assert planned.predicted_gib == pytest.approx(21.53, rel=0.01)
+    assert (t.batch_size, t.recompute.keeps, t.compile_wrapper) == (2, "matmuls", "cpp")
+    assert 18.26 < planned.predicted_gib < 18.26 * 1.12
     assert t.recompute.matmul_layers == 0  # opt-in: measured ~0.2% a layer
-    cpp = kplan.plan(load_config(None, [*sets, "training.compile_wrapper=cpp"]), _gpu(1, 24), 2048)
-    t = cpp.cfg.training
-    assert (t.batch_size, t.recompute.keeps) == (2, "matmuls")
-    assert 18.26 < cpp.predicted_gib < 18.26 * 1.12
+    python = kplan.plan(load_config(None, [*sets, "training.compile_wrapper=python"]),
+                        _gpu(1, 24), 2048)
+    t = python.cfg.training
+    assert (t.batch_size, t.recompute.keeps) == (5, "attention_matmuls")
+    assert python.predicted_gib == pytest.approx(21.53, rel=0.01)
 
 
 def test_layers_keeping_every_matmul_are_counted_when_set():
@@ -101,13 +102,14 @@ def test_8b_on_one_gpu_is_the_fastest_that_fits_by_the_estimate(gib):
     assert planned.needed_gib == pytest.approx(_needed(planned), abs=0.01) and planned.needed_gib <= gib
     assert _needed(planned, batch_size=t.batch_size + 1) > gib
     shape = shape_of("kit:llama-8b")
-    assert t.compile_wrapper == "python"
-    best = kplan.speed(shape, 2048, t.batch_size, t.recompute.keeps, planned.hardware)
+    w = t.compile_wrapper
+    assert w == "cpp"
+    best = kplan.speed(shape, 2048, t.batch_size, t.recompute.keeps, planned.hardware, wrapper=w)
     for keeps in kplan.POLICIES:
         for batch in range(1, kplan.MAX_BATCH + 1):
             if _needed(planned, batch_size=batch, recompute_keeps=keeps) > gib:
                 break
-            assert kplan.speed(shape, 2048, batch, keeps, planned.hardware) <= best * 1.001
+            assert kplan.speed(shape, 2048, batch, keeps, planned.hardware, wrapper=w) <= best * 1.001
     assert planned.tokens_per_s and planned.tokens_per_s == pytest.approx(best)
 
 
@@ -472,11 +474,12 @@ def test_kit_plan_says_the_length_it_planned_for_and_how_long_the_run_takes(caps
     assert auto[-1].startswith("time: ")
 
 
-def test_the_compiled_layers_wrapper_is_python_unless_you_set_cpp_where_it_can_run():
-    """training.compile_wrapper: auto is inductor's Python wrapper, and for the dense families
-    where the C++ one was measured the plan says what setting it gave; yours is kept (with cpp
-    the step model's knee is KNEE_TOKENS_CPP); cpp is refused in one line before anything runs
-    for a mixture of experts (torch 2.11's C++ wrapper has no grouped GEMM) and on a CPU."""
+def test_the_compiled_layers_wrapper_is_cpp_where_it_was_measured_and_python_elsewhere():
+    """training.compile_wrapper: auto is inductor's C++ wrapper for the dense families where it
+    was measured (GPU, FSDP2, compiled layers; the step model's knee is then KNEE_TOKENS_CPP),
+    the Python wrapper elsewhere, each with why; yours is kept; cpp is refused in one line before
+    anything runs for a mixture of experts (torch 2.11's C++ wrapper has no grouped GEMM) and on a
+    CPU."""
     h200 = kplan.Hardware("cuda", 1, 80, "NVIDIA H200", fp8=True, grouped_gemm=True, triton=True)
 
     def planned(*sets, hw=h200):
@@ -486,12 +489,17 @@ def test_the_compiled_layers_wrapper_is_python_unless_you_set_cpp_where_it_can_r
         return next((c.value, c.by, c.why) for c in p.choices if c.field == "training.compile_wrapper")
 
     dense = planned("model.name=kit:llama-8b")
-    assert choice(dense)[:2] == ("python", "plan") and "14,121 tokens/s" in choice(dense)[2]
-    mine = planned("model.name=kit:llama-8b", "training.compile_wrapper=cpp")
-    assert choice(mine)[:2] == ("cpp", "you") and mine.cfg.training.compile is True
+    assert choice(dense)[:2] == ("cpp", "plan") and "14,121 tokens/s" in choice(dense)[2]
+    assert dense.cfg.training.compile is True
+    mine = planned("model.name=kit:llama-8b", "training.compile_wrapper=python")
+    assert choice(mine)[:2] == ("python", "you")
     shape = shape_of("kit:llama-8b")
     assert (kplan.speed(shape, 2048, 2, "matmuls", h200, wrapper="cpp")
             > kplan.speed(shape, 2048, 2, "matmuls", h200))  # a smaller knee
+    eager = planned("model.name=kit:llama-8b", "training.compile=false")
+    assert choice(eager) == ("python", "plan", "no compiled layers")
+    fsdp1 = planned("model.name=kit:llama-8b", "sharding.engine=fsdp1", "training.compile=true")
+    assert choice(fsdp1)[:2] == ("python", "plan") and "measured for" in choice(fsdp1)[2]
     moe = planned("model.name=kit:qwen3-30b-a3b")
     assert choice(moe)[:2] == ("python", "plan") and "grouped GEMM" in choice(moe)[2]
     with pytest.raises(ConfigError, match=r"^training.compile_wrapper: 'cpp' is not allowed for a mixture"):

@@ -331,11 +331,11 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
 
 def _wrapper(planned: Planned, shape: Shape, model_config: dict | None) -> str | None:
     """training.compile_wrapper, chosen before the search (the step model's knee depends on it):
-    the Python wrapper. inductor's C++ wrapper is yours to choose where it was measured (the
-    dense families of GROUPED_FAMILIES, under FSDP2): its measured run set it process-wide, and
-    the kit's own setting of it has not run on a GPU yet. A mixture of experts cannot take it
-    (torch 2.11's C++ wrapper has no `_grouped_mm`): refused in one line. Returns why, or None
-    where you set it (said once compile is known)."""
+    inductor's C++ wrapper where it was measured (the dense families of GROUPED_FAMILIES, under
+    FSDP2, compile not switched off), the Python wrapper elsewhere. A mixture of experts cannot
+    take it (torch 2.11's C++ wrapper has no `_grouped_mm`): refused in one line. Returns why, or
+    None where you set it (said once compile is known; `_compile_keeps_batch` falls back to the
+    Python wrapper where the layers end up not compiled)."""
     out = planned.cfg
     t = out.training
     if t.compile_wrapper == "cpp" and shape.experts:
@@ -345,14 +345,21 @@ def _wrapper(planned: Planned, shape: Shape, model_config: dict | None) -> str |
     if t.compile_wrapper != AUTO:
         return None
     family = (model_config or {}).get("model_type")
-    measured = (not shape.experts and out.sharding.engine == MEASURED_ENGINE
-                and family in GROUPED_FAMILIES)
-    t.compile_wrapper = "python"
-    return ("training.compile_wrapper=cpp is yours to choose: batch 2 keeping every matmul ran "
-            "14,121 tokens/s against 12,579 for the plan's batch 5 at 24 GiB on one H200 "
-            "(benchmarks/records/2026-11-30-host-overhead-1xh200), its first step a minute longer"
-            if measured else "a mixture of experts: torch 2.11's C++ wrapper has no grouped GEMM"
-            if shape.experts else "inductor's default")
+    if shape.experts:
+        t.compile_wrapper = "python"
+        return "a mixture of experts: torch 2.11's C++ wrapper has no grouped GEMM"
+    if t.compile is False:
+        t.compile_wrapper = "python"
+        return "no compiled layers"
+    if out.sharding.engine != MEASURED_ENGINE or family not in GROUPED_FAMILIES:
+        t.compile_wrapper = "python"
+        return (f"the C++ wrapper was measured for {', '.join(GROUPED_FAMILIES)} under "
+                f"{MEASURED_ENGINE} only")
+    t.compile_wrapper = "cpp"
+    return ("the host launches each layer's kernels from C++: batch 2 keeping every matmul ran "
+            "14,121 tokens/s against 12,579 for batch 5 with the Python wrapper at 24 GiB on one "
+            "H200 (benchmarks/records/2026-11-30-host-overhead-1xh200); the first step takes "
+            "about a minute longer (the host compiles the wrapper)")
 
 
 def _everywhere(planned: Planned, facts: dict | None) -> None:
