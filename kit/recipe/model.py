@@ -75,7 +75,7 @@ def build(cfg: Config, device: torch.device, *, train: bool = True) -> Built:
 
         lora_groups.enable(peft_model, recompute=cfg.lora.recompute)
     recomputed = recompute.apply(peft_model, cfg)
-    kloss.install(peft_model, cfg.training.loss, compiled=cfg.training.compile is True)
+    kloss.install(peft_model, cfg.training.loss)
     peft_model.train()
     for finding in check_checkpointing_active(peft_model):
         raise RuntimeError(str(finding))

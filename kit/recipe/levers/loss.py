@@ -72,72 +72,30 @@ def _targets(labels, shift_labels, ignore_index, num_items_in_batch, device):
 FUSED_CHUNK_LOGITS = 2**26  # logits per chunk: 256 MiB in fp32
 
 
-def _chunk_in_place(hidden, weight, target, ignore_index, scale, want_grad):
-    """One chunk of the fused loss, eager: (the chunk's summed loss, the gradient of its hidden
-    states or None). The fp32 logits are the softmax and then the gradient, in place."""
-    logits = F.linear(hidden, weight).float()
-    lse = torch.logsumexp(logits, dim=-1)
-    valid = target != ignore_index
-    index = target.masked_fill(~valid, 0).unsqueeze(1)
-    loss = ((lse - logits.gather(1, index).squeeze(1)) * valid).sum()
-    if not want_grad:
-        return loss, None
-    probs = logits.sub_(lse.unsqueeze(1)).exp_()  # d(sum of losses)/d(logits) = softmax - one-hot
-    probs.scatter_add_(1, index, -valid.to(probs.dtype).unsqueeze(1))
-    probs.mul_((valid * scale).unsqueeze(1))
-    return loss, probs.to(hidden.dtype) @ weight
-
-
-def _chunk_fused(hidden, weight, target, ignore_index, scale, want_grad):
-    """The same chunk written for torch.compile (training.compile): the one-hot as a comparison
-    with the column index, not a scatter, so that inductor fuses the softmax, the one-hot and the
-    scale into one pass that reads the bf16 logits and writes their bf16 gradient, where eager
-    makes an fp32 copy and walks it six times."""
-    logits = F.linear(hidden, weight).float()
-    lse = torch.logsumexp(logits, dim=-1)
-    valid = target != ignore_index
-    index = target.masked_fill(~valid, 0).unsqueeze(1)
-    loss = ((lse - logits.gather(1, index).squeeze(1)) * valid).sum()
-    if not want_grad:
-        return loss, None
-    hit = torch.arange(logits.shape[1], device=logits.device) == index
-    probs = (logits - lse.unsqueeze(1)).exp() - hit.to(logits.dtype)
-    return loss, (probs * (valid * scale).unsqueeze(1)).to(hidden.dtype) @ weight
-
-
-_compiled_chunk = None
-
-
-def _compiled():
-    """`_chunk_fused` compiled once a process (one graph per chunk shape: the full chunk and the
-    last one)."""
-    global _compiled_chunk
-    if _compiled_chunk is None:
-        _compiled_chunk = torch.compile(_chunk_fused, dynamic=False, fullgraph=True)
-    return _compiled_chunk
-
-
 class _HeadAndLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, ignore_index, denominator, chunk, compiled):
+    def forward(ctx, hidden, weight, target, ignore_index, denominator, chunk):
         total = hidden.new_zeros((), dtype=torch.float32)
-        want_grad = ctx.needs_input_grad[0]
-        grad = torch.empty_like(hidden) if want_grad else None
-        step = _compiled() if compiled else _chunk_in_place
-        scale = 1 / denominator
+        grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         for start in range(0, hidden.shape[0], chunk):
             part = slice(start, start + chunk)
-            loss, g = step(hidden[part], weight, target[part], ignore_index, scale, want_grad)
-            total += loss
-            if g is not None:
-                grad[part] = g
+            logits = F.linear(hidden[part], weight).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            valid = target[part] != ignore_index
+            index = target[part].masked_fill(~valid, 0).unsqueeze(1)
+            total += ((lse - logits.gather(1, index).squeeze(1)) * valid).sum()
+            if grad is not None:  # d(sum of losses)/d(logits) = softmax - one-hot, per valid row
+                probs = logits.sub_(lse.unsqueeze(1)).exp_()
+                probs.scatter_add_(1, index, -valid.to(probs.dtype).unsqueeze(1))
+                probs.mul_((valid / denominator).unsqueeze(1))
+                grad[part] = probs.to(hidden.dtype) @ weight
         ctx.save_for_backward(grad)
         return total / denominator
 
     @staticmethod
     def backward(ctx, grad_output):
         (grad,) = ctx.saved_tensors
-        return grad * grad_output.to(grad.dtype), None, None, None, None, None, None
+        return grad * grad_output.to(grad.dtype), None, None, None, None, None
 
 
 def fused_causal_lm_loss(
@@ -149,13 +107,11 @@ def fused_causal_lm_loss(
     shift_labels: torch.Tensor | None = None,
     *,
     head: torch.nn.Linear,
-    compiled: bool = False,
     **kwargs: object,
 ) -> torch.Tensor:
     """transformers' ForCausalLMLoss with the output head inside: it takes the hidden states the
     head was given in training (see `install`); after a plain forward (evaluation, no gradient)
-    it is the chunked loss of the real logits. `compiled`: each chunk runs compiled
-    (`_chunk_fused`)."""
+    it is the chunked loss of the real logits."""
     hidden = head.__dict__.pop("_kit_hidden", None)
     if hidden is None:
         return chunked_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch,
@@ -164,8 +120,7 @@ def fused_causal_lm_loss(
     target, denominator = _targets(labels, shift_labels, ignore_index, num_items_in_batch,
                                    hidden.device)
     chunk = max(1, FUSED_CHUNK_LOGITS // vocab_size)
-    return _HeadAndLoss.apply(hidden, head.weight, target, ignore_index, denominator, chunk,
-                              compiled)
+    return _HeadAndLoss.apply(hidden, head.weight, target, ignore_index, denominator, chunk)
 
 
 def _deferred_head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -178,9 +133,8 @@ def _deferred_head(self, hidden: torch.Tensor) -> torch.Tensor:
     return F.linear(hidden, self.weight)
 
 
-def install(model, kind: str, compiled: bool = False) -> None:
-    """Set the loss of a transformers model (or the one inside a PEFT model) by config name;
-    `compiled` (training.compile is true): the fused loss's chunks run compiled."""
+def install(model, kind: str) -> None:
+    """Set the loss of a transformers model (or the one inside a PEFT model) by config name."""
     import functools
     import types
 
@@ -205,4 +159,4 @@ def install(model, kind: str, compiled: bool = False) -> None:
             f"{getattr(getattr(head, 'weight', None), 'requires_grad', '?')}); allowed: hf, chunked"
         )
     head.forward = types.MethodType(_deferred_head, head)
-    inner.loss_function = functools.partial(fused_causal_lm_loss, head=head, compiled=compiled)
+    inner.loss_function = functools.partial(fused_causal_lm_loss, head=head)
