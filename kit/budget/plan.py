@@ -106,12 +106,12 @@ TILED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 #   both caps (its wider experts, 2,880 against 768, run at a larger share of the peak).
 # - KNEE_TOKENS_CPP: the knee where inductor's C++ wrapper launches the compiled layers' kernels
 #   (training.compile_wrapper=cpp): the host's share of a step is smaller, so small batches run
-#   closer to the ideal rate. On one H200, batch 2 keeping every matmul ran 14,121 tokens/s
-#   (benchmarks/records/2026-11-30-host-overhead-1xh200); taking batch 10 keeping every matmul
-#   at 78 GiB (16,054, Python wrapper, 2026-11-30-lora-up-add-2xh200) as the ideal rate,
-#   n = 4,096 ran at 0.868 of it: ~1,600.
+#   closer to the ideal rate. On one H200 in one invocation a cap, batch 2 keeping every matmul
+#   ran 14,023 tokens/s at 24 GiB and batch 10 keeping every matmul 15,682 at 78 GiB
+#   (benchmarks/records/2026-11-30-cpp-default-1xh200): n = 4,096 at 0.894 of n = 20,480, ~1,400
+#   (the first fit, 1,600, took batch 10 with the Python wrapper of another session as the rate).
 KNEE_TOKENS = 2350
-KNEE_TOKENS_CPP = 1600
+KNEE_TOKENS_CPP = 1400
 MOE_PEAK_SHARE = 0.273
 MOE_KNEE_ROWS = 250
 MOE_RERUN_COST = 0.145
@@ -356,10 +356,10 @@ def _wrapper(planned: Planned, shape: Shape, model_config: dict | None) -> str |
         return (f"the C++ wrapper was measured for {', '.join(GROUPED_FAMILIES)} under "
                 f"{MEASURED_ENGINE} only")
     t.compile_wrapper = "cpp"
-    return ("the host launches each layer's kernels from C++: batch 2 keeping every matmul ran "
-            "14,121 tokens/s against 12,579 for batch 5 with the Python wrapper at 24 GiB on one "
-            "H200 (benchmarks/records/2026-11-30-host-overhead-1xh200); the first step takes "
-            "about a minute longer (the host compiles the wrapper)")
+    return ("the host launches each layer's kernels from C++: the plan at 24 GiB ran 14,023 "
+            "tokens/s against 12,502 with the Python wrapper on one H200 "
+            "(benchmarks/records/2026-11-30-cpp-default-1xh200); the first step takes about a "
+            "minute longer (the host compiles the wrapper)")
 
 
 def _everywhere(planned: Planned, facts: dict | None) -> None:
