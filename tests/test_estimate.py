@@ -3,6 +3,8 @@ against the measured H200 reference."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kit.budget.estimate import (
@@ -238,6 +240,26 @@ def test_estimate_of_the_fastest_cases_within_3_percent():
 
     rows = compare_with_reference(REFERENCE_SELECTIVE)
     assert len(rows) == 10 and all(-1 < r["error_pct"] < 3 for r in rows), rows
+
+
+def test_one_rank_leaves_the_frozen_weights_alone_and_the_estimate_follows():
+    """FSDP2 on one rank gathers the adapters only (kit.recipe.engines.frozen_of): a config on
+    one rank estimates without the frozen weights' gathered copies (Setup.frozen_gathered, from
+    the config), ~1.2 GiB less at the 8B shape, and lies 3-6% above the peaks measured since on
+    one H200 (benchmarks/records/2026-11-30-cpp-default-1xh200); two ranks, or cpu_offload, still
+    gather them."""
+    from kit.budget.measured import REFERENCE_ONE_RANK
+
+    rows = compare_with_reference(REFERENCE_ONE_RANK)
+    assert len(rows) == 7 and all(2 < r["error_pct"] < 7 for r in rows), rows
+    sets = ["model.name=kit:llama-8b", "training.batch_size=2", "data.max_seq_len=2048"]
+    one = Setup.from_config(load_config(None, sets), world_size=1)
+    assert not one.frozen_gathered
+    assert Setup.from_config(load_config(None, sets), world_size=2).frozen_gathered
+    assert Setup.from_config(load_config(None, [*sets, "sharding.cpu_offload=true"]),
+                             world_size=1).frozen_gathered
+    gathered = estimate("kit:llama-8b", replace(one, frozen_gathered=True))
+    assert 1.0 < (gathered.total - estimate("kit:llama-8b", one).total) / 2**30 < 1.4
 
 
 def test_qwen2_shape_under_its_peak_by_less_than_the_planners_headroom():

@@ -61,6 +61,10 @@ class Setup:
     cpu_offload: bool = False  # FSDP: shards, grads and optimizer state live in CPU memory
     reshard_after_forward: bool = True  # FSDP2: False keeps every layer gathered until backward
     prefetch_layers: int = 1  # FSDP gathers the next layer while computing this one
+    # FSDP gathers the frozen weights too (4-bit weights, norms, head); False: FSDP2 on one rank
+    # without cpu_offload leaves them alone (kit.recipe.engines.frozen_of) and gathers the
+    # adapters only. True in the references measured before that (kit.budget.measured).
+    frozen_gathered: bool = True
     loading: str = "full"  # model.loading: full | rank0 hold the whole model before sharding;
     # stream: a shard and one unit (auto is stream under FSDP, full under DDP)
     loss: str = "hf"  # training.loss: hf | chunked | fused (kit.recipe.levers.loss: how many logits exist)
@@ -101,6 +105,8 @@ class Setup:
             matmul_layers=cfg.training.recompute.matmul_layers,
             attention=cfg.attention.implementation,
             cpu_offload=cfg.sharding.cpu_offload,
+            frozen_gathered=not (cfg.sharding.engine == "fsdp2" and world_size == 1
+                                 and not cfg.sharding.cpu_offload),
             loading=cfg.model.loading if cfg.model.loading != "auto"
             else "full" if cfg.sharding.engine == "ddp" else "stream",
             reshard_after_forward=cfg.sharding.reshard_after_forward,
@@ -441,11 +447,17 @@ def _communication(est: Estimate, layer_bytes: float) -> None:
         root_params = shape.embedding_params // (2 if own_unit else 1) + shape.hidden
         lora_layer = adapter / shape.layers * a
         gathered_layers = shape.layers if not setup.reshard_after_forward else 1 + setup.prefetch_layers
-        parts["FSDP gathered params"] = root_params * a + gathered_layers * (layer_bytes + lora_layer)
-        notes["FSDP gathered params"] = (
-            f"root unit ({'head' if own_unit else 'embeddings + head'}) + {gathered_layers} "
-            f"unsharded decoder layer(s)"
-        )
+        if setup.frozen_gathered:
+            parts["FSDP gathered params"] = root_params * a + gathered_layers * (layer_bytes + lora_layer)
+            notes["FSDP gathered params"] = (
+                f"root unit ({'head' if own_unit else 'embeddings + head'}) + {gathered_layers} "
+                f"unsharded decoder layer(s)"
+            )
+        else:  # one rank: the frozen weights are used as loaded; the adapters' bf16 copies
+            parts["FSDP gathered params"] = gathered_layers * lora_layer
+            notes["FSDP gathered params"] = (
+                f"the adapters of {gathered_layers} decoder layer(s) (one rank: the frozen "
+                "weights are not gathered)")
     else:
         parts["DDP gradient buckets"] = adapter * setup.adapter_bytes
         notes["DDP gradient buckets"] = "a flat copy of all LoRA gradients for the all-reduce"

@@ -99,6 +99,24 @@ REFERENCE_SELECTIVE = {
                  ("attention_matmuls", 4, True, 10): 22.98},
 }  # fmt: skip
 
+# The kit's plans on one H200 since FSDP2 on one rank leaves the frozen weights alone
+# (kit.recipe.engines.frozen_of; Setup.frozen_gathered False, as Setup.from_config says for one
+# rank): Llama-3-8B shape, compiled layers (the C++ wrapper), fused loss, grouped adapters with
+# dropout; peaks by (training.recompute.keeps, batch, training.recompute.matmul_layers).
+# benchmarks/records/2026-11-30-cpp-default-1xh200 (the plans at 24 and 78 GiB, call 1; the rows
+# with layers keeping every matmul and batch 6, call 2, ran with the fused loss's chunks compiled,
+# which moved batch 2's peak by +0.16 GiB) and 2026-11-30-host-overhead-1xh200 (batch 5).
+REFERENCE_ONE_RANK = {
+    "model": "kit:llama-8b",
+    "keys": ("recompute_keeps", "batch_size", "matmul_layers"),
+    "setup": dict(engine="fsdp2", world_size=1, lora_r=16, seq_len=2048, attention="sdpa",
+                  loss="fused", recompute=True, lora_groups=True, frozen_gathered=False),
+    "peak_gib": {("matmuls", 2, 0): 18.26, ("attention_matmuls", 5, 0): 19.28,
+                 ("matmuls", 10, 0): 67.26, ("attention_matmuls", 3, 24): 21.78,
+                 ("attention_matmuls", 3, 28): 23.09, ("attention_matmuls", 4, 12): 21.84,
+                 ("attention_matmuls", 6, 0): 21.96},
+}  # fmt: skip
+
 # Qwen2.5-7B's shape at 24 GiB on one H100 (benchmarks/records/2026-11-27-layers-24gib-8b-1xh100):
 # the one shape the estimate counts below its measured peak (6-7%), by ~0.3 GiB per added sequence;
 # the planner's headroom (5% and 1 GiB) still covers it.
@@ -118,7 +136,8 @@ COLUMNS = {"recompute": "checkpointing", "batch_size": "batch"}
 
 def compare_with_reference(reference: dict = REFERENCE) -> list[dict]:
     """Estimate vs measured for every row of a reference (REFERENCE, REFERENCE_70B,
-    REFERENCE_KIT_8B, REFERENCE_CONTEXT, REFERENCE_SELECTIVE, REFERENCE_QWEN2_SELECTIVE): each key gives the Setup fields its reference's `keys`
+    REFERENCE_KIT_8B, REFERENCE_CONTEXT, REFERENCE_SELECTIVE, REFERENCE_ONE_RANK,
+    REFERENCE_QWEN2_SELECTIVE): each key gives the Setup fields its reference's `keys`
     name (by default recompute, batch, offload_activations; a shorter key leaves the rest)."""
     rows = []
     for key, measured in reference["peak_gib"].items():
