@@ -229,8 +229,9 @@ class TrainingConfig:
     # batch at 24 GiB (14,023 with no flags, 1.25x unsloth in one invocation:
     # benchmarks/records/2026-11-30-cpp-default-1xh200). GPUs and dense models only (torch
     # 2.11's C++ wrapper has no grouped GEMM, which a mixture of experts needs). auto: the plan's
-    # choice, cpp for the dense families it was measured on (GPU, FSDP2, compiled layers),
-    # python elsewhere and on a CPU.
+    # choice, cpp for the dense families it was measured on (GPU, FSDP2, compiled layers) where
+    # the run's steps repay its compile by the step model (the 8B shape: from ~1,600 steps at 24
+    # GiB), python elsewhere and on a CPU.
     compile_wrapper: Literal["auto", "python", "cpp"] = "auto"
     # With compile: the share of a compiled layer's activations kept for backward (1.0: the
     # default partitioner). Below 1, torch's partitioner recomputes the cheapest work in backward

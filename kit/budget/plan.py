@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 from kit.budget.estimate import Setup, estimate
@@ -110,6 +111,11 @@ TILED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 #   ran 14,023 tokens/s at 24 GiB and batch 10 keeping every matmul 15,682 at 78 GiB
 #   (benchmarks/records/2026-11-30-cpp-default-1xh200): n = 4,096 at 0.894 of n = 20,480, ~1,400
 #   (the first fit, 1,600, took batch 10 with the Python wrapper of another session as the rate).
+# - CPP_COMPILE_S: how much longer the first step takes with inductor's C++ wrapper (the host
+#   compiles the generated C++ once): 66.3 against 19.6 s at 24 GiB and 75.2 against 18.4 s at
+#   78 GiB, the 8B shape on one H200 (benchmarks/records/2026-11-30-cpp-default-1xh200): ~50.
+#   `_cpp_pays` weighs it against what the wrapper saves over the run's steps.
+CPP_COMPILE_S = 50
 KNEE_TOKENS = 2350
 KNEE_TOKENS_CPP = 1400
 MOE_PEAK_SHARE = 0.273
@@ -322,6 +328,8 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
     tiles_auto = _loss_and_groups(planned, model_config, facts)
     wrapper_by = _wrapper(planned, shape, model_config)
     search = _Search(planned, cfg, shape, model_config, tiles_auto)
+    if wrapper_by is not None and planned.cfg.training.compile_wrapper == "cpp":
+        wrapper_by = _cpp_pays(planned, shape, search)
     best = search.fit()
     search.say_fit()
     _compile_keeps_batch(planned, shape, best, wrapper_by)
@@ -331,8 +339,9 @@ def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = No
 
 def _wrapper(planned: Planned, shape: Shape, model_config: dict | None) -> str | None:
     """training.compile_wrapper, chosen before the search (the step model's knee depends on it):
-    inductor's C++ wrapper where it was measured (the dense families of GROUPED_FAMILIES, under
-    FSDP2, compile not switched off), the Python wrapper elsewhere. A mixture of experts cannot
+    inductor's C++ wrapper proposed where it was measured (the dense families of
+    GROUPED_FAMILIES, under FSDP2, compile not switched off; `_cpp_pays` keeps it where the run
+    is long enough), the Python wrapper elsewhere. A mixture of experts cannot
     take it (torch 2.11's C++ wrapper has no `_grouped_mm`): refused in one line. Returns why, or
     None where you set it (said once compile is known; `_compile_keeps_batch` falls back to the
     Python wrapper where the layers end up not compiled)."""
@@ -360,6 +369,45 @@ def _wrapper(planned: Planned, shape: Shape, model_config: dict | None) -> str |
             "tokens/s against 12,502 with the Python wrapper on one H200 "
             "(benchmarks/records/2026-11-30-cpp-default-1xh200); the first step takes about a "
             "minute longer (the host compiles the wrapper)")
+
+
+def _cpp_pays(planned: Planned, shape: Shape, search: _Search) -> str:
+    """training.compile_wrapper where `_wrapper` proposed cpp: the C++ wrapper only where this
+    run is long enough for it to pay, by the step model. Its first step takes CPP_COMPILE_S
+    longer (the host compiles the wrapper); the steps after it run faster where the host bounds
+    them (small batches). The fit in GPU memory with each wrapper (policy and batch), the time
+    each takes for the cpp plan's tokens over training.steps; cpp when what it saves exceeds
+    CPP_COMPILE_S. Sets the value; returns why."""
+    out, hw, seq = planned.cfg, planned.hardware, planned.seq_len
+    t, rc = out.training, out.training.recompute
+    given_offload = t.offload_activations
+    found = {}
+    if given_offload is not True and hw.peak_flops:
+        t.offload_activations = False  # as `_Search.fit` searches GPU memory first
+        for wrapper in ("cpp", "python"):
+            t.compile_wrapper = wrapper
+            found[wrapper] = search._search(search.policies)
+        t.offload_activations = given_offload
+    t.compile_wrapper = "python"
+    if not found or None in found.values():
+        return ("the C++ wrapper was measured where the layers fit in GPU memory on a GPU of "
+                "known peak only")
+    rate = {w: speed(shape, seq, batch, keeps if rc.enabled else None, hw, rc.matmul_layers,
+                     wrapper=w) for w, ((keeps, batch), _) in found.items()}
+    tokens = t.steps * t.grad_accum * found["cpp"][0][1] * seq
+    saved = tokens / rate["python"] - tokens / rate["cpp"]
+    if saved > CPP_COMPILE_S:
+        t.compile_wrapper = "cpp"
+        return (f"the host launches each layer's kernels from C++: ~{saved:,.0f} s saved over "
+                f"{t.steps:,} steps by the step model ({rate['cpp']:,.0f} against "
+                f"{rate['python']:,.0f} tokens/s), more than the ~{CPP_COMPILE_S} s its compile "
+                "adds to the first step (on one H200 at 24 GiB: 14,023 against 12,502 tokens/s, "
+                "benchmarks/records/2026-11-30-cpp-default-1xh200)")
+    pays = (f"; it pays from ~{math.ceil(CPP_COMPILE_S * t.steps / saved):,} steps"
+            if saved > 0 else "")
+    return (f"the C++ wrapper would save ~{max(saved, 0):,.0f} s over {t.steps:,} steps by the "
+            f"step model, less than the ~{CPP_COMPILE_S} s its compile adds to the first step"
+            f"{pays} (training.steps)")
 
 
 def _everywhere(planned: Planned, facts: dict | None) -> None:
