@@ -86,3 +86,36 @@ def test_fused_loss_refuses_heads_it_cannot_fuse():
     capped.config.final_logit_softcapping = 30.0
     with pytest.raises(ConfigError, match="its logits pass through final_logit_softcapping"):
         install(capped, "fused")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_loss_kernel_computes_what_the_eager_chunks_do_at_a_real_vocabulary(monkeypatch, dtype):
+    """The fused loss on a GPU: the Triton pass (kit.recipe.levers.loss_kernel, its larger chunks,
+    the last one shorter) against the eager chunks, at Llama-3's vocabulary with ignored rows:
+    the same loss and hidden-state gradient (fp32: to fp32's rounding; bf16: to bf16's), and the
+    loss alone where no gradient is asked."""
+    from kit.recipe.levers import loss as kloss
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(1100, 1024, device="cuda", dtype=dtype, generator=g)
+    weight = torch.randn(128256, 1024, device="cuda", dtype=dtype, generator=g) * 0.05
+    target = torch.randint(0, 128256, (1100,), device="cuda", generator=g)
+    target[:50] = -100
+    denominator = (target != -100).sum().float()
+    chunk = kloss.FUSED_CHUNK_LOGITS // 128256 // 2  # several chunks on either path
+    got = {}
+    for kernel in (False, True):
+        monkeypatch.setattr(kloss, "_kernel", lambda device, k=kernel: k)
+        h = hidden.clone().requires_grad_()
+        loss = kloss._HeadAndLoss.apply(h, weight, target, -100, denominator, chunk)
+        loss.backward()
+        with torch.no_grad():
+            alone = kloss._HeadAndLoss.apply(hidden, weight, target, -100, denominator, chunk)
+        got[kernel] = (loss.item(), alone.item(), h.grad.float())
+    (le, _, ge), (lk, ak, gk) = got[False], got[True]
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert lk == pytest.approx(le, rel=tol) and ak == pytest.approx(lk, rel=1e-6)
+    assert gk[:50].abs().max() == 0 and gk.abs().sum() > 0  # ignored rows: no gradient
+    assert (ge - gk).abs().max() <= (1e-4 if dtype == torch.float32 else 2e-2) * ge.abs().max()

@@ -70,25 +70,61 @@ def _targets(labels, shift_labels, ignore_index, num_items_in_batch, device):
 # as transformers' path: bf16 head matmul, fp32 softmax, bf16 gradient matmul.
 
 FUSED_CHUNK_LOGITS = 2**26  # logits per chunk: 256 MiB in fp32
+# On a GPU with the kit's Triton kernels the chunk's element-wise pass is one kernel
+# (kit.recipe.levers.loss_kernel) that needs no fp32 copy and writes the gradient over the logits:
+# the same bytes a chunk (2a + 4 a logit, kit.budget.estimate.loss_bytes) then hold 2a+4 / a
+# times the rows, and a step launches that many times fewer chunks.
+
+
+def _kernel(device: torch.device) -> bool:
+    """The chunk's pass runs as the Triton kernel here (kit.recipe.lora_down.available: the
+    planner's Triton rule asked of this device)."""
+    from kit.recipe.lora_down import available
+
+    return available(device)
+
+
+def _chunk_eager(logits, target, ignore_index, scale, want_grad):
+    """One chunk's summed loss in torch ops (the CPU's path, and what the GPU test holds the
+    kernel to); with `want_grad` also d(loss x scale)/d(logits) = (softmax - one-hot) x scale per
+    valid row, in the logits' dtype."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    valid = target != ignore_index
+    index = target.masked_fill(~valid, 0).unsqueeze(1)
+    loss = ((lse - logits.gather(1, index).squeeze(1)) * valid).sum()
+    if not want_grad:
+        return loss, None
+    probs = logits.sub_(lse.unsqueeze(1)).exp_()
+    probs.scatter_add_(1, index, -valid.to(probs.dtype).unsqueeze(1))
+    return loss, probs.mul_((valid * scale).unsqueeze(1))
 
 
 class _HeadAndLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, ignore_index, denominator, chunk):
         total = hidden.new_zeros((), dtype=torch.float32)
-        grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        want_grad = ctx.needs_input_grad[0]
+        grad = torch.empty_like(hidden) if want_grad else None
+        scale = 1 / denominator
+        kernel = _kernel(hidden.device)
+        if kernel:
+            from kit.recipe.levers import loss_kernel
+
+            a = hidden.element_size()
+            chunk = max(1, chunk * (2 * a + 4) // a)
         for start in range(0, hidden.shape[0], chunk):
             part = slice(start, start + chunk)
-            logits = F.linear(hidden[part], weight).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            valid = target[part] != ignore_index
-            index = target[part].masked_fill(~valid, 0).unsqueeze(1)
-            total += ((lse - logits.gather(1, index).squeeze(1)) * valid).sum()
-            if grad is not None:  # d(sum of losses)/d(logits) = softmax - one-hot, per valid row
-                probs = logits.sub_(lse.unsqueeze(1)).exp_()
-                probs.scatter_add_(1, index, -valid.to(probs.dtype).unsqueeze(1))
-                probs.mul_((valid / denominator).unsqueeze(1))
-                grad[part] = probs.to(hidden.dtype) @ weight
+            if kernel:  # the gradient over the logits, in place
+                probs = F.linear(hidden[part], weight)
+                total += loss_kernel.rows(probs, target[part], scale, ignore_index,
+                                          want_grad).sum()
+            else:
+                loss, probs = _chunk_eager(F.linear(hidden[part], weight), target[part],
+                                           ignore_index, scale, want_grad)
+                total += loss
+            if grad is not None:
+                torch.matmul(probs.to(hidden.dtype), weight, out=grad[part])
         ctx.save_for_backward(grad)
         return total / denominator
 
