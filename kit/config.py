@@ -226,8 +226,8 @@ class TrainingConfig:
     # shape at batch 2 keeping every matmul ran 14,121 tokens/s with it (9,830 with neither it
     # nor FSDP2 leaving the frozen weights alone; the plan's batch 5: 12,579), in
     # benchmarks/records/2026-11-30-host-overhead-1xh200; with it the planner takes that
-    # batch at 24 GiB (14,023 in a 2,000-step run's plan, 1.25x unsloth in one invocation:
-    # benchmarks/records/2026-11-30-cpp-default-1xh200). GPUs and dense models only (torch
+    # batch at 24 GiB (14,846 in a 2,000-step run's plan, 1.30x unsloth in one invocation:
+    # benchmarks/records/2026-11-30-loss-kernel-1xh200). GPUs and dense models only (torch
     # 2.11's C++ wrapper has no grouped GEMM, which a mixture of experts needs). auto: the plan's
     # choice, cpp for the dense families it was measured on (GPU, FSDP2, compiled layers) where
     # the run's steps repay its compile by the step model (the 8B shape: from ~1,600 steps at 24

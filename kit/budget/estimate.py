@@ -226,8 +226,10 @@ def loss_bytes(shape: Shape, setup: Setup, tokens: int) -> tuple[float, str]:
       - hf: the logits (a), their fp32 copy, log-probabilities and gradient (12 B) per logit;
       - chunked: the logits and their gradient (2a) whole, one chunk of 4,096 tokens in fp32 (12);
       - fused: no logits of the batch: one chunk of 2^26 logits (the head's output in a, its fp32
-        copy, softmax in place, the gradient cast back in a: 2a + 4 B per logit) and the
-        gradient of the hidden states it keeps for backward (tokens x hidden x a)."""
+        copy, softmax in place, the gradient cast back in a: 2a + 4 B per logit; on a GPU with
+        the kit's Triton kernels the same bytes as (2a + 4) / a times the rows in a, the
+        gradient written over them) and the gradient of the hidden states it keeps for backward
+        (tokens x hidden x a)."""
     a, vocab = DTYPE_BYTES[setup.dtype], shape.vocab
     if setup.loss == "fused":
         chunk = min(tokens, max(1, FUSED_CHUNK_LOGITS // vocab))
