@@ -72,7 +72,7 @@ def _targets(labels, shift_labels, ignore_index, num_items_in_batch, device):
 FUSED_CHUNK_LOGITS = 2**26  # logits per chunk: 256 MiB in fp32
 # On a GPU with the kit's Triton kernels the chunk's element-wise pass is one kernel
 # (kit.recipe.levers.loss_kernel) that needs no fp32 copy and writes the gradient over the logits:
-# the same bytes a chunk (2a + 4 a logit, kit.budget.estimate.loss_bytes) then hold 2a+4 / a
+# the same bytes a chunk (2a + 4 a logit, kit.budget.estimate.loss_bytes) then hold (2a + 4) / a
 # times the rows, and a step launches that many times fewer chunks.
 
 
