@@ -218,7 +218,8 @@ class TrainingConfig:
     # torch.compile each decoder layer (after sharding, so FSDP's hooks stay outside the graph):
     # fuses the norm, rotary, activation, dropout and LoRA element-wise work around the matmuls.
     # The first step pays the compile (tens of seconds; a new batch shape compiles once more).
-    # auto: on GPUs (off on a CPU, with offloaded activations and with MLP tiles).
+    # auto: on GPUs (off on a CPU and with MLP or attention tiles; with offloaded activations
+    # only under whole-layer recompute).
     compile: bool | Literal["auto"] = "auto"
     # With compile: the host code that launches a compiled layer's kernels, inductor's Python
     # (python) or C++ (cpp: its cpp_wrapper, process-wide; the first step also compiles it, about
@@ -578,8 +579,15 @@ def _check_tiles_and_offload(cfg: Config) -> None:
           "training.recompute.lean_norms", rc.lean_norms,
           "only false with training.compile=true or a selective training.recompute.keeps (the "
           "norms' own backward runs outside their graph and policy)")
-    _need(not (t.offload_activations is True and t.compile is True), "training.offload_activations", True,
-          "only without training.compile (compiled layers keep their own saved tensors)")
+    # Offloaded layer inputs pair with compiled layers under whole-layer recompute: the
+    # checkpoint around each compiled layer saves its input through autograd, where the offload
+    # hook sees it as in eager (tests/test_offload.py). A selective policy's matmul results are
+    # kept inside the checkpoint, and without recompute a compiled graph saves its own tensors:
+    # neither was measured offloaded.
+    _need(not (t.offload_activations is True and t.compile is True)
+          or (rc.enabled and rc.keeps in ("inputs", AUTO)), "training.offload_activations", True,
+          "with training.compile=true only under whole-layer recompute "
+          "(training.recompute.enabled=true, keeps=inputs)")
 
 
 def _check_model_and_lora(cfg: Config) -> None:

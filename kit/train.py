@@ -117,6 +117,9 @@ class Recipe:
             self.say(f"torch.compile: {n} decoder layers, {wrapper} wrapper" + (
                 f", activation memory budget {t.activation_memory_budget}"
                 if t.activation_memory_budget < 1 else ""))
+        # What the model holds that the offload hooks leave in place (its 4-bit constants).
+        self.held = (offload.persistent(self.model) if t.offload_activations is True
+                     else frozenset())  # fmt: skip
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = optim.ShardAdamW(trainable, lr=t.lr, weight_decay=t.weight_decay)
         self.scheduler = optim.scheduler(self.optimizer, t)
@@ -176,7 +179,8 @@ class Recipe:
             batch = next(self.train_batches)
             tokens += data.count_tokens(batch)  # on the host: a device value would be read back
             with self.engine.no_sync(self.model, active=micro < accum - 1):
-                with offload.activations(cfg.training.offload_activations, env.device):
+                with offload.activations(cfg.training.offload_activations, env.device,
+                                         held=self.held):
                     loss = self.model(**self._to_device(batch), use_cache=False).loss / accum
                 loss.backward()
             loss_sum += loss.detach()

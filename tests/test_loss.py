@@ -98,6 +98,7 @@ def test_the_loss_kernel_computes_what_the_eager_chunks_do_at_a_real_vocabulary(
     loss alone where no gradient is asked."""
     from kit.recipe.levers import loss as kloss
 
+    assert kloss._kernel(torch.device("cuda"))  # the path training takes on this GPU
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(1100, 1024, device="cuda", dtype=dtype, generator=g)
     weight = torch.randn(128256, 1024, device="cuda", dtype=dtype, generator=g) * 0.05

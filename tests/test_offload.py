@@ -48,7 +48,62 @@ def test_on_a_gpu_the_layers_inputs_go_to_host_memory_and_come_back_exact():
     assert offloader.moved >= 2 and offloader.moved_bytes >= 2 * 2 * 64 * 128 * 2
 
 
-def test_offload_with_compile_is_refused_in_one_line():
+def test_offload_with_compiled_selective_layers_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="^training.offload_activations: True is not allowed; "
-                                          "only without training.compile"):
-        load_config(None, ["training.offload_activations=true", "training.compile=true"])
+                                          "with training.compile=true only under whole-layer"):
+        load_config(None, ["training.offload_activations=true", "training.compile=true",
+                           "training.recompute.keeps=matmuls"])
+    with pytest.raises(ConfigError, match="^training.offload_activations: True"):
+        load_config(None, ["training.offload_activations=true", "training.compile=true",
+                           "training.recompute.enabled=false"])
+    load_config(None, ["training.offload_activations=true", "training.compile=true",
+                       "training.recompute.keeps=inputs"])
+
+
+@pytest.mark.slow  # compiles
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_compiled_layers_hand_the_hooks_their_inputs_as_eager_ones_do(kind):
+    """Whole-layer recompute around compiled layers: the hooks choose each decoder layer's input
+    (and what the head keeps), as in eager; the 4-bit layers' quantization state the compiled
+    graphs also hand them stays put; loss and gradients match the eager model's."""
+    from kit.recipe.recompute import compile_layers
+
+    device = torch.device(kind)
+    cfg = load_config(None, [f"training.device={kind}", "lora.dropout=0",
+                             "training.recompute.keeps=inputs"])
+    built = model.build(cfg, device)
+    held = offload.persistent(built.model)
+    assert len(held) > 4 * cfg_layers(built)  # absmax, code, nested absmax, offset per 4-bit layer
+
+    def run():
+        torch.manual_seed(0)
+        ids = torch.randint(3, 1000, (2, 64), device=device)
+        with offload.activations(True, device, min_bytes=0, held=held) as offloader:
+            loss = built.model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in built.model.named_parameters() if p.grad is not None}
+        built.model.zero_grad(set_to_none=True)
+        assert offloader.moved == (len(offloader.chosen) if kind == "cuda" else 0)
+        return loss.item(), grads, offloader.chosen
+
+    eager = run()
+    torch._dynamo.reset()
+    try:
+        compile_layers(built.model)
+        compiled = run()
+    finally:
+        torch._dynamo.reset()
+    layer_input = (2, 64, built.model.config.hidden_size)
+    assert eager[2].count(layer_input) >= cfg_layers(built)
+    # Beside eager's: only the rotary tables the compiled layers take as inputs (64 x head_dim).
+    extra = [s for s in compiled[2] if s not in eager[2]]
+    assert all(len(s) == 3 and s[:2] == (1, 64) for s in extra), extra
+    assert compiled[2].count(layer_input) == eager[2].count(layer_input)
+    assert compiled[0] == pytest.approx(eager[0], rel=1e-4)
+    for name, g in eager[1].items():
+        assert torch.allclose(compiled[1][name], g, rtol=1e-2, atol=1e-3), name
+
+
+def cfg_layers(built) -> int:
+    return built.model.config.num_hidden_layers

@@ -121,7 +121,9 @@ def test_70b_on_two_24gib_gpus_offloads_activations_only_because_nothing_else_fi
     cfg = load_config(None, ["model.name=kit:llama-70b", "lora.r=16"])
     planned = kplan.plan(cfg, _gpu(2, 24, "NVIDIA H200"), 2048)
     t = planned.cfg.training
-    assert t.offload_activations is True and t.compile is False and t.recompute.keeps == "inputs"
+    # Whole layers recomputed around compiled layers, their inputs in host memory
+    # (tests/test_offload.py: the hooks see them as in eager).
+    assert t.offload_activations is True and t.compile is True and t.recompute.keeps == "inputs"
     assert _needed(planned, offload_activations=False, batch_size=1) > 24
     assert planned.needed_gib <= 24
     on_80 = kplan.plan(cfg, _gpu(2, 80, "NVIDIA H200"), 2048).cfg.training

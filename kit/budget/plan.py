@@ -540,8 +540,7 @@ class _Search:
             best = self._search(self.policies)
         # Offloaded, only whole layers' inputs: what layers keep without recompute would fill
         # host memory (the estimate counts it, the plan does not choose it).
-        if (best is None and offload is not False and t.compile is not True and rc.enabled
-                and "inputs" in self.policies):
+        if best is None and offload is not False and rc.enabled and "inputs" in self.policies:
             self._ungroup()
             t.offload_activations = True
             best = self._search(["inputs"])
@@ -589,10 +588,13 @@ def _compile_keeps_batch(planned: Planned, shape: Shape, best, wrapper_by: str |
     out, hw, say = planned.cfg, planned.hardware, planned.choices.append
     t, rc = out.training, out.training.recompute
     if t.compile == AUTO:
-        outside = ("training.offload_activations" if t.offload_activations else
-                   "training.recompute.mlp_tile_tokens" if rc.mlp_tile_tokens else
+        # Offloaded layer inputs stay outside the graph under whole-layer recompute (the
+        # checkpoint around each compiled layer saves them); without recompute they would not.
+        outside = ("training.recompute.mlp_tile_tokens" if rc.mlp_tile_tokens else
                    "training.recompute.attention_tile_tokens" if rc.attention_tile_tokens else
                    "training.recompute.lean_norms" if rc.lean_norms else
+                   "training.offload_activations without recompute"
+                   if t.offload_activations and not rc.enabled else
                    "a mixture of experts' loop over its experts (no grouped-GEMM kernel: "
                    "compute capability below 9.0, or not bfloat16)" if shape.experts and not (
                        hw.grouped_gemm and out.model.dtype == "bfloat16") else None)
@@ -731,7 +733,7 @@ def _refusal(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, policies, ba
                        dict(recompute=True, recompute_keeps="inputs")))
     if t.loss != "fused":
         trials.append(("training.loss=fused", dict(loss="fused")))
-    if t.offload_activations is not True and t.compile is not True:
+    if t.offload_activations is not True and (t.compile is not True or t.recompute.enabled):
         trials.append(("training.offload_activations=true", dict(offload_activations=True)))
     trials += [(f"lora.r={r}", dict(lora_r=r)) for r in (8, 4) if r < cfg.lora.r]  # MoE: per expert
     base = dict(batch_size=batches[0], recompute_keeps=policies[-1])

@@ -170,6 +170,16 @@ SPECS["llama3-70b"] = dict(
     rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=8192))
 
+# Qwen2.5-32B's shape (32.8B params: 64 layers, hidden 5,120, MLP 27,648, 40 query and 8 key/value
+# heads with biases on q, k and v, a 152,064-token vocabulary): the large dense shape of the speed
+# goals at 24 GiB. Initialised at load like kit:llama-70b (~65 GB in bf16); a written folder for
+# other stacks: benchmarks/tools/moe_checkpoint.py --shape qwen25-32b.
+SPECS["qwen25-32b"] = dict(
+    model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+    num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+    max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=False)
+
 # Llama-3-8B's weights' shape with the positions of Gradient's 1048k extension of it: 1,048,576
 # positions and RoPE base 2.8e9 (its model card's last stage). Issue 35's 512k rows.
 SPECS["llama3-8b-1048k"] = dict(SPECS["llama-8b"], max_position_embeddings=1048576,
@@ -183,7 +193,7 @@ CONVERTER = 2  # part of a converted model's folder name: a change to _convert_g
 
 # Shapes whose weights are initialised at load (kit.recipe.loading.initialise) instead of written: their
 # folder's INIT_FILE says how. Tiny ones too, so that path runs on a CPU.
-AT_LOAD = {"llama-70b": 0, "llama3-70b": 0, "tiny-llama-at-load": 0}  # name -> seed
+AT_LOAD = {"llama-70b": 0, "llama3-70b": 0, "qwen25-32b": 0, "tiny-llama-at-load": 0}  # name -> seed
 SPECS["tiny-llama-at-load"] = dict(SPECS["tiny-llama"])
 SPECS.update(MOE_SPECS)  # mixture-of-experts shapes (kit.inputs.moe_shapes)
 AT_LOAD.update(MOE_AT_LOAD)
