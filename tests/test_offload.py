@@ -46,6 +46,8 @@ def test_on_a_gpu_the_layers_inputs_go_to_host_memory_and_come_back_exact():
     # Whole-layer recompute: each decoder layer's input (2 x 64 tokens x 128 hidden, bf16) at
     # least, moved out and back; the result is bit-identical.
     assert offloader.moved >= 2 and offloader.moved_bytes >= 2 * 2 * 64 * 128 * 2
+    # Each came back (the next one prefetched on the side stream), none kept past its use.
+    assert len(offloader.order) == offloader.moved and all(m is None for m in offloader.order)
 
 
 def test_offload_with_compiled_selective_layers_is_refused_in_one_line():
@@ -85,6 +87,8 @@ def test_compiled_layers_hand_the_hooks_their_inputs_as_eager_ones_do(kind):
         grads = {n: p.grad.clone() for n, p in built.model.named_parameters() if p.grad is not None}
         built.model.zero_grad(set_to_none=True)
         assert offloader.moved == (len(offloader.chosen) if kind == "cuda" else 0)
+        # Each moved tensor came back once and none is left on the GPU past its use.
+        assert all(m is None for m in offloader.order)
         return loss.item(), grads, offloader.chosen
 
     eager = run()

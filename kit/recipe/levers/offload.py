@@ -7,8 +7,9 @@
 Every tensor autograd saves during the forward passes through a pack hook (torch's saved-tensor
 hooks); this one copies each large one (a GPU tensor of at least `min_bytes` that is not a
 parameter) into pinned host memory on a side stream, so the copy overlaps the forward's compute,
-and frees the GPU copy once it is done. In backward the unpack hook copies it back on the compute
-stream just before it is used. What gets offloaded depends on training.recompute: with whole-layer
+and frees the GPU copy once it is done. In backward the unpack hook hands back its GPU copy and
+starts copying the one saved before it (backward's next, in reverse order) on the side stream,
+so that copy overlaps this one's backward; the first is copied on the compute stream. What gets offloaded depends on training.recompute: with whole-layer
 recompute (keeps=inputs) it is each decoder layer's input, the one tensor such a layer keeps (the
 checkpoint saves it through autograd; measured here: the layer inputs are what an outer hook
 sees); with recompute off it is everything the layers keep; the matmul results a selective policy
@@ -55,9 +56,11 @@ class Offloader:
         self.chosen: list[tuple[int, ...]] = []
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.in_flight: list = []  # (GPU tensor, event): kept alive until its copy is done
+        self.order: list[_Moved | None] = []  # what was moved, in the forward's order
 
     def _activation(self, tensor: torch.Tensor) -> bool:
-        return (tensor.numel() * tensor.element_size() >= self.min_bytes
+        return (tensor.device.type == self.device.type
+                and tensor.numel() * tensor.element_size() >= self.min_bytes
                 and not isinstance(tensor, torch.nn.Parameter)
                 and tensor.untyped_storage().data_ptr() not in self.held)
 
@@ -77,14 +80,44 @@ class Offloader:
         self.in_flight.append((tensor, done))  # the GPU copy lives until the host copy is done
         self.moved += 1
         self.moved_bytes += host.numel() * host.element_size()
-        return (host, done)
+        moved = _Moved(host, done, len(self.order))
+        self.order.append(moved)
+        return moved
 
     def unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        host, done = packed
-        torch.cuda.current_stream(self.device).wait_event(done)
-        return host.to(self.device, non_blocking=True)
+        compute = torch.cuda.current_stream(self.device)
+        if packed.fetched is None:  # not prefetched: copied back on the compute stream
+            compute.wait_event(packed.done)
+            tensor = packed.host.to(self.device, non_blocking=True)
+        else:
+            compute.wait_event(packed.fetched_done)
+            tensor, packed.fetched = packed.fetched, None
+        self.order[packed.index] = None  # used: the step keeps no GPU copy of it past its use
+        # Backward uses what forward saved in reverse: the one saved before this one comes next
+        # (a whole-layer recompute's inputs: the layer below's). Its copy back runs on the side
+        # stream while this layer's backward computes.
+        before = next((m for m in reversed(self.order[:packed.index]) if m is not None), None)
+        if before is not None and before.fetched is None:
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(before.done)
+                before.fetched = before.host.to(self.device, non_blocking=True)
+                before.fetched_done = torch.cuda.Event()
+                before.fetched_done.record(self.stream)
+            before.fetched.record_stream(compute)  # allocated on the side stream, used on this one
+        return tensor
+
+
+class _Moved:
+    """A saved tensor in host memory: its copy-out's event, its place in the forward's order,
+    and its GPU copy once prefetched."""
+
+    __slots__ = ("host", "done", "index", "fetched", "fetched_done")
+
+    def __init__(self, host: torch.Tensor, done, index: int):
+        self.host, self.done, self.index = host, done, index
+        self.fetched = self.fetched_done = None
 
 
 @contextlib.contextmanager
