@@ -115,7 +115,15 @@ TILED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 #   compiles the generated C++ once): 66.3 against 19.6 s at 24 GiB and 75.2 against 18.4 s at
 #   78 GiB, the 8B shape on one H200 (benchmarks/records/2026-11-30-cpp-default-1xh200): ~50.
 #   `_cpp_pays` weighs it against what the wrapper saves over the run's steps.
+# - KNEE_LAYER_PARAMS: the knees above are the 8B shape's (218M linear parameters a layer); a
+#   layer of W parameters takes the GPU W / 218M as long for the same launches from the host, so
+#   its knees are that much nearer zero. Qwen2.5-32B's shape (488M a layer) at 24 GiB on one H200,
+#   the C++ wrapper, offloaded layer inputs: batches 1, 2, 3 ran 2,245, 2,528, 2,651 tokens/s,
+#   predicted 2,295, 2,450, 2,483; the Python wrapper at batch 1 2,027 (before the offloaded
+#   inputs were prefetched), predicted 1,986 (benchmarks/records/2026-11-30-dense-32b-1xh200).
+#   Unscaled, the knees had predicted 1,082 at batch 1.
 CPP_COMPILE_S = 50
+KNEE_LAYER_PARAMS = 218_103_808
 KNEE_TOKENS = 2350
 KNEE_TOKENS_CPP = 1400
 MOE_PEAK_SHARE = 0.273
@@ -281,8 +289,9 @@ def speed(shape: Shape, seq_len: int, batch: int, keeps: str | None, hw: Hardwar
     if shape.experts:  # grouped experts: the rows each expert gets, their own share of the peak
         rows = n * shape.active_experts / shape.experts
         knee, share = rows / (rows + MOE_KNEE_ROWS), MOE_PEAK_SHARE
-    else:
-        k = KNEE_TOKENS_CPP if wrapper == "cpp" else KNEE_TOKENS
+    else:  # the host's time per layer is the 8B shape's; the GPU's grows with the layer
+        k = ((KNEE_TOKENS_CPP if wrapper == "cpp" else KNEE_TOKENS)
+             * KNEE_LAYER_PARAMS * shape.layers / shape.active_linear_params)
         knee, share = n * n / (n * n + k**2), PEAK_SHARE
     rate = knee / cost * (ATTENTION_TILES_SPEED if attention_tiles else 1)
     peak = hw.peak_flops
@@ -379,16 +388,24 @@ def _cpp_pays(planned: Planned, shape: Shape, search: _Search) -> str:
     t, rc = out.training, out.training.recompute
     given_offload = t.offload_activations
     found = {}
-    if given_offload is not True and hw.peak_flops:
-        t.offload_activations = False  # as `_Search.fit` searches GPU memory first
+    # As `_Search.fit`: in GPU memory first, then whole layers with their inputs offloaded.
+    stages = [(False, search.policies)] if given_offload is not True else []
+    if given_offload is not False and rc.enabled and "inputs" in search.policies:
+        stages.append((True, ["inputs"]))
+    for offloaded, policies in stages if hw.peak_flops else []:
+        if offloaded:
+            search._ungroup()
+        t.offload_activations = offloaded
         for wrapper in ("cpp", "python"):
             t.compile_wrapper = wrapper
-            found[wrapper] = search._search(search.policies)
-        t.offload_activations = given_offload
+            found[wrapper] = search._search(policies)
+        if None not in found.values():
+            break
+    t.offload_activations = given_offload
     t.compile_wrapper = "python"
     if not found or None in found.values():
-        return ("the C++ wrapper was measured where the layers fit in GPU memory on a GPU of "
-                "known peak only")
+        return ("the C++ wrapper was measured where the layers fit in GPU memory or offload "
+                "their inputs, on a GPU of known peak only")
     rate = {w: speed(shape, seq, batch, keeps if rc.enabled else None, hw, rc.matmul_layers,
                      wrapper=w) for w, ((keeps, batch), _) in found.items()}
     tokens = t.steps * t.grad_accum * found["cpp"][0][1] * seq
