@@ -130,6 +130,19 @@ def test_70b_on_two_24gib_gpus_offloads_activations_only_because_nothing_else_fi
     assert on_80.offload_activations is False and on_80.compile is True
 
 
+def test_a_32b_shape_at_24gib_compiles_its_offloaded_layers_at_the_measured_speed():
+    """Qwen2.5-32B's shape on one 24 GiB H200: only offloaded layer inputs fit; the plan compiles
+    those layers with the C++ wrapper (a 2,000-step run repays its compile), and the step model,
+    its knees scaled to a 32B layer, predicts the measured speed within 10%
+    (benchmarks/records/2026-11-30-dense-32b-1xh200: 2,245 tokens/s at batch 1)."""
+    cfg = load_config(None, ["model.name=kit:qwen25-32b", "lora.r=16", "training.steps=2000"])
+    planned = kplan.plan(cfg, _gpu(1, 24, "NVIDIA H200"), 2048)
+    t = planned.cfg.training
+    assert (t.offload_activations, t.compile, t.compile_wrapper, t.recompute.keeps,
+            t.batch_size) == (True, True, "cpp", "inputs", 1)
+    assert planned.tokens_per_s == pytest.approx(2245, rel=0.10)
+
+
 def test_llama3_70b_is_planned_with_its_larger_embedding_beside_llama2s():
     """kit:llama3-70b (Llama-3-70B's shape: a 128,256-token vocabulary, 8 key/value heads, RoPE
     base 500,000, 131,072 positions; initialised at load) beside kit:llama-70b (Llama-2's: 32,000):

@@ -9,11 +9,12 @@ hooks); this one copies each large one (a GPU tensor of at least `min_bytes` tha
 parameter) into pinned host memory on a side stream, so the copy overlaps the forward's compute,
 and frees the GPU copy once it is done. In backward the unpack hook hands back its GPU copy and
 starts copying the one saved before it (backward's next, in reverse order) on the side stream,
-so that copy overlaps this one's backward; the first is copied on the compute stream. What gets offloaded depends on training.recompute: with whole-layer
-recompute (keeps=inputs) it is each decoder layer's input, the one tensor such a layer keeps (the
-checkpoint saves it through autograd; measured here: the layer inputs are what an outer hook
-sees); with recompute off it is everything the layers keep; the matmul results a selective policy
-(keeps=matmuls, ...) keeps are stored by the checkpoint itself and stay on the GPU. Compiled
+so that copy overlaps this one's backward; the first is copied on the compute stream. What gets
+offloaded depends on training.recompute: with whole-layer recompute (keeps=inputs) it is each
+decoder layer's input, the one tensor such a layer keeps (the checkpoint saves it through
+autograd; measured here: the layer inputs are what an outer hook sees); with recompute off it is
+everything the layers keep; the matmul results a selective policy (keeps=matmuls, ...) keeps are
+stored by the checkpoint itself and stay on the GPU. Compiled
 layers (training.compile) under whole-layer recompute hand the hook the same layer inputs, and
 besides them the model's own constants their graphs read (the 4-bit layers' quantization state,
 rotary tables): `persistent(model)` names those, which stay where they are (moving a tensor the
@@ -35,13 +36,13 @@ def persistent(model) -> frozenset[int]:
     """The storages of what the model holds apart from its parameters (which the hooks know by
     type): its buffers and its 4-bit layers' quantization state (bitsandbytes' QuantState and
     its nested state: absmax, code, offset)."""
-    held = [b for b in model.buffers()]
+    held = list(model.buffers())
     for module in model.modules():
         for state in (getattr(module, "quant_state", None),
                       getattr(getattr(module, "weight", None), "quant_state", None)):
             for part in (state, getattr(state, "state2", None)):
-                held += [v for v in vars(part).values() if isinstance(v, torch.Tensor)] \
-                    if part is not None and hasattr(part, "__dict__") else []  # fmt: skip
+                fields = getattr(part, "__dict__", {})
+                held += [v for v in fields.values() if isinstance(v, torch.Tensor)]
     return frozenset(t.untyped_storage().data_ptr() for t in held)
 
 
@@ -65,9 +66,10 @@ class Offloader:
                 and tensor.untyped_storage().data_ptr() not in self.held)
 
     def pack(self, tensor: torch.Tensor):
-        if self._activation(tensor):
+        chosen = self._activation(tensor)
+        if chosen:
             self.chosen.append(tuple(tensor.shape))
-        if self.stream is None or not tensor.is_cuda or not self._activation(tensor):
+        if self.stream is None or not chosen:  # on a CPU: nothing to move to
             self.kept += 1
             return tensor
         self.in_flight = [(t, e) for t, e in self.in_flight if not e.query()]
