@@ -181,6 +181,18 @@ def _any_rank(flag: bool, env) -> bool:
     return bool(t.item())
 
 
+def outside_gib(device) -> float | None:
+    """GPU memory in use beyond what torch's allocator holds (the CUDA context, loaded kernels,
+    communicator buffers): the device's used memory less the allocator's reserved, now. On a card
+    of its own it comes out of the card; under a per-process cap it sits beside the cap (the
+    planner's reserve, kit.budget.plan.Hardware.outside_gib). Counts other processes on the
+    device too: the bench runs one process per GPU."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return round((total - free - torch.cuda.memory_reserved(device)) / 2**30, 3)
+
+
 def _peaks(device) -> tuple[float | None, float | None]:
     if device.type != "cuda":
         from kit.recipe.meters import peak_gib
@@ -308,6 +320,7 @@ def worker(this: experiment.Case) -> None:
               "first_step_s": round(steps["first"], 2), "tokens_per_s_gpu": round(tps, 1),
               "mfu": round(tps * run.flops / peak, 4) if peak else None,
               "peak_alloc_gib": alloc, "peak_reserved_gib": reserved,
+              "outside_gib": outside_gib(env.device),
               "loss_first": steps["losses"][0], "loss_last": steps["losses"][-1]})
     if case.get("profile") and env.device.type == "cuda" and not oom and run.batches:
         # `profile: trace` also writes the step's timeline beside the rows (Perfetto reads it)
