@@ -25,6 +25,12 @@ from dataclasses import dataclass, field, replace
 from kit.budget.shapes import Shape, dropped_inputs, lora_params, lora_targets, shape_of
 
 GiB = 2**30
+# GPU memory a training process holds outside torch's allocator (the CUDA context, the loaded
+# kernels: cuBLAS, Triton, inductor's, bitsandbytes'; the communicator's buffers): measured 1.29-1.31
+# GiB on one H200, one rank, at every batch of Qwen2.5-32B's shape (the bench's `outside_gib`,
+# benchmarks/records/2026-11-30-headroom-32b-1xh200). A card of 24 GiB leaves its allocator that
+# much less; more ranks add their communicators' buffers (unmeasured: not counted).
+OUTSIDE_GIB = 1.3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 BLOCKSIZE = 64  # bitsandbytes 4-bit: one scale (absmax) per 64 weights
 NESTED_BLOCKSIZE = 256  # double quantization: the scales quantized to 8 bits in blocks of 256
@@ -275,9 +281,10 @@ class Estimate:
     def total_gib(self) -> float:
         return self.total / GiB
 
-    def needed_gib(self, reserve_gib: float = 1.0, fragmentation: float = 0.05) -> float:
-        """Total plus headroom: the CUDA context and NCCL buffers (~1 GiB, outside
-        max_memory_allocated) and allocator fragmentation (a few %)."""
+    def needed_gib(self, reserve_gib: float = OUTSIDE_GIB, fragmentation: float = 0.05) -> float:
+        """Total plus headroom: what a process holds outside torch's allocator (OUTSIDE_GIB on a
+        card of its own; 0 under an allocator cap, which that memory sits beside) and the
+        allocator's fragmentation (a few %)."""
         return self.total_gib * (1 + fragmentation) + reserve_gib
 
     def fits(self, gpu_gib: float, **headroom) -> bool:

@@ -119,7 +119,7 @@ REFERENCE_ONE_RANK = {
 
 # Qwen2.5-7B's shape at 24 GiB on one H100 (benchmarks/records/2026-11-27-layers-24gib-8b-1xh100):
 # the one shape the estimate counts below its measured peak (6-7%), by ~0.3 GiB per added sequence;
-# the planner's headroom (5% and 1 GiB) still covers it.
+# the planner's headroom (5% and OUTSIDE_GIB) still covers it.
 REFERENCE_QWEN2_SELECTIVE = {
     "model": "kit:qwen2-7b",
     "keys": ("batch_size",),

@@ -30,7 +30,7 @@ import functools
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from kit.budget.estimate import Setup, estimate
+from kit.budget.estimate import OUTSIDE_GIB, Setup, estimate
 from kit.budget.shapes import SHARED_INPUT_GROUPS, Shape, flops_per_token, shape_of
 from kit.config import AUTO, Config, ConfigError
 
@@ -122,7 +122,13 @@ TILED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 #   predicted 2,295, 2,450, 2,483; the Python wrapper at batch 1 2,027 (before the offloaded
 #   inputs were prefetched), predicted 1,986 (benchmarks/records/2026-11-30-dense-32b-1xh200).
 #   Unscaled, the knees had predicted 1,082 at batch 1.
+# - OFFLOAD_SPEED: whole layers with their inputs offloaded to host memory (prefetched on a side
+#   stream) against the same plan in GPU memory: Qwen2.5-32B's shape at 24 GiB on one H200, batch
+#   1, the C++ wrapper, one invocation: 2,052 against 2,155 tokens/s, 0.952; batches 2 and 3
+#   offloaded ran 2,477 and 2,603 (benchmarks/records/2026-11-30-headroom-32b-1xh200). A mixture
+#   of experts offloaded at batch 16 ran 0.99x its batch 12 in GPU memory (2026-11-30-dense-32b-1xh200).
 CPP_COMPILE_S = 50
+OFFLOAD_SPEED = 0.95
 KNEE_LAYER_PARAMS = 218_103_808
 KNEE_TOKENS = 2350
 KNEE_TOKENS_CPP = 1400
@@ -155,6 +161,10 @@ class Hardware:
     host_gib: float | None = None
     grouped_gemm: bool = False  # compute capability 9.0 or higher: one grouped-GEMM kernel
     triton: bool = False  # compute capability 8.0 or higher and triton: the kit's Triton kernels
+    # What the process holds outside torch's allocator, left free of the plan's memory: the
+    # measured OUTSIDE_GIB where memory_gib is a card's own; 0 where it is a cap on the allocator
+    # (torch.cuda.set_per_process_memory_fraction: kit.bench's caps), which that memory sits beside.
+    outside_gib: float = OUTSIDE_GIB
 
     @property
     def peak_flops(self) -> float | None:
@@ -272,13 +282,15 @@ def rerun_share(shape: Shape, keeps: str) -> float:
 
 
 def speed(shape: Shape, seq_len: int, batch: int, keeps: str | None, hw: Hardware,
-          matmul_layers: int = 0, attention_tiles: bool = False, wrapper: str = "python") -> float:
+          matmul_layers: int = 0, attention_tiles: bool = False, wrapper: str = "python",
+          offloaded: bool = False) -> float:
     """Tokens/s per GPU the step model predicts (relative when the GPU's peak is unknown): a
     micro-step of n tokens runs at n^2 / (n^2 + KNEE_TOKENS^2) of the ideal rate (a mixture of
     experts: r / (r + MOE_KNEE_ROWS) for the r rows each expert gets, at MOE_PEAK_SHARE), slowed
     by what the recompute policy runs twice (in all layers but the `matmul_layers` that keep every
     matmul), and by attention tiles (ATTENTION_TILES_SPEED). A dense model's layers launched by
-    inductor's C++ wrapper (`wrapper`, training.compile_wrapper) have the knee KNEE_TOKENS_CPP."""
+    inductor's C++ wrapper (`wrapper`, training.compile_wrapper) have the knee KNEE_TOKENS_CPP;
+    layers whose inputs wait in host memory (`offloaded`) run at OFFLOAD_SPEED."""
     n = batch * seq_len
     cost = 1.0
     if keeps is not None:  # recompute on
@@ -293,7 +305,8 @@ def speed(shape: Shape, seq_len: int, batch: int, keeps: str | None, hw: Hardwar
         k = ((KNEE_TOKENS_CPP if wrapper == "cpp" else KNEE_TOKENS)
              * KNEE_LAYER_PARAMS * shape.layers / shape.active_linear_params)
         knee, share = n * n / (n * n + k**2), PEAK_SHARE
-    rate = knee / cost * (ATTENTION_TILES_SPEED if attention_tiles else 1)
+    rate = (knee / cost * (ATTENTION_TILES_SPEED if attention_tiles else 1)
+            * (OFFLOAD_SPEED if offloaded else 1))
     peak = hw.peak_flops
     return rate * share * peak / flops_per_token(shape, seq_len) if peak else rate
 
@@ -388,27 +401,19 @@ def _cpp_pays(planned: Planned, shape: Shape, search: _Search) -> str:
     t, rc = out.training, out.training.recompute
     given_offload = t.offload_activations
     found = {}
-    # As `_Search.fit`: in GPU memory first, then whole layers with their inputs offloaded.
-    stages = [(False, search.policies)] if given_offload is not True else []
-    if given_offload is not False and rc.enabled and "inputs" in search.policies:
-        stages.append((True, ["inputs"]))
-    for offloaded, policies in stages if hw.peak_flops else []:
-        if offloaded:
-            search._ungroup()
-        t.offload_activations = offloaded
-        for wrapper in ("cpp", "python"):
-            t.compile_wrapper = wrapper
-            found[wrapper] = search._search(policies)
-        if None not in found.values():
-            break
+    for wrapper in ("cpp", "python") if hw.peak_flops else ():  # as `_Search.fit` chooses
+        t.compile_wrapper = wrapper
+        best = search.in_memory_or_offloaded()
+        found[wrapper] = best and (best, t.offload_activations is True)
     t.offload_activations = given_offload
+    search.regroup()
     t.compile_wrapper = "python"
     if not found or None in found.values():
         return ("the C++ wrapper was measured where the layers fit in GPU memory or offload "
                 "their inputs, on a GPU of known peak only")
     rate = {w: speed(shape, seq, batch, keeps if rc.enabled else None, hw, rc.matmul_layers,
-                     wrapper=w) for w, ((keeps, batch), _) in found.items()}
-    tokens = t.steps * t.grad_accum * found["cpp"][0][1] * seq
+                     wrapper=w, offloaded=off) for w, (((keeps, batch), _), off) in found.items()}
+    tokens = t.steps * t.grad_accum * found["cpp"][0][0][1] * seq
     saved = tokens / rate["python"] - tokens / rate["cpp"]
     if saved > CPP_COMPILE_S:
         t.compile_wrapper = "cpp"
@@ -530,6 +535,10 @@ class _Search:
         self.batches = [t.batch_size] if t.batch_size != AUTO else list(range(1, MAX_BATCH + 1))
         self.offload = t.offload_activations  # as given: True, False or auto
         self.tiled, self.blocked = False, {}
+        self.offload_why = "nothing fits in GPU memory otherwise"
+        # the adapters' groups as `_loss_and_groups` chose them (`regroup` restores them)
+        self.groups = (out.lora.group_inputs,
+                       [c for c in planned.choices if c.field == "lora.group_inputs"])
 
     def _search(self, policies):
         p = self.planned
@@ -547,20 +556,49 @@ class _Search:
             choices.append(Choice("lora.group_inputs", False, "plan", "measured ungrouped past "
                                   "GPU memory (offloaded inputs, tiles)"))
 
+    def regroup(self) -> None:
+        """The adapters' groups back as `_loss_and_groups` chose them (`_ungroup` undone)."""
+        out, choices = self.planned.cfg, self.planned.choices
+        value, said = self.groups
+        if out.lora.group_inputs != value:
+            out.lora.group_inputs = value
+            choices[:] = [c for c in choices if c.field != "lora.group_inputs"] + said
+
+    def in_memory_or_offloaded(self):
+        """((keeps, batch), needed GiB) of the faster by the step model of: what the layers keep
+        in GPU memory (every policy), and whole layers with their inputs offloaded to host memory
+        (only inputs: what layers keep without recompute would fill host memory; the estimate
+        counts it, the plan does not choose it). Offloaded inputs run at OFFLOAD_SPEED: taken
+        where they let a larger batch run faster, or where nothing fits otherwise. Sets
+        training.offload_activations (and the adapters' groups) to match; None if neither fits."""
+        p, offload = self.planned, self.offload
+        t, rc = p.cfg.training, p.cfg.training.recompute
+        self.regroup()
+        kept = moved = None
+        if offload is not True:
+            t.offload_activations = False
+            kept = self._search(self.policies)
+            kept_rate = kept and _rate(p.cfg, p.hardware, p.seq_len, self.shape, *kept[0])
+        if offload is not False and rc.enabled and "inputs" in self.policies:
+            self._ungroup()
+            t.offload_activations = True
+            moved = self._search(["inputs"])
+            if moved is not None and (kept is None or kept_rate * 1.001 < _rate(
+                    p.cfg, p.hardware, p.seq_len, self.shape, *moved[0])):
+                self.offload_why = ("nothing fits in GPU memory otherwise" if kept is None else
+                                    f"batch {moved[0][1]} with them runs faster by the step "
+                                    f"model than batch {kept[0][1]} without (offloaded: x"
+                                    f"{OFFLOAD_SPEED}, measured)")
+                return moved
+        self.regroup()
+        t.offload_activations = offload is True  # False where `kept` fits
+        return kept
+
     def fit(self):
         """((keeps, batch), needed GiB) of the fastest that fits, or ConfigError (one line)."""
         p, offload = self.planned, self.offload
         t, rc = p.cfg.training, p.cfg.training.recompute
-        best = None
-        if offload is not True:  # in GPU memory first
-            t.offload_activations = False
-            best = self._search(self.policies)
-        # Offloaded, only whole layers' inputs: what layers keep without recompute would fill
-        # host memory (the estimate counts it, the plan does not choose it).
-        if best is None and offload is not False and rc.enabled and "inputs" in self.policies:
-            self._ungroup()
-            t.offload_activations = True
-            best = self._search(["inputs"])
+        best = self.in_memory_or_offloaded()
         stages, self.blocked = _tile_stages(p.cfg, self.model_config, self.shape, p.seq_len,
                                             self.tiles_auto, self.policies,
                                             self.given.lora.group_inputs is True)
@@ -586,7 +624,7 @@ class _Search:
         chose = self.offload == AUTO
         value = out.training.offload_activations
         say(Choice("training.offload_activations", value, "plan" if chose else "you",
-                   "set in the config" if not chose else "nothing fits in GPU memory otherwise"
+                   "set in the config" if not chose else self.offload_why
                    if value else "what the layers keep fits in GPU memory"))
         for name in TILE_FIELDS:
             value = _get(out, name)
@@ -650,7 +688,8 @@ def _predict(planned: Planned, shape: Shape) -> None:
     planned.tokens_per_s = (speed(shape, seq_len, out.training.batch_size,
                                   rc.keeps if rc.enabled else None, hw, rc.matmul_layers,
                                   0 < rc.attention_tile_tokens < seq_len,
-                                  out.training.compile_wrapper)
+                                  out.training.compile_wrapper,
+                                  out.training.offload_activations is True)
                             if hw.peak_flops and grouped else None)
     if not grouped and hw.peak_flops:
         planned.notes.append(
@@ -705,10 +744,18 @@ HOST_SHARE = 0.8
 def _fits(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, **changes) -> float | None:
     """The estimate's needed GiB when `changes` (Setup fields) fit hw, GPU and host, else None."""
     est = estimate(shape, replace(_setup(cfg, hw, seq_len), **changes))
-    need = est.needed_gib()
+    need = est.needed_gib(hw.outside_gib)
     if hw.host_gib is not None and est.cpu_bytes / 2**30 > HOST_SHARE * hw.host_gib:
         return None
     return need if hw.memory_gib is None or need <= hw.memory_gib else None
+
+
+def _rate(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, keeps: str, batch: int) -> float:
+    """The step model's tokens/s for `cfg` (its recompute, wrapper and offloading) at keeps, batch."""
+    t = cfg.training
+    return speed(shape, seq_len, batch, keeps if t.recompute.enabled else None, hw,
+                 t.recompute.matmul_layers, wrapper=t.compile_wrapper,
+                 offloaded=t.offload_activations is True)
 
 
 def _search(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, policies, batches):
@@ -722,8 +769,7 @@ def _search(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, policies, bat
             need = _fits(cfg, hw, seq_len, shape, batch_size=batch, recompute_keeps=keeps)
             if need is None:
                 break  # a larger batch needs more
-            s = speed(shape, seq_len, batch, keeps if rc.enabled else None, hw, rc.matmul_layers,
-                      wrapper=cfg.training.compile_wrapper)
+            s = _rate(cfg, hw, seq_len, shape, keeps, batch)
             if s > best_speed * 1.001:  # a tie goes to the smaller batch (less memory)
                 best, best_speed = ((keeps, batch), need), s
         if not rc.enabled:
@@ -736,7 +782,7 @@ def _refusal(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, policies, ba
     t = cfg.training
     est = estimate(shape, replace(_setup(cfg, hw, seq_len), batch_size=batches[0],
                                   recompute_keeps=policies[-1]))
-    need, host = est.needed_gib(), est.cpu_bytes / 2**30
+    need, host = est.needed_gib(hw.outside_gib), est.cpu_bytes / 2**30
     trials = []
     if batches[0] > 1:  # a batch you set: the largest that fits, with the policies allowed
         for batch in range(batches[0] - 1, 0, -1):
@@ -783,7 +829,8 @@ def _fill_memory(planned: Planned, shape: Shape | None) -> None:
     if shape is None:  # a model whose shape cannot be read: no prediction
         return
     est = estimate(shape, _setup(planned.cfg, planned.hardware, planned.seq_len))
-    planned.predicted_gib, planned.needed_gib = round(est.total_gib, 2), round(est.needed_gib(), 2)
+    planned.predicted_gib = round(est.total_gib, 2)
+    planned.needed_gib = round(est.needed_gib(planned.hardware.outside_gib), 2)
 
 
 def plain(cfg: Config) -> Config:

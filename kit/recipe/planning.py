@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import replace
 
 import torch
 
@@ -30,8 +31,9 @@ from kit.recipe import data
 def hardware(device: torch.device, world_size: int) -> kplan.Hardware:
     """This process's device as the planner sees it (kit.budget.machine.for_plan, its one FP8
     rule): on a GPU its memory under any cap set with torch.cuda.set_per_process_memory_fraction
-    (kit.bench's caps), its name and compute capability; the node's host memory over its
-    processes (LOCAL_WORLD_SIZE, torchrun's)."""
+    (kit.bench's caps: the allocator's own, nothing reserved beside it for the CUDA context),
+    its name and compute capability; the node's host memory over its processes
+    (LOCAL_WORLD_SIZE, torchrun's)."""
     if device.type != "cuda":
         return kplan.Hardware("cpu", world_size)
     props = torch.cuda.get_device_properties(device)
@@ -42,7 +44,9 @@ def hardware(device: torch.device, world_size: int) -> kplan.Hardware:
                "nproc_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                "packages": {name: importlib.util.find_spec(name) is not None
                             for name in ("flash_attn", "triton")}}
-    return machine_probe.for_plan(machine, world_size, "cuda")
+    planned = machine_probe.for_plan(machine, world_size, "cuda")
+    # Under a cap the allocator has memory_gib to itself: the context sits beside it.
+    return replace(planned, outside_gib=0.0) if fraction < 1 else planned
 
 
 def tokenizer_of(cfg: Config):

@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", nargs="?", help="a kit YAML or a bundled config's name")
     parser.add_argument("overrides", nargs="*", help="key=value")
     parser.add_argument("--gpus", type=int, help="GPUs (one process each); default: this machine's")
-    parser.add_argument("--gpu-mem", type=float, help="GiB per GPU the run may use")
+    parser.add_argument("--gpu-mem", type=float, help="GiB per GPU: the card's (the plan leaves "
+                        "kit.budget.estimate.OUTSIDE_GIB of it to the CUDA context)")
     parser.add_argument("--gpu", default="", help="the GPU's name, e.g. H100, H200, A100 (its "
                         "bf16 peak gives the expected speed; its compute capability, FP8: "
                         "kit.budget.machine.CAPABILITY)")
