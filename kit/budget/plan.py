@@ -12,9 +12,10 @@ speed: the step model below (`speed`), fitted to the kit's measured 8B runs on o
 On a GPU (on a CPU, and with training.plan=off, the recipe's plain values): the fused loss where
 the model allows it (a frozen head, no logit softcapping or scaling), else chunked; compiled
 layers and grouped adapters where they were measured; of every recompute policy and batch the
-estimate says fit, the one `speed` predicts fastest; activations offloaded only when nothing else
-fits, then (long rows) the MLP's tiles, then attention's with lean norms; adapters ungrouped past
-GPU memory; offloaded tensors within the host's memory where it is known. FP8 base matmuls stay
+estimate says fit (with headroom: 5%, and on a card the memory a process holds outside the
+allocator), the one `speed` predicts fastest, whole layers with their inputs offloaded among them;
+when nothing fits, (long rows) the MLP's tiles, then attention's with lean norms; adapters
+ungrouped past GPU memory; offloaded tensors within the host's memory where it is known. FP8 base matmuls stay
 opt-in (they move the loss); the plan says what they would add.
 
 Longer than 400 lines because each constant of the step model carries the measurement it was
