@@ -144,14 +144,16 @@ def test_a_32b_shape_at_24gib_compiles_its_offloaded_layers_at_the_measured_spee
 
 
 def test_under_an_allocator_cap_offloaded_inputs_win_where_they_let_a_larger_batch_run():
-    """Qwen2.5-32B's shape at 24 GiB on one H200 (benchmarks/records/2026-11-30-headroom-32b-1xh200):
-    batch 1 in GPU memory ran 2,155 tokens/s, offloaded inputs 2,052 / 2,477 / 2,603 at batches
-    1 / 2 / 3, and the process held 1.3 GiB outside the allocator. Under the bench's cap (the
+    """Qwen2.5-32B's shape at 24 GiB on one H200
+    (benchmarks/records/2026-11-30-headroom-32b-1xh200): batch 1 in GPU memory ran 2,155
+    tokens/s, offloaded inputs 2,052 / 2,477 / 2,603 at batches 1 / 2 / 3, and the process held
+    1.3 GiB outside the allocator. Under the bench's cap (the
     allocator's own 24 GiB: nothing reserved beside it) the plan takes batch 2 offloaded, which
     the step model puts ahead of batch 1 in GPU memory; a 24 GiB card keeps the 1.3 GiB free and
     fits batch 1 offloaded only."""
     cfg = load_config(None, ["model.name=kit:qwen25-32b", "lora.r=16", "training.steps=2000"])
-    capped = kplan.plan(cfg, replace(_gpu(1, 24, "NVIDIA H200"), outside_gib=0.0), 2048)
+    capped_gpu = replace(_gpu(1, 24, "NVIDIA H200"), outside_gib=0.0)
+    capped = kplan.plan(cfg, capped_gpu, 2048)
     t = capped.cfg.training
     assert (t.offload_activations, t.recompute.keeps, t.batch_size) == (True, "inputs", 2)
     assert "than batch 1 without" in next(c.why for c in capped.choices
@@ -160,7 +162,7 @@ def test_under_an_allocator_cap_offloaded_inputs_win_where_they_let_a_larger_bat
     assert capped.tokens_per_s == pytest.approx(2477, rel=0.10)
     in_memory = kplan.plan(load_config(None, [
         "model.name=kit:qwen25-32b", "lora.r=16", "training.steps=2000",
-        "training.offload_activations=false"]), replace(_gpu(1, 24, "NVIDIA H200"), outside_gib=0.0), 2048)
+        "training.offload_activations=false"]), capped_gpu, 2048)
     assert in_memory.cfg.training.batch_size == 1
     assert in_memory.tokens_per_s == pytest.approx(2155, rel=0.10)
     card = kplan.plan(cfg, _gpu(1, 24, "NVIDIA H200"), 2048).cfg.training
@@ -184,7 +186,8 @@ def test_a_capped_allocator_plans_with_its_cap_and_a_card_keeps_its_context_free
         256, 256, device=device, dtype=torch.bfloat16)).sum().item()  # cuBLAS loaded
     total = torch.cuda.get_device_properties(device).total_memory / 2**30
     card = hardware(device, 1)
-    assert card.outside_gib == kplan.OUTSIDE_GIB and card.memory_gib == pytest.approx(total, abs=0.01)
+    assert card.outside_gib == kplan.OUTSIDE_GIB
+    assert card.memory_gib == pytest.approx(total, abs=0.01)
     assert 0.1 < outside_gib(device) < 4
     try:
         torch.cuda.set_per_process_memory_fraction(24 / total, device)

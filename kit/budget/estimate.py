@@ -26,10 +26,11 @@ from kit.budget.shapes import Shape, dropped_inputs, lora_params, lora_targets, 
 
 GiB = 2**30
 # GPU memory a training process holds outside torch's allocator (the CUDA context, the loaded
-# kernels: cuBLAS, Triton, inductor's, bitsandbytes'; the communicator's buffers): measured 1.29-1.31
-# GiB on one H200, one rank, at every batch of Qwen2.5-32B's shape (the bench's `outside_gib`,
-# benchmarks/records/2026-11-30-headroom-32b-1xh200). A card of 24 GiB leaves its allocator that
-# much less; more ranks add their communicators' buffers (unmeasured: not counted).
+# kernels: cuBLAS, Triton, inductor's, bitsandbytes'; the communicator's buffers): measured
+# 1.29-1.33 GiB on one H200, one rank, in every row of the kit and unsloth, dense and MoE (the
+# bench's `outside_gib`, benchmarks/records/2026-11-30-headroom-32b-1xh200). A card of 24 GiB
+# leaves its allocator that much less; more ranks add their communicators' buffers (unmeasured:
+# not counted).
 OUTSIDE_GIB = 1.3
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 BLOCKSIZE = 64  # bitsandbytes 4-bit: one scale (absmax) per 64 weights

@@ -15,8 +15,8 @@ layers and grouped adapters where they were measured; of every recompute policy 
 estimate says fit (with headroom: 5%, and on a card the memory a process holds outside the
 allocator), the one `speed` predicts fastest, whole layers with their inputs offloaded among them;
 when nothing fits, (long rows) the MLP's tiles, then attention's with lean norms; adapters
-ungrouped past GPU memory; offloaded tensors within the host's memory where it is known. FP8 base matmuls stay
-opt-in (they move the loss); the plan says what they would add.
+ungrouped past GPU memory; offloaded tensors within the host's memory where it is known. FP8
+base matmuls stay opt-in (they move the loss); the plan says what they would add.
 
 Longer than 400 lines because each constant of the step model carries the measurement it was
 fitted to, and each choice and note carries its reason and its record: what `kit plan` prints.
@@ -127,7 +127,8 @@ TILED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 #   stream) against the same plan in GPU memory: Qwen2.5-32B's shape at 24 GiB on one H200, batch
 #   1, the C++ wrapper, one invocation: 2,052 against 2,155 tokens/s, 0.952; batches 2 and 3
 #   offloaded ran 2,477 and 2,603 (benchmarks/records/2026-11-30-headroom-32b-1xh200). A mixture
-#   of experts offloaded at batch 16 ran 0.99x its batch 12 in GPU memory (2026-11-30-dense-32b-1xh200).
+#   of experts offloaded at batch 16 ran 0.99x its batch 12 in GPU memory
+#   (2026-11-30-dense-32b-1xh200).
 CPP_COMPILE_S = 50
 OFFLOAD_SPEED = 0.95
 KNEE_LAYER_PARAMS = 218_103_808
@@ -752,7 +753,7 @@ def _fits(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, **changes) -> f
 
 
 def _rate(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, keeps: str, batch: int) -> float:
-    """The step model's tokens/s for `cfg` (its recompute, wrapper and offloading) at keeps, batch."""
+    """The step model's tokens/s for `cfg` (its recompute, wrapper, offloading) at keeps, batch."""
     t = cfg.training
     return speed(shape, seq_len, batch, keeps if t.recompute.enabled else None, hw,
                  t.recompute.matmul_layers, wrapper=t.compile_wrapper,
