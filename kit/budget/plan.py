@@ -396,9 +396,9 @@ def _cpp_pays(planned: Planned, shape: Shape, search: _Search) -> str:
     """training.compile_wrapper where `_wrapper` proposed cpp: the C++ wrapper only where this
     run is long enough for it to pay, by the step model. Its first step takes CPP_COMPILE_S
     longer (the host compiles the wrapper); the steps after it run faster where the host bounds
-    them (small batches). The fit in GPU memory with each wrapper (policy and batch), the time
-    each takes for the cpp plan's tokens over training.steps; cpp when what it saves exceeds
-    CPP_COMPILE_S. Sets the value; returns why."""
+    them (small batches). The fit with each wrapper (policy, batch, offloaded or not, as
+    `_Search.in_memory_or_offloaded` chooses), the time each takes for the cpp plan's tokens over
+    training.steps; cpp when what it saves exceeds CPP_COMPILE_S. Sets the value; returns why."""
     out, hw, seq = planned.cfg, planned.hardware, planned.seq_len
     t, rc = out.training, out.training.recompute
     given_offload = t.offload_activations
