@@ -4,7 +4,8 @@ Per layer and pass, for the rows (token, k-th choice) of the top-k routing:
 - the rows are sorted by expert once (a stable argsort of the flattened expert ids); each expert's
   rows are one contiguous group, its end offset the cumulative bincount;
 - each expert stack (NF4, packed (E*out, in)) is dequantized to the compute dtype by ONE
-  `bitsandbytes.functional.dequantize_4bit` call over the whole stack, viewed as (E, out, in);
+  call over the whole stack (kit.recipe.nf4.dequantize: bitsandbytes' values, the kit's kernel
+  on GPUs), viewed as (E, out, in);
 - the base projection of every group is one grouped GEMM: `torch._grouped_mm` (CUTLASS, Hopper
   and newer, bf16), elsewhere a loop over the sorted groups' slices (`grouped_kernel` chooses);
 - each LoRA branch is two more grouped GEMMs (A, then B, times its scale) on the input dropped out
@@ -111,13 +112,13 @@ def stack_of(module: torch.nn.Module, name: str):
     param = getattr(module, name)
     if stored is None:
         return lambda: param.transpose(1, 2) if module.is_transposed else param
-    import bitsandbytes.functional as F
+    from kit.recipe import nf4
 
     state, experts = stored["state"], stored["shape"][0]
 
     def dequantize():
         packed = param.full_tensor() if hasattr(param, "full_tensor") else param
-        return F.dequantize_4bit(packed.reshape(-1, 1), state).view(experts, stored["out"], -1)
+        return nf4.dequantize(packed, state).view(experts, stored["out"], -1)
 
     return dequantize
 

@@ -38,7 +38,7 @@ import types
 
 import torch
 
-from kit.recipe import lora_down
+from kit.recipe import lora_down, nf4
 from kit.recipe.layers import decoder_layers
 from kit.recipe.levers.attention_tiles import restored_rng, rng_state, tile_attention
 from kit.recipe.levers.norms import lean_norms
@@ -79,7 +79,8 @@ def enable_activation_checkpointing(model, every: int = 1) -> list[int]:
 def _matmul_shape(op, args) -> tuple[int, int] | None:
     """(inputs, outputs) per token of a matmul of a linear layer (FP8 ones too), or None for any
     other op. bitsandbytes runs a 4-bit layer as one op of its own, `bitsandbytes::gemm_4bit(A, B, shape,
-    ...)`, with the weight's (out, in) shape as its third argument."""
+    ...)`, with the weight's (out, in) shape as its third argument; the kit's (`kit::nf4_linear`,
+    kit.recipe.nf4) as its eighth."""
     if op in _MATMULS:
         a, b = args[-2], args[-1]  # addmm(bias, a, b), mm(a, b)
         return a.shape[-1], b.shape[-1]
@@ -90,6 +91,9 @@ def _matmul_shape(op, args) -> tuple[int, int] | None:
         return args[0].shape[-1], args[1].shape[-1]
     if getattr(op, "namespace", None) == "bitsandbytes" and "gemm" in op.__name__:
         out, inner = args[2][0], args[2][1]
+        return inner, out
+    if op in nf4.linear_ops():  # the kit's 4-bit layer (kit.recipe.nf4): the same, shape at 7
+        out, inner = args[7][0], args[7][1]
         return inner, out
     return None
 

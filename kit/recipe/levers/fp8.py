@@ -50,19 +50,19 @@ class _FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, packed, bias, quant_state):
-        from bitsandbytes.functional import dequantize_4bit
+        from kit.recipe.nf4 import dequantize
 
         packed = packed.view(-1, 1)  # bitsandbytes' canonical layout; quant_state has the shape
-        w = dequantize_4bit(packed, quant_state).to(x.dtype)  # (out, in)
+        w = dequantize(packed, quant_state).to(x.dtype)  # (out, in)
         y = fp8_matmul(x.reshape(-1, x.shape[-1]), w, x.dtype).reshape(*x.shape[:-1], w.shape[0])
         ctx.state, ctx.tensors = quant_state, (packed,)
         return y + bias.to(y.dtype) if bias is not None else y
 
     @staticmethod
     def backward(ctx, grad):
-        from bitsandbytes.functional import dequantize_4bit
+        from kit.recipe.nf4 import dequantize
 
-        w = dequantize_4bit(ctx.tensors[0], ctx.state).to(grad.dtype)
+        w = dequantize(ctx.tensors[0], ctx.state).to(grad.dtype)
         dx = fp8_matmul(grad.reshape(-1, grad.shape[-1]), w.t().contiguous(), grad.dtype)
         return dx.reshape(*grad.shape[:-1], w.shape[1]), None, None, None
 

@@ -1,0 +1,184 @@
+"""4-bit (NF4) weights dequantized by the kit's Triton kernel (rank side; GPUs where the kit's
+kernels run, kit.recipe.lora_down.available).
+
+    w = dequantize(packed, quant_state)       # bitsandbytes.functional.dequantize_4bit's values
+    y = linear(x, weight, bias, quant_state)  # x @ W^T (+ bias), W 4-bit and frozen
+    enable(model)                             # every bitsandbytes Linear4bit runs `linear`
+
+A QLoRA step dequantizes every 4-bit weight twice (forward, and backward for the input's
+gradient: the base is frozen, so nothing else of it is needed). bitsandbytes does it in two
+kernels when the absmax is itself quantized (the absmax, then the weight), the weight's at about
+1.9 TB/s on an H200 (18.6 ms a step for the Llama-3-8B shape's 14 billion values: the profile in
+benchmarks/records/2026-11-30-lora-up-add-2xh200). kit.recipe.nf4_kernels does both in one
+kernel, each program a run of whole blocks, and returns the same values bit for bit (the GPU
+test holds it to bitsandbytes on every layout the kit stores: NF4, nested or not, bf16/fp16/fp32,
+a last block cut short).
+
+`linear` is one op forward (`kit::nf4_linear`: dequantize, then the matmul, as bitsandbytes'
+`gemm_4bit` is one op), and backward the dequantize op and a matmul, as bitsandbytes' MatMul4Bit
+runs them: nothing of the dequantized weight is kept between the passes, and a compiled layer
+cannot merge the two dequantizations into one kept tensor. The selective recompute policies
+(kit.recipe.recompute) keep its result as they keep any frozen matmul's. Elsewhere (a CPU, FP4,
+a nested absmax in blocks other than 256) bitsandbytes' own path runs.
+
+Gap filled: bitsandbytes' dequantize is a fixed CUDA kernel, and no library offers another for its
+layout.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+
+_AVAILABLE: dict = {}  # device type -> bool, asked once (a compiled layer reads the answer)
+
+
+def available(device: torch.device) -> bool:
+    """The kernel runs here (the rule of the kit's other Triton kernels); kit.recipe.model asks
+    before any layer compiles, so a layer's trace finds the answer kept, not a probe."""
+    if device.type not in _AVAILABLE:
+        from kit.recipe.lora_down import available as kernels
+
+        _AVAILABLE[device.type] = kernels(device)
+    return _AVAILABLE[device.type]
+
+
+def _fits(state) -> bool:
+    """A layout the kernel reads: NF4, its absmax plain or 8-bit in blocks of 256."""
+    return state.quant_type == "nf4" and (not state.nested or state.state2.blocksize == 256)
+
+
+def _tensors(state) -> tuple:
+    """(code, absmax, absmax2, code2, offset) of a bitsandbytes QuantState (the last three None
+    when the absmax is not quantized)."""
+    if not state.nested:
+        return state.code, state.absmax, None, None, None
+    offset = state.offset
+    if not isinstance(offset, torch.Tensor):
+        offset = torch.tensor(float(offset), device=state.absmax.device)
+    return state.code, state.absmax, state.state2.absmax, state.state2.code, offset.float()
+
+
+def _bytes(packed: torch.Tensor) -> torch.Tensor:
+    """The packed weight as its bytes (the kit stores it in a float `quant_storage`)."""
+    flat = packed.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+def reference(packed, code, absmax, absmax2, code2, offset, shape, blocksize, dtype):
+    """The kernel's arithmetic in torch ops (off the GPU; what the tests hold both to): the
+    absmax code2[q] x absmax2[block / 256] + offset, then each code's value times its block's."""
+    n = 1
+    for d in shape:
+        n *= d
+    if absmax2 is not None:
+        absmax = code2[absmax.long()] * absmax2.repeat_interleave(256)[:absmax.numel()] + offset
+    b = packed.to(torch.int64)
+    values = code[torch.stack([b >> 4, b & 15], -1).reshape(-1)[:n]]
+    return (values * absmax.repeat_interleave(blocksize)[:n]).reshape(shape).to(dtype)
+
+
+@torch.library.custom_op("kit::nf4_dequant", mutates_args=())
+def dequant_op(packed: torch.Tensor, code: torch.Tensor, absmax: torch.Tensor,
+               absmax2: torch.Tensor | None, code2: torch.Tensor | None,
+               offset: torch.Tensor | None, shape: list[int], blocksize: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    if not packed.is_cuda:
+        return reference(packed, code, absmax, absmax2, code2, offset, shape, blocksize, dtype)
+    from kit.recipe.nf4_kernels import dequantize_into
+
+    out = torch.empty(shape, dtype=dtype, device=packed.device)
+    return dequantize_into(out, packed, code, absmax, absmax2, code2, offset, blocksize, 256)
+
+
+@dequant_op.register_fake
+def _(packed, code, absmax, absmax2, code2, offset, shape, blocksize, dtype):
+    return packed.new_empty(shape, dtype=dtype)
+
+
+def _weight(packed, code, absmax, absmax2, code2, offset, shape, blocksize, state_dtype, dtype):
+    w = dequant_op(packed, code, absmax, absmax2, code2, offset, shape, blocksize, state_dtype)
+    return w if w.dtype == dtype else w.to(dtype)  # as bitsandbytes: its dtype, then the input's
+
+
+@torch.library.custom_op("kit::nf4_linear", mutates_args=())
+def linear_op(x: torch.Tensor, packed: torch.Tensor, code: torch.Tensor, absmax: torch.Tensor,
+              absmax2: torch.Tensor | None, code2: torch.Tensor | None,
+              offset: torch.Tensor | None, shape: list[int], blocksize: int,
+              state_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    w = _weight(packed, code, absmax, absmax2, code2, offset, shape, blocksize, state_dtype,
+                x.dtype)
+    return torch.nn.functional.linear(x, w, bias)
+
+
+@linear_op.register_fake
+def _(x, packed, code, absmax, absmax2, code2, offset, shape, blocksize, state_dtype, bias):
+    return x.new_empty(*x.shape[:-1], shape[0])
+
+
+def _setup(ctx, inputs, output):
+    x, packed, code, absmax, absmax2, code2, offset, shape, blocksize, state_dtype, bias = inputs
+    ctx.save_for_backward(packed, code, absmax, absmax2, code2, offset)
+    ctx.shape, ctx.blocksize, ctx.state_dtype = shape, blocksize, state_dtype
+    ctx.bias_grad = bias is not None and ctx.needs_input_grad[-1]
+
+
+def _backward(ctx, grad):
+    w = _weight(*ctx.saved_tensors, ctx.shape, ctx.blocksize, ctx.state_dtype, grad.dtype)
+    dx = torch.matmul(grad, w) if ctx.needs_input_grad[0] else None
+    db = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_grad else None
+    return dx, None, None, None, None, None, None, None, None, None, db
+
+
+linear_op.register_autograd(_backward, setup_context=_setup)
+
+
+def linear_ops() -> tuple:
+    """The op whose result is a 4-bit layer's output (kit.recipe.recompute's policies keep it as
+    any frozen matmul's; its shape argument, index 7, is the weight's (out, in))."""
+    return (torch.ops.kit.nf4_linear.default,)
+
+
+def dequantize(packed: torch.Tensor, state) -> torch.Tensor:
+    """bitsandbytes.functional.dequantize_4bit(packed, state), by the kernel where it runs."""
+    if not (packed.is_cuda and _fits(state) and available(packed.device)):
+        import bitsandbytes.functional as F
+
+        return F.dequantize_4bit(packed.reshape(-1, 1), state)
+    return dequant_op(_bytes(packed), *_tensors(state), list(state.shape), state.blocksize,
+                      state.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           state) -> torch.Tensor:
+    """x @ W^T (+ bias) for a frozen 4-bit W (`weight` packed, `state` its QuantState)."""
+    return linear_op(x, _bytes(weight), *_tensors(state), list(state.shape), state.blocksize,
+                     state.dtype, bias)
+
+
+def enable(model) -> int:
+    """Every bitsandbytes Linear4bit of `model` whose weight is frozen NF4 runs `linear` (others,
+    and any call off a CUDA device, keep bitsandbytes' own forward). Returns how many."""
+    import bitsandbytes as bnb
+    from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
+
+    def forward(self, x):
+        fix_4bit_weight_quant_state_from_module(self)
+        state = self.weight.quant_state
+        if self.weight.requires_grad or not x.is_cuda or not _fits(state):
+            return type(self).forward(self, x)
+        if not self.compute_type_is_set:
+            self.set_compute_type(x)
+            self.compute_type_is_set = True
+        dtype = x.dtype
+        if self.compute_dtype is not None:
+            x = x.to(self.compute_dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return linear(x, self.weight, bias, state).to(dtype)
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for m in layers:
+        m.forward = types.MethodType(forward, m)
+    return len(layers)

@@ -1,0 +1,110 @@
+"""The kit's NF4 dequantize (kit.recipe.nf4): the values bitsandbytes' own dequantize returns, bit
+for bit, on every layout the kit stores; the 4-bit layer's op (`kit::nf4_linear`) computes x @ W^T
+and its input's gradient, and the selective recompute policies keep its result as any frozen
+matmul's. On a GPU the Triton kernel equals bitsandbytes' CUDA kernel, and a Linear4bit switched
+to it (eager and compiled) gives bitsandbytes' outputs and gradients."""
+
+from __future__ import annotations
+
+import bitsandbytes as bnb
+import bitsandbytes.functional as F
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from kit.recipe import nf4, recompute
+
+LAYOUTS = {  # name: (shape, weight dtype, nested absmax, quant_storage)
+    "bf16 nested": ((256, 192), torch.bfloat16, True, torch.bfloat16),
+    "fp16 plain absmax": ((128, 256), torch.float16, False, torch.uint8),
+    "fp32 nested": ((64, 320), torch.float32, True, torch.float32),
+    "a last block cut short": ((1000, 1), torch.bfloat16, True, torch.bfloat16),
+    "more than 256 blocks (two absmax2)": ((512, 64), torch.bfloat16, True, torch.bfloat16),
+}
+
+
+def _quantized(shape, dtype, nested, storage, device="cpu"):
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)), dtype=torch.float32)
+    return F.quantize_4bit(w.to(dtype).to(device), blocksize=64, compress_statistics=nested,
+                           quant_type="nf4", quant_storage=storage)
+
+
+def _op_args(packed, state):
+    return (nf4._bytes(packed), *nf4._tensors(state), list(state.shape), state.blocksize)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_reference_returns_bitsandbytes_values_bit_for_bit(layout):
+    packed, state = _quantized(*LAYOUTS[layout])
+    got = nf4.dequant_op(*_op_args(packed, state), state.dtype)
+    assert got.dtype == state.dtype and got.shape == state.shape
+    assert torch.equal(got, F.dequantize_4bit(packed, state))
+
+
+def test_the_ops_schemas_fakes_and_gradients_check():
+    packed, state = _quantized(*LAYOUTS["bf16 nested"])
+    x = torch.randn(3, 5, 192, requires_grad=True)
+    torch.library.opcheck(nf4.dequant_op, (*_op_args(packed, state), state.dtype))
+    torch.library.opcheck(nf4.linear_op, (x, *_op_args(packed, state), state.dtype, None))
+
+
+def test_the_layer_op_is_x_times_w_transposed_and_its_input_gradient():
+    packed, state = _quantized(*LAYOUTS["bf16 nested"])
+    w = F.dequantize_4bit(packed, state).float()
+    x = torch.randn(2, 7, 192, requires_grad=True)
+    bias = torch.randn(256)
+    y = nf4.linear(x, packed, bias, state)
+    g = torch.randn_like(y)
+    y.backward(g)
+    torch.testing.assert_close(y, x.detach() @ w.T + bias)
+    torch.testing.assert_close(x.grad, g @ w)
+
+
+def test_the_recompute_policies_keep_the_4bit_layers_result_as_a_frozen_matmuls():
+    packed, state = _quantized(*LAYOUTS["bf16 nested"])
+    args = (torch.randn(4, 192), *_op_args(packed, state), state.dtype, None)
+    op = torch.ops.kit.nf4_linear.default
+    assert recompute._matmul_shape(op, args) == (192, 256)
+    # 256 outputs: the MLP's width here, so attention_matmuls recomputes it, matmuls keeps it
+    assert recompute.save_policy("matmuls", 16, 256)(None, op, *args) == CheckpointPolicy.MUST_SAVE
+    assert (recompute.save_policy("attention_matmuls", 16, 256)(None, op, *args)
+            == CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+gpu = pytest.mark.skipif(not (torch.cuda.is_available() and nf4.available(torch.device("cuda"))),
+                         reason="needs a CUDA GPU with the kit's Triton kernels")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_kernel_returns_bitsandbytes_values_bit_for_bit(layout):
+    packed, state = _quantized(*LAYOUTS[layout], device="cuda")
+    got = nf4.dequantize(packed, state)
+    assert torch.equal(got, F.dequantize_4bit(packed, state))
+    assert torch.equal(got.cpu(), nf4.reference(*(t.cpu() if isinstance(t, torch.Tensor) else t
+                                                  for t in _op_args(packed, state)), state.dtype))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_linear4bit_switched_to_the_kernel_gives_bitsandbytes_outputs_and_gradients(compiled):
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(512, 1024, dtype=torch.bfloat16)
+    layers = []
+    for _ in range(2):
+        m = bnb.nn.Linear4bit(512, 1024, bias=True, compute_dtype=torch.bfloat16,
+                              quant_type="nf4", quant_storage=torch.bfloat16)
+        m.load_state_dict(dense.state_dict())
+        layers.append(m.cuda().requires_grad_(False))
+    assert nf4.enable(layers[1]) == 1
+    x = torch.randn(4, 64, 512, device="cuda", dtype=torch.bfloat16)
+    out = []
+    for m in layers:
+        xi = x.clone().requires_grad_(True)
+        fn = torch.compile(m) if compiled else m
+        y = fn(xi)
+        y.backward(torch.ones_like(y))
+        out.append((y.detach(), xi.grad))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
