@@ -31,7 +31,6 @@ import types
 
 import torch
 
-
 _AVAILABLE: dict = {}  # device type -> bool, asked once (a compiled layer reads the answer)
 
 
@@ -80,11 +79,7 @@ def reference(packed, code, absmax, absmax2, code2, offset, shape, blocksize, dt
     return (values * absmax.repeat_interleave(blocksize)[:n]).reshape(shape).to(dtype)
 
 
-@torch.library.custom_op("kit::nf4_dequant", mutates_args=())
-def dequant_op(packed: torch.Tensor, code: torch.Tensor, absmax: torch.Tensor,
-               absmax2: torch.Tensor | None, code2: torch.Tensor | None,
-               offset: torch.Tensor | None, shape: list[int], blocksize: int,
-               dtype: torch.dtype) -> torch.Tensor:
+def _dequant(packed, code, absmax, absmax2, code2, offset, shape, blocksize, dtype):
     if not packed.is_cuda:
         return reference(packed, code, absmax, absmax2, code2, offset, shape, blocksize, dtype)
     from kit.recipe.nf4_kernels import dequantize_into
@@ -93,13 +88,22 @@ def dequant_op(packed: torch.Tensor, code: torch.Tensor, absmax: torch.Tensor,
     return dequantize_into(out, packed, code, absmax, absmax2, code2, offset, blocksize, 256)
 
 
+@torch.library.custom_op("kit::nf4_dequant", mutates_args=())
+def dequant_op(packed: torch.Tensor, code: torch.Tensor, absmax: torch.Tensor,
+               absmax2: torch.Tensor | None, code2: torch.Tensor | None,
+               offset: torch.Tensor | None, shape: list[int], blocksize: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    return _dequant(packed, code, absmax, absmax2, code2, offset, shape, blocksize, dtype)
+
+
 @dequant_op.register_fake
 def _(packed, code, absmax, absmax2, code2, offset, shape, blocksize, dtype):
     return packed.new_empty(shape, dtype=dtype)
 
 
-def _weight(packed, code, absmax, absmax2, code2, offset, shape, blocksize, state_dtype, dtype):
-    w = dequant_op(packed, code, absmax, absmax2, code2, offset, shape, blocksize, state_dtype)
+def _weight(packed, code, absmax, absmax2, code2, offset, shape, blocksize, state_dtype, dtype,
+            op=dequant_op):
+    w = op(packed, code, absmax, absmax2, code2, offset, shape, blocksize, state_dtype)
     return w if w.dtype == dtype else w.to(dtype)  # as bitsandbytes: its dtype, then the input's
 
 
@@ -109,7 +113,7 @@ def linear_op(x: torch.Tensor, packed: torch.Tensor, code: torch.Tensor, absmax:
               offset: torch.Tensor | None, shape: list[int], blocksize: int,
               state_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     w = _weight(packed, code, absmax, absmax2, code2, offset, shape, blocksize, state_dtype,
-                x.dtype)
+                x.dtype, op=_dequant)  # inside the op: the kernel itself, no second dispatch
     return torch.nn.functional.linear(x, w, bias)
 
 
