@@ -66,9 +66,16 @@ def _bytes(packed: torch.Tensor) -> torch.Tensor:
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
-def reference(packed, code, absmax, absmax2, code2, offset, shape, blocksize, dtype):
-    """The kernel's arithmetic in torch ops (off the GPU; what the tests hold both to): the
-    absmax code2[q] x absmax2[block / 256] + offset, then each code's value times its block's."""
+def reference(packed: torch.Tensor, state) -> torch.Tensor:
+    """The kernel's arithmetic in torch ops, for a packed weight and its QuantState (notebook 02
+    reads a layer back with it; the tests hold the kernel and bitsandbytes to it)."""
+    return _reference(_bytes(packed), *_tensors(state), list(state.shape), state.blocksize,
+                      state.dtype)
+
+
+def _reference(packed, code, absmax, absmax2, code2, offset, shape, blocksize, dtype):
+    """The absmax code2[q] x absmax2[block / 256] + offset, then each code's level (the high
+    nibble of a byte first) times its block's absmax."""
     n = 1
     for d in shape:
         n *= d
@@ -81,7 +88,7 @@ def reference(packed, code, absmax, absmax2, code2, offset, shape, blocksize, dt
 
 def _dequant(packed, code, absmax, absmax2, code2, offset, shape, blocksize, dtype):
     if not packed.is_cuda:
-        return reference(packed, code, absmax, absmax2, code2, offset, shape, blocksize, dtype)
+        return _reference(packed, code, absmax, absmax2, code2, offset, shape, blocksize, dtype)
     from kit.recipe.nf4_kernels import dequantize_into
 
     out = torch.empty(shape, dtype=dtype, device=packed.device)
