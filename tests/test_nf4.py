@@ -47,18 +47,21 @@ def test_the_ops_schemas_fakes_and_gradients_check():
     x = torch.randn(3, 5, 192, requires_grad=True)
     torch.library.opcheck(nf4.dequant_op, (*_op_args(packed, state), state.dtype))
     torch.library.opcheck(nf4.linear_op, (x, *_op_args(packed, state), state.dtype, None))
+    bias = torch.randn(256, requires_grad=True)
+    torch.library.opcheck(nf4.linear_op, (x, *_op_args(packed, state), state.dtype, bias))
 
 
 def test_the_layer_op_is_x_times_w_transposed_and_its_input_gradient():
     packed, state = _quantized(*LAYOUTS["bf16 nested"])
     w = F.dequantize_4bit(packed, state).float()
     x = torch.randn(2, 7, 192, requires_grad=True)
-    bias = torch.randn(256)
+    bias = torch.randn(256, requires_grad=True)  # a trainable bias gets its gradient too
     y = nf4.linear(x, packed, bias, state)
     g = torch.randn_like(y)
     y.backward(g)
-    torch.testing.assert_close(y, x.detach() @ w.T + bias)
+    torch.testing.assert_close(y, x.detach() @ w.T + bias.detach())
     torch.testing.assert_close(x.grad, g @ w)
+    torch.testing.assert_close(bias.grad, g.sum((0, 1)))
 
 
 def test_the_recompute_policies_keep_the_4bit_layers_result_as_a_frozen_matmuls():

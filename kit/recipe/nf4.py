@@ -133,13 +133,12 @@ def _setup(ctx, inputs, output):
     x, packed, code, absmax, absmax2, code2, offset, shape, blocksize, state_dtype, bias = inputs
     ctx.save_for_backward(packed, code, absmax, absmax2, code2, offset)
     ctx.shape, ctx.blocksize, ctx.state_dtype = shape, blocksize, state_dtype
-    ctx.bias_grad = bias is not None and ctx.needs_input_grad[-1]
 
 
 def _backward(ctx, grad):
     w = _weight(*ctx.saved_tensors, ctx.shape, ctx.blocksize, ctx.state_dtype, grad.dtype)
     dx = torch.matmul(grad, w) if ctx.needs_input_grad[0] else None
-    db = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_grad else None
+    db = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[-1] else None
     return dx, None, None, None, None, None, None, None, None, None, db
 
 
