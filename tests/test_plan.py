@@ -388,13 +388,15 @@ def test_long_rows_get_the_tiles_only_when_nothing_fits_without():
     """Rows of 131,072 tokens within 24 GiB: the plan turns on offloaded inputs, the MLP's and
     attention's tiles and lean norms, as the hand-set run did (19.89 GiB measured,
     benchmarks/records/2026-11-27-lean-norms-context-24gib-8b-1xh100, 2026-11-27-tile-kernels-context-512k-8b-1xh100); rows of 65,536 need the MLP's
-    tiles only; 2,048 none; the measured peak lies within 10% below the prediction. Adapters go ungrouped
+    tiles only; 2,048 none; the measured peak lies within 10% below the prediction and the
+    measured speed (2,148 tokens/s) within 5% of it. Adapters go ungrouped
     past GPU memory, as every offloaded and tiled run was measured."""
     full = _long(131072)
     t = full.cfg.training
     assert _tiles(full) == (8192, 8192, True) and t.offload_activations is True
     assert t.compile is False and full.cfg.lora.group_inputs is False and t.batch_size == 1
     assert 0 <= (full.predicted_gib - 19.89) / 19.89 < 0.10
+    assert 0.95 < full.tokens_per_s / 2148 < 1.05  # measured on the record's H100 (tile kernels)
     assert "attention in 8,192-token tiles" in full.line() and "lean norms" in full.line()
     by = {c.field: c for c in full.choices}
     assert by["training.recompute.lean_norms"].by == "plan"
@@ -488,8 +490,8 @@ def test_half_a_million_tokens_within_80_gib_where_the_host_holds_the_inputs():
     every long-context lever at batch 1, as the measured run's did (58.74 GiB and 670 tokens/s on
     one H100 of a two-GPU host, benchmarks/records/2026-11-27-tile-kernels-context-512k-8b-1xh100); its prediction lies
     within 10% above the measured peak less what FSDP2 on one rank no longer gathers (the frozen
-    weights, which that run still gathered: the estimate's difference). On a host with 128 GiB for one GPU (80% of it usable)
-    the 128 GiB of offloaded inputs do not fit: refused, naming a length that does."""
+    weights, which that run still gathered: the estimate's difference), its speed within 5%. On
+    a host with 128 GiB for one GPU (80% of it usable) the 128 GiB of offloaded inputs do not fit: refused, naming a length that does."""
     cfg = load_config(None, ["model.name=kit:llama3-8b-1048k", "data.max_seq_len=524288"])
     planned = kplan.plan(cfg, replace(_gpu(1, 78), host_gib=200), 524288)
     t = planned.cfg.training
@@ -499,7 +501,7 @@ def test_half_a_million_tokens_within_80_gib_where_the_host_holds_the_inputs():
         estimate(planned.cfg.model.name, one).total_gib
     assert 1.0 < copies < 1.4
     assert 0 <= (planned.predicted_gib - (58.74 - copies)) / (58.74 - copies) < 0.10
-    assert 0.8 < planned.tokens_per_s / 669.7 < 1.2
+    assert 0.95 < planned.tokens_per_s / 669.7 < 1.05
     with pytest.raises(ConfigError) as e:
         kplan.plan(cfg, replace(_gpu(1, 78), host_gib=128), 524288)
     assert "128.0 GiB of host memory per process" in str(e.value)
