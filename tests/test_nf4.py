@@ -2,7 +2,8 @@
 for bit, on every layout the kit stores; the 4-bit layer's op (`kit::nf4_linear`) computes x @ W^T
 and its input's gradient, and the selective recompute policies keep its result as any frozen
 matmul's. On a GPU the Triton kernel equals bitsandbytes' CUDA kernel, and a Linear4bit switched
-to it (eager and compiled) gives bitsandbytes' outputs and gradients."""
+to it gives bitsandbytes' outputs and gradients (compiled: the kit's op; eagerly it keeps
+bitsandbytes' forward, whose host path is the shorter there)."""
 
 from __future__ import annotations
 
@@ -111,3 +112,18 @@ def test_a_linear4bit_switched_to_the_kernel_gives_bitsandbytes_outputs_and_grad
         y.backward(torch.ones_like(y))
         out.append((y.detach(), xi.grad))
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
+def test_enable_switches_every_frozen_linear4bit_and_leaves_the_cpu_on_bitsandbytes_path():
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(128, 64, dtype=torch.bfloat16)
+    m = bnb.nn.Linear4bit(128, 64, compute_dtype=torch.bfloat16, quant_type="nf4",
+                          quant_storage=torch.bfloat16)
+    m.load_state_dict(dense.state_dict())
+    m.weight = bnb.nn.Params4bit(m.weight.data, requires_grad=False, quant_type="nf4",
+                                 quant_storage=torch.bfloat16)._quantize("cpu")
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    before = m(x)
+    model = torch.nn.Sequential(m, torch.nn.Linear(64, 8))
+    assert nf4.enable(model) == 1 and "forward" in vars(m)
+    assert torch.equal(m(x), before)  # off the GPU the layer runs bitsandbytes' own forward

@@ -12,10 +12,12 @@ kernels when the absmax is itself quantized (the absmax, then the weight), the w
 benchmarks/records/2026-11-30-lora-up-add-2xh200). kit.recipe.nf4_kernels does both in one
 kernel, each program a run of whole blocks, and returns the same values bit for bit (the GPU
 test holds it to bitsandbytes on every layout the kit stores: NF4, nested or not, bf16/fp16/fp32,
-a last block cut short).
+a last block cut short): 3.15 against 2.24 TB/s on a mixture of experts' stacks, and the 8B
+shape's step at 24 GiB +1.7-4.6% (benchmarks/records/2026-11-30-nf4-dequant-1xh200).
 
 `linear` is one op forward (`kit::nf4_linear`: dequantize, then the matmul, as bitsandbytes'
-`gemm_4bit` is one op), and backward the dequantize op and a matmul, as bitsandbytes' MatMul4Bit
+`gemm_4bit` is one op; compiled layers call it, eager ones bitsandbytes' own, `enable`), and
+backward the dequantize op and a matmul, as bitsandbytes' MatMul4Bit
 runs them: nothing of the dequantized weight is kept between the passes, and a compiled layer
 cannot merge the two dequantizations into one kept tensor. The selective recompute policies
 (kit.recipe.recompute) keep its result as they keep any frozen matmul's. Elsewhere (a CPU, FP4,
@@ -169,15 +171,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def enable(model) -> int:
-    """Every bitsandbytes Linear4bit of `model` whose weight is frozen NF4 runs `linear` (others,
-    and any call off a CUDA device, keep bitsandbytes' own forward). Returns how many."""
+    """Every bitsandbytes Linear4bit of `model` whose weight is frozen NF4 runs `linear` inside a
+    compiled layer (measured there: benchmarks/records/2026-11-30-nf4-dequant-1xh200). Called
+    eagerly, off a CUDA device, or with another layout it keeps bitsandbytes' own forward, whose
+    host path is the shorter one eagerly (0.51 against 0.90 ms for an 8B q/o layer's forward and
+    backward at 4,096 tokens on an H200, the same record). Returns how many."""
     import bitsandbytes as bnb
     from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
 
     def forward(self, x):
         fix_4bit_weight_quant_state_from_module(self)
         state = self.weight.quant_state
-        if self.weight.requires_grad or not x.is_cuda or not _fits(state):
+        if (not torch.compiler.is_compiling() or self.weight.requires_grad or not x.is_cuda
+                or not _fits(state)):
             return type(self).forward(self, x)
         if not self.compute_type_is_set:
             self.set_compute_type(x)
