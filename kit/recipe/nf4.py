@@ -29,6 +29,7 @@ layout.
 
 from __future__ import annotations
 
+import math
 import types
 
 import torch
@@ -78,9 +79,7 @@ def reference(packed: torch.Tensor, state) -> torch.Tensor:
 def _reference(packed, code, absmax, absmax2, code2, offset, shape, blocksize, dtype):
     """The absmax code2[q] x absmax2[block / 256] + offset, then each code's level (the high
     nibble of a byte first) times its block's absmax."""
-    n = 1
-    for d in shape:
-        n *= d
+    n = math.prod(shape)
     if absmax2 is not None:
         absmax = code2[absmax.long()] * absmax2.repeat_interleave(256)[:absmax.numel()] + offset
     b = packed.to(torch.int64)
