@@ -3,9 +3,12 @@ for bit, on every layout the kit stores; the 4-bit layer's op (`kit::nf4_linear`
 and its input's gradient, and the selective recompute policies keep its result as any frozen
 matmul's. On a GPU the Triton kernel equals bitsandbytes' CUDA kernel, and a Linear4bit switched
 to it gives bitsandbytes' outputs and gradients (compiled: the kit's op; eagerly it keeps
-bitsandbytes' forward, whose host path is the shorter there)."""
+bitsandbytes' forward, whose host path is the shorter there); compiled, the Triton ops' kernel is
+launched by the generated code and no dequantized weight is kept from forward to backward."""
 
 from __future__ import annotations
+
+import re
 
 import bitsandbytes as bnb
 import bitsandbytes.functional as F
@@ -112,6 +115,39 @@ def test_a_linear4bit_switched_to_the_kernel_gives_bitsandbytes_outputs_and_grad
         y.backward(torch.ones_like(y))
         out.append((y.detach(), xi.grad))
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("keeps", [None, "matmuls", "attention_matmuls"])
+def test_a_compiled_4bit_layer_launches_the_kernel_itself_and_keeps_no_dequantized_weight(keeps):
+    """Compiled (alone, or under a selective recompute policy as the planner runs layers), the
+    Triton ops' kernel is launched by the generated code (no op call left in it), once forward
+    and once backward, and nothing as large as the bf16 weight is kept between the passes."""
+    from functools import partial
+
+    from levers import saved_bytes
+    from torch._inductor.utils import run_and_get_code
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    torch.manual_seed(0)
+    m = bnb.nn.Linear4bit(2048, 4096, bias=False, compute_dtype=torch.bfloat16,
+                          quant_type="nf4", quant_storage=torch.bfloat16)
+    m.load_state_dict(torch.nn.Linear(2048, 4096, bias=False, dtype=torch.bfloat16).state_dict())
+    m = m.cuda().requires_grad_(False)
+    nf4.enable(m)
+    assert torch.ops.kit.nf4_linear_triton.default in nf4.linear_ops()
+    fn = m if keeps is None else partial(
+        checkpoint, m, use_reentrant=False, context_fn=partial(
+            create_selective_checkpoint_contexts, recompute.save_policy(keeps, 16, 4096)))
+    f = torch.compile(fn)
+    x = torch.randn(2, 512, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y, kept = saved_bytes(lambda: f(x), {m.weight.untyped_storage().data_ptr()})
+    assert kept < 12 * 2**20, kept  # the bf16 weight is 16 MiB (the output, if kept, 8 MiB)
+    torch._dynamo.reset()
+    _, code = run_and_get_code(lambda: f(x).backward(torch.ones_like(y)))
+    source = "\n".join(code)
+    assert "ops.kit." not in source and len(re.findall(r"\bdequant_\d+\.run\(", source)) >= 2
 
 
 def test_enable_switches_every_frozen_linear4bit_and_leaves_the_cpu_on_bitsandbytes_path():

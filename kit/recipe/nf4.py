@@ -15,13 +15,18 @@ test holds it to bitsandbytes on every layout the kit stores: NF4, nested or not
 a last block cut short): 3.15 against 2.24 TB/s on a mixture of experts' stacks, and the 8B
 shape's step at 24 GiB +1.7-4.6% (benchmarks/records/2026-11-30-nf4-dequant-1xh200).
 
-`linear` is one op forward (`kit::nf4_linear`: dequantize, then the matmul, as bitsandbytes'
-`gemm_4bit` is one op; compiled layers call it, eager ones bitsandbytes' own, `enable`), and
-backward the dequantize op and a matmul, as bitsandbytes' MatMul4Bit
-runs them: nothing of the dequantized weight is kept between the passes, and a compiled layer
-cannot merge the two dequantizations into one kept tensor. The selective recompute policies
-(kit.recipe.recompute) keep its result as they keep any frozen matmul's. Elsewhere (a CPU, FP4,
-a nested absmax in blocks other than 256) bitsandbytes' own path runs.
+`linear` is one op forward (dequantize, then the matmul, as bitsandbytes' `gemm_4bit` is one op;
+compiled layers call it, eager ones bitsandbytes' own, `enable`), and backward the dequantize op
+and a matmul, as bitsandbytes' MatMul4Bit runs them: nothing of the dequantized weight is kept
+between the passes. On CUDA both are `torch.library.triton_op` ops (kit.recipe.nf4_kernels:
+kit::nf4_linear_triton, kit::nf4_dequant_triton), whose kernel a compiled layer launches from its
+own generated code, from C++ with inductor's C++ wrapper; backward's launch takes the incoming
+gradient as an unread argument, so that the compiler neither merges it with the forward's nor runs
+it in forward to keep its bf16 result. Off CUDA the custom ops kit::nf4_linear and kit::nf4_dequant
+run the same arithmetic in torch (`dequantize`, for the experts' stacks and the FP8 lever, calls
+kit::nf4_dequant, which launches the kernel on CUDA). The selective recompute policies
+(kit.recipe.recompute) keep its result as they keep any frozen matmul's. bitsandbytes' own path
+runs for FP4 and a nested absmax in blocks other than 256.
 
 Gap filled: bitsandbytes' dequantize is a fixed CUDA kernel, and no library offers another for its
 layout.
@@ -137,7 +142,12 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
-    w = _weight(*ctx.saved_tensors, ctx.shape, ctx.blocksize, ctx.state_dtype, grad.dtype)
+    if grad.is_cuda:  # the Triton op's (the kernel's launch ordered after `grad`: nf4_kernels)
+        w = kernels().dequant_op(*ctx.saved_tensors, ctx.shape, ctx.blocksize, ctx.state_dtype,
+                                 grad)
+        w = w if w.dtype == grad.dtype else w.to(grad.dtype)
+    else:
+        w = _weight(*ctx.saved_tensors, ctx.shape, ctx.blocksize, ctx.state_dtype, grad.dtype)
     dx = torch.matmul(grad, w) if ctx.needs_input_grad[0] else None
     db = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[-1] else None
     return dx, None, None, None, None, None, None, None, None, None, db
@@ -145,11 +155,25 @@ def _backward(ctx, grad):
 
 linear_op.register_autograd(_backward, setup_context=_setup)
 
+_LOADED: list = []  # kit.recipe.nf4_kernels, once `kernels()` loaded it
+
+
+def kernels():
+    """The Triton ops (kit.recipe.nf4_kernels: kit::nf4_linear_triton, kit::nf4_dequant_triton),
+    loaded on first use: triton is imported only where a CUDA run asks for them (`enable` does,
+    before any layer is compiled)."""
+    if not _LOADED:
+        from kit.recipe import nf4_kernels as k
+
+        k.linear_op.register_autograd(_backward, setup_context=_setup)
+        _LOADED.append(k)
+    return _LOADED[0]
+
 
 def linear_ops() -> tuple:
-    """The op whose result is a 4-bit layer's output (kit.recipe.recompute's policies keep it as
-    any frozen matmul's; its shape argument, index 7, is the weight's (out, in))."""
-    return (torch.ops.kit.nf4_linear.default,)
+    """The ops whose result is a 4-bit layer's output (kit.recipe.recompute's policies keep it as
+    any frozen matmul's; their shape argument, index 7, is the weight's (out, in))."""
+    return (torch.ops.kit.nf4_linear.default, *(k.linear_op._opoverload for k in _LOADED))
 
 
 def dequantize(packed: torch.Tensor, state) -> torch.Tensor:
@@ -164,9 +188,12 @@ def dequantize(packed: torch.Tensor, state) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            state) -> torch.Tensor:
-    """x @ W^T (+ bias) for a frozen 4-bit W (`weight` packed, `state` its QuantState)."""
-    return linear_op(x, _bytes(weight), *_tensors(state), list(state.shape), state.blocksize,
-                     state.dtype, bias)
+    """x @ W^T (+ bias) for a frozen 4-bit W (`weight` packed, `state` its QuantState): on CUDA
+    the Triton op (a compiled layer launches its kernel from its own code), elsewhere the
+    reference op."""
+    op = kernels().linear_op if x.is_cuda else linear_op
+    return op(x, _bytes(weight), *_tensors(state), list(state.shape), state.blocksize,
+              state.dtype, bias)
 
 
 def enable(model) -> int:
@@ -194,6 +221,8 @@ def enable(model) -> int:
         return linear(x, self.weight, bias, state).to(dtype)
 
     layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    if any(p.is_cuda for m in layers for p in m.parameters()):
+        kernels()  # before any layer compiles: the recompute policies know its op from the start
     for m in layers:
         m.forward = types.MethodType(forward, m)
     return len(layers)
