@@ -60,6 +60,13 @@ class ModelConfig:
     # of an FSDP2 or FSDP1 run (rank0 for a checkpoint whose names transformers renames, and
     # under accelerate, which shards itself), full under DDP and outside a run (a notebook).
     loading: Literal["auto", "full", "rank0", "stream"] = "auto"
+    # A mixture of experts' experts (kit/recipe/experts.py). grouped: each layer's routed rows
+    # sorted by expert once, every expert's projection and adapters as grouped GEMMs. loop:
+    # transformers' eager loop, one hit expert at a time with bitsandbytes' 4-bit matmul, the
+    # reference the grouped forward is checked against (its losses:
+    # benchmarks/matrices/moe-loop-vs-grouped-cpu.yaml); far slower on a GPU, and the planner's
+    # step model counts grouped experts. Dense models have none: no effect there.
+    experts: Literal["grouped", "loop"] = "grouped"
 
 
 @dataclass

@@ -41,10 +41,9 @@ def test_grouped_forward_and_backward_equal_the_per_expert_loop(name, quantizati
     wrapper = outermost_wrapper(model).train()
     chain = chain_of(wrapper)
     ex = chain[-1]
-    # what runs: the wrapper's forward calls experts.forward (the grouped one), as does the
-    # experts module itself once its stacks are NF4
-    assert wrapper.forward.__func__ is experts.adapted_forward and experts.forward.__module__ \
-        == "kit.recipe.grouped_experts"
+    # what runs: the wrapper's forward calls experts.forward (the grouped one: model.experts'
+    # default), as does the experts module itself once its stacks are NF4
+    assert wrapper.forward.__func__ is experts.adapted_forward and not ex._kit_loop
     assert quantization == "none" or ex.forward.__func__ is experts.forward
     torch.manual_seed(0)
     for w in chain[:-1]:  # a trained-looking adapter: B no longer zero
@@ -68,6 +67,38 @@ def test_grouped_forward_and_backward_equal_the_per_expert_loop(name, quantizati
     if dropout:  # the masks matter: another seed gives another output
         other = run(experts.forward, ex, x, index, weights, lora, seed=8)
         assert (other - got).abs().max() > 1e-3 * scale
+
+
+class _Ops(TorchDispatchMode):
+    """The set of ops that reach the kernels."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.add(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_model_experts_loop_runs_the_per_expert_loop_and_gives_the_grouped_loss():
+    """model.experts=loop (kit.recipe.experts.choose): every experts module runs transformers'
+    loop, one hit expert at a time (adding each expert's rows into the output: `index_add_`,
+    which the grouped forward never calls), and the model's loss is the grouped forward's."""
+    from kit.recipe import experts
+
+    model = built("kit:tiny-qwen3-moe", "model.dtype=float32", "model.experts=loop")
+    found = experts.find(model)
+    assert found and all(m._kit_loop for _, m in found)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16),
+                        generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for how in ("loop", "grouped"):
+        assert experts.choose(model, how) == len(found)
+        with torch.no_grad(), _Ops() as ops:
+            losses[how] = model(input_ids=ids, labels=ids).loss
+        assert (torch.ops.aten.index_add_.default in ops.seen) == (how == "loop")
+    assert abs(losses["loop"] - losses["grouped"]) < 1e-5 * losses["grouped"]
 
 
 def test_the_fallback_is_chosen_off_hopper_and_keeps_no_dequantized_stack():

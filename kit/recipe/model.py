@@ -18,7 +18,7 @@ import torch
 
 from kit.budget import plan as kplan
 from kit.config import Config, ConfigError
-from kit.recipe import loading, lora, nf4, quantize, recompute
+from kit.recipe import experts, loading, lora, nf4, quantize, recompute
 from kit.recipe.checks import check_checkpointing_active
 from kit.recipe.levers import loss as kloss
 
@@ -52,6 +52,7 @@ def build(cfg: Config, device: torch.device, *, train: bool = True) -> Built:
     torch.manual_seed(cfg.training.seed)  # the same LoRA init on every rank
     with loading.adapters_stay_put(model):  # stream: the base is on meta until FSDP2 shards it
         peft_model = lora.apply_lora(model, cfg)
+    experts.choose(peft_model, cfg.model.experts)  # a mixture of experts: grouped, or the loop
     if not train:
         return Built(peft_model, tokenizer, attn, warning, [])
     if device.type == "cuda" and nf4.available(device):  # bitsandbytes' values, one kernel
