@@ -18,8 +18,7 @@ nn.Linear, so the experts, nearly all of an MoE's bytes, would stay in model.dty
   routing and gating as transformers (the module's own `_apply_gate`). Nothing of the dequantized
   stack is kept between forward and backward: backward dequantizes it again for the input's
   gradient (the base is frozen). `loop_forward`, transformers' eager loop with
-  `bitsandbytes.matmul_4bit` per hit expert, stays as the reference it is tested against
-  (model.experts=loop runs it: `choose`).
+  `bitsandbytes.matmul_4bit` per hit expert, is the reference (model.experts=loop, `choose`).
 - LoRA: PEFT's `target_parameters` builds its lora.ParamWrapper modules (one per expert parameter,
   nested), so the adapter's keys, shapes and adapter_config.json are PEFT's own, and plain PEFT
   reloads it on the unquantized base. PEFT computes ParamWrapper by adding B@A to the dense stack
@@ -156,16 +155,14 @@ def stored_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 
 def forward(self, hidden_states, *args, lora=None, **kwargs):
-    """What every experts module runs: the grouped forward, or `loop_forward` where model.experts
-    is loop (`choose`)."""
+    """What every experts module runs: grouped, or `loop_forward` (model.experts=loop, `choose`)."""
     run = loop_forward if getattr(self, "_kit_loop", False) else grouped_experts.forward
     return run(self, hidden_states, *args, lora=lora, **kwargs)
 
 
 def choose(model: torch.nn.Module, how: str) -> int:
     """model.experts on every experts module of `model` ('grouped' or 'loop'); returns how many."""
-    found = [m for _, m in find(model)]
-    for m in found:
+    for _, m in (found := find(model)):
         m._kit_loop = how == "loop"
     return len(found)
 
