@@ -469,3 +469,36 @@ def test_the_cpp_wrapper_computes_what_the_python_wrapper_does():
     (lp, gp), (lc, gc) = got["python"], got["cpp"]
     assert lc == pytest.approx(lp, rel=1e-3)
     assert torch.nn.functional.cosine_similarity(gp, gc, dim=0) > 0.999 and gc.abs().sum() > 0
+
+
+def _int_array_methods():
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+
+    from kit.recipe import recompute
+
+    recompute.stable_int_arrays()  # what compile_layers(..., "cpp") does first
+    return {"torch's, as the kit leaves it": CppWrapperCpu.codegen_int_array_var,
+            "the kit's": recompute._int_array_var}
+
+
+@pytest.mark.parametrize("which", ["torch's, as the kit leaves it", "the kit's"])
+def test_the_cpp_wrapper_declares_a_size_array_in_every_buffer_that_uses_it(which):
+    """training.compile_wrapper=cpp: inductor writes a layer's C++ code twice (memory planning's
+    two passes, two code buffers); a size array's name must come with its declaration in the
+    buffer that uses it. torch 2.11-2.12 keyed its cache by a freed bound method's id, so the
+    second buffer got the first's name undeclared and the C++ compile failed on the GPU."""
+    import itertools
+
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+    from torch._inductor.utils import IndentedBuffer
+
+    method = _int_array_methods()[which]
+    wrapper = object.__new__(CppWrapperCpu)  # the codegen state it reads, without a graph
+    wrapper.codegen_int_array_var_cache, wrapper.declared_int_array_vars = {}, set()
+    wrapper.int_array_id = itertools.count()
+    first, second = IndentedBuffer(), IndentedBuffer()
+    names = [method(wrapper, "{2, 4096}", code.writeline) for code in (first, second)]
+    assert [f"{name}[] = {{2, 4096}};" in code.getvalue()
+            for name, code in zip(names, (first, second), strict=True)] == [True, True]
+    # within one buffer the declaration is reused
+    assert method(wrapper, "{2, 4096}", first.writeline) == names[0]

@@ -293,7 +293,35 @@ def compile_layers(model, memory_budget: float = 1.0, wrapper: str = "python") -
 
     functorch_config.activation_memory_budget = memory_budget
     inductor_config.cpp_wrapper = wrapper == "cpp"
+    if wrapper == "cpp":
+        stable_int_arrays()
     layers = decoder_layers(model)
     for layer in layers:
         layer.forward = torch.compile(layer.forward)
     return len(layers)
+
+
+def _int_array_var(self, int_array, writeline, known_statically=False, graph=None) -> str:
+    """The C++ wrapper's size and stride arrays, one declaration per array and code buffer."""
+    buffer = getattr(writeline, "__self__", writeline)  # the buffer lives; its bound method not
+    key = (int_array, id(buffer), known_statically, id(graph) if graph else None)
+    cache = self.codegen_int_array_var_cache
+    if key not in cache:
+        cache[key] = self._codegen_int_array_var_impl(int_array, writeline, known_statically)
+    return cache[key]
+
+
+def stable_int_arrays() -> bool:
+    """Mend inductor's C++ wrapper on torch 2.11 and 2.12, where its codegen sometimes used a
+    size array it never declared, and the layer's compile failed ("'int_array_12' was not declared
+    in this scope": torch 2.11, the 8B plan's backward graph, one H200, 2026-11-30). It caches
+    each array's name by `id(writeline)`, a bound method made for the call and freed after it, so
+    the writer of memory planning's second pass can reuse the id of the first pass's and be handed
+    a name declared only in the first pass's discarded code. torch 2.13 keys the buffer behind the
+    method, as `_int_array_var` does; installed only before it. Returns whether it installed."""
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+
+    if torch.torch_version.TorchVersion(torch.__version__) >= (2, 13):
+        return False
+    CppWrapperCpu.codegen_int_array_var = _int_array_var
+    return True
