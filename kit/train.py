@@ -111,6 +111,7 @@ class Recipe:
         dist.all_gather_object(peaks, round(meters.peak_rss_mib(), 1))
         self.load.update(peak_host_mib=peaks, seconds=round(
             self.load["seconds"] + time.perf_counter() - wrapping, 2))
+        self.breaks = checks.graph_breaks()  # what compiled before this run (a notebook's kernel)
         if t.compile:
             wrapper = "python" if t.compile_wrapper == "auto" else t.compile_wrapper
             n = recompute.compile_layers(self.model, t.activation_memory_budget, wrapper)
@@ -268,7 +269,10 @@ class Recipe:
         """In-run checks (kit.recipe.checks): NaN/inf, slow ranks, rising val loss, still adapters."""
         for finding in checks.check_step(row):
             raise FloatingPointError(str(finding))
-        for finding in checks.step_warnings(row, step, self.history):
+        found = checks.step_warnings(row, step, self.history)
+        if step == self.start_step + 1:  # compiled code that ran in pieces
+            found += checks.check_graph_breaks(checks.graph_breaks(since=self.breaks))
+        for finding in found:
             self.say(f"[doctor] {finding}")
         if step == self.start_step + 3:  # adapters that have not moved by now never will
             problems = checks.check_lora_changed(lora_start, checks.trainable_snapshot(self.model), 3)
@@ -318,11 +322,8 @@ class Recipe:
             print(line, flush=True)
 
     def log(self, row: dict) -> None:
-        row = {
-            **row,
-            "peak_mem_gib": round(meters.peak_gib(self.env.device), 4),
-            "elapsed_s": round(time.perf_counter() - self.started, 3),
-        }
+        row = {**row, "peak_mem_gib": round(meters.peak_gib(self.env.device), 4),
+               "elapsed_s": round(time.perf_counter() - self.started, 3)}
         self.history.append(row)
         if self.env.is_main:
             self.report.write(row)

@@ -486,6 +486,47 @@ def test_rising_held_out_loss_is_said_once_by_the_recipe_with_its_steps_and_valu
     assert checks.check_val_rising(flat, 5, evals=2)[0].code == "val_loss_rising"
 
 
+def test_graph_breaks_in_the_first_step_are_said_once_with_torchs_explanation():
+    """kit.train after the first step (Recipe._check, a stand-in for the recipe's state): code
+    torch.compile could not trace whole (a real graph break) is one warning naming torch's
+    explanation and the fix; breaks from before the run (a notebook's kernel) are not counted,
+    and a run without new ones says nothing."""
+    from types import SimpleNamespace
+
+    from kit.train import Recipe
+
+    said: list[str] = []
+    layer = torch.nn.Linear(4, 4)
+
+    def forward(x):
+        y = layer(x)
+        torch._dynamo.graph_break()  # what a late import or a .item() inside a layer does
+        return y.relu()
+
+    def first_step(recipe):
+        recipe.history.clear()
+        row = {"split": "train", "step": 1, "loss": 1.0, "step_s_per_rank": [0.1]}
+        Recipe._check(recipe, row, 1, {})
+
+    quiet = SimpleNamespace(history=[], start_step=0, say=said.append, breaks=checks.graph_breaks())
+    first_step(quiet)
+    assert said == []
+    recipe = SimpleNamespace(history=[], start_step=0, say=said.append, breaks=checks.graph_breaks())
+    torch._dynamo.reset()
+    try:
+        torch.compile(forward)(torch.ones(2, 4))
+    finally:
+        torch._dynamo.reset()
+    first_step(recipe)
+    assert len(said) == 1 and said[0].startswith(
+        "[doctor] WARNING graph_breaks: torch.compile broke the compiled layers' graphs 1 time in "
+        "the first step (most often: "), said
+    assert "graph break" in said[0].split("most often: ")[1] and "TORCH_LOGS=graph_breaks" in said[0]
+    first_step(SimpleNamespace(history=[], start_step=0, say=said.append,
+                               breaks=checks.graph_breaks()))  # the same process, later: none new
+    assert len(said) == 1
+
+
 def test_check_checkpointing_active_in_eval_mode_only():
     model = tiny_peft_model()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

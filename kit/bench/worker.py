@@ -34,8 +34,8 @@ from kit.budget.shapes import flops_per_token, shape_of
 from kit.config import Config
 from kit.folder import jsonl
 from kit.folder.layout import RunFolder
+from kit.recipe import checks, faults
 from kit.recipe import dist as kdist
-from kit.recipe import faults
 
 
 def synthetic_batch(step: int, rank: int, batch: int, seq: int, vocab: int, device) -> dict:
@@ -305,6 +305,7 @@ def worker(this: experiment.Case) -> None:
         if env.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(env.device)
+        breaks = checks.graph_breaks()
         steps = _timed_steps(run, size, warmup, measure, step_no, fail_at)
         step_no, oom = step_no + steps["steps"], steps["oom"]
         row = {"kind": "batch", "batch": size, "seq_len": seq, "flops_per_token": run.flops}
@@ -321,7 +322,8 @@ def worker(this: experiment.Case) -> None:
               "mfu": round(tps * run.flops / peak, 4) if peak else None,
               "peak_alloc_gib": alloc, "peak_reserved_gib": reserved,
               "outside_gib": outside_gib(env.device),
-              "loss_first": steps["losses"][0], "loss_last": steps["losses"][-1]})
+              "loss_first": steps["losses"][0], "loss_last": steps["losses"][-1],
+              "graph_breaks": sum(checks.graph_breaks(since=breaks).values())})
     if case.get("profile") and env.device.type == "cuda" and not oom and run.batches:
         # `profile: trace` also writes the step's timeline beside the rows (Perfetto reads it)
         trace = (str(rows_file.with_name(f"{name}.trace.json.gz"))
