@@ -100,11 +100,13 @@ def _header(rows: list[dict], matrix: dict) -> str:
 
 
 def _statuses(rows: list[dict], matrix: dict) -> dict[str, str]:
-    """case name -> how it ended: ok, OOM at a batch, skipped, failed, not run."""
+    """case name -> how it ended: ok, OOM at a batch, skipped, failed, not run; and the graph
+    breaks of its compiled code where any (the step ran in pieces: kit.recipe.checks)."""
     out = {}
     for c in matrix["cases"]:
         name = c["name"]
         rs = [r for r in rows if r["case"] == name]
+        breaks = sum(r.get("graph_breaks") or 0 for r in rs)
         skip = next((r for r in rs if r.get("kind") == "skipped"), None)
         oom = next((r for r in rs if r.get("status") == "oom"), None)
         ended = next((r for r in rs if r.get("kind") == "ended"), None)
@@ -115,6 +117,7 @@ def _statuses(rows: list[dict], matrix: dict) -> dict[str, str]:
                                                                     for r in rs)
                      else f"skipped: {skip['why']}" if skip
                      else (f"OOM at batch {oom['batch']}" if oom else "ok") + end)
+        out[name] += f"; {breaks} graph breaks" if breaks else ""
     return out
 
 
