@@ -123,7 +123,8 @@ def graph_breaks(since: dict[str, int] | None = None) -> dict[str, int]:
     from torch._dynamo.utils import counters  # a process's count: torch._dynamo.reset keeps it
 
     since = since or {}
-    return {k: n - since.get(k, 0) for k, n in counters["graph_break"].items() if n > since.get(k, 0)}
+    return {k: n - since.get(k, 0) for k, n in counters["graph_break"].items()
+            if n > since.get(k, 0)}
 
 
 def check_graph_breaks(breaks: dict[str, int]) -> list[Finding]:
