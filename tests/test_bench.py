@@ -76,6 +76,7 @@ def test_each_case_measures_batches_until_one_does_not_fit(tiny_bench):
         ok = [r for r in rows if r["case"] == case and r.get("status") == "ok"]
         assert all(r["tokens_per_s_gpu"] > 0 and r["step_s"] > 0 for r in ok)
         assert all(r["peak_alloc_gib"] > 0 and r["world"] == 2 for r in ok)
+        assert all(r["graph_breaks"] == 0 for r in ok)  # counted per batch (uncompiled: none)
         assert any(r["kind"] == "done" for r in rows if r["case"] == case)
         # Loading and sharding alone, and each rank's peak host memory by then.
         setup = next(r for r in rows if r["case"] == case and r["kind"] == "setup")
