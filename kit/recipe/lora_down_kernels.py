@@ -79,13 +79,16 @@ def _configs(pairs):
 # Few configs: each is compiled once per width and rank at the first step (the first tiles are
 # the ones measured before autotuning, benchmarks/records/2026-11-29-fused-down-1xh200).
 @triton.autotune(configs=_configs([(64, 64, 4), (128, 64, 4), (64, 128, 4)]),
-                 key=["K", "R", "HAS_BOUNDS", "DROP"])
+                 key=["K", "R", "HAS_BOUNDS", "DROP", "SPLIT"])
 @triton.jit
-def down(x_ptr, a_ptr, out_ptr, bounds_ptr, rows_ptr, seed_ptr, M, K, R, S, threshold,
+def down(x_ptr, a_ptr, out_ptr, bounds_ptr, rows_ptr, seed_ptr, M, K, R, S, threshold, SPLIT,
          HAS_BOUNDS: tl.constexpr, HAS_ROWS: tl.constexpr, DROP: tl.constexpr,
          IEEE: tl.constexpr, LOG_S: tl.constexpr, BR: tl.constexpr, BM: tl.constexpr,
          BK: tl.constexpr):
+    """Row block pid of share j (program_id 1) of the columns: every SPLIT-th tile of BK from
+    j's, into out's j-th (M, R) slice (SPLIT > 1: fp32 partials the host sums)."""
     pid = tl.program_id(0)
+    j = tl.program_id(1)
     m = pid * BM + tl.arange(0, BM)
     m_ok = m < M
     r = tl.arange(0, BR)
@@ -96,7 +99,7 @@ def down(x_ptr, a_ptr, out_ptr, bounds_ptr, rows_ptr, seed_ptr, M, K, R, S, thre
     s_lo, s_hi = segments(bounds_ptr, pid * BM, tl.minimum(pid * BM + BM, M) - 1, S,
                           HAS_BOUNDS, LOG_S)
     acc = tl.zeros((BM, BR), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(j * BK, K, SPLIT * BK):
         k = k0 + tl.arange(0, BK)
         k_ok = k < K
         xt = tl.load(x_ptr + m[:, None].to(tl.int64) * K + k[None, :],
@@ -115,7 +118,7 @@ def down(x_ptr, a_ptr, out_ptr, bounds_ptr, rows_ptr, seed_ptr, M, K, R, S, thre
                 end = bound(bounds_ptr, s + 1, M, HAS_BOUNDS)
                 part = tl.where(((m >= start) & (m < end))[:, None], part, 0.0)
             acc += part
-    tl.store(out_ptr + m[:, None].to(tl.int64) * R + r[None, :],
+    tl.store(out_ptr + j.to(tl.int64) * M * R + m[:, None].to(tl.int64) * R + r[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (r[None, :] < R))
 
 
@@ -246,16 +249,28 @@ def _log2(segments: int) -> int:
     return max(1, (segments - 1).bit_length())
 
 
+def down_split(m: int, k: int, device: torch.device) -> int:
+    """Shares of the columns for `down`: its row blocks alone leave a GPU's multiprocessors idle
+    when the rows are few (a dense layer at batch 2: 4,096 rows, 64 blocks of 64 on 132 SMs; 9.4
+    ms of a 268 ms step on an H200, benchmarks/records/2026-11-30-split-gather-2xh200), so each
+    row block's columns are split until there are ~4 programs a multiprocessor, at least 4 tiles
+    of 64 a share; a mixture of experts' 200,000 sorted rows take one share."""
+    units = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(16, triton.cdiv(4 * units, triton.cdiv(m, 64)), k // 256))
+
+
 @torch.library.triton_op("kit::lora_down_triton", mutates_args=())
 def down_op(x: torch.Tensor, a: torch.Tensor, bounds: torch.Tensor | None,
             rows: torch.Tensor | None, seed: torch.Tensor | None, threshold: int) -> torch.Tensor:
     x, a = x.contiguous(), a.contiguous()
     m, k, r, segments, flags, ptrs = _launch(x, a, bounds, rows, seed)
-    out = x.new_empty(m, r)
+    split = down_split(m, k, x.device) if m else 1
+    out = x.new_empty(m, r) if split == 1 else x.new_empty(split, m, r, dtype=torch.float32)
     if m:
-        torch.library.wrap_triton(down)[lambda meta: (triton.cdiv(m, meta["BM"]),)](
-            x, a, out, *ptrs, m, k, r, segments, threshold, LOG_S=_log2(segments), **flags)
-    return out
+        torch.library.wrap_triton(down)[lambda meta: (triton.cdiv(m, meta["BM"]), split)](
+            x, a, out, *ptrs, m, k, r, segments, threshold, split, LOG_S=_log2(segments),
+            **flags)
+    return out if split == 1 else out.sum(0).to(x.dtype)
 
 
 @torch.library.triton_op("kit::lora_down_triton_dx", mutates_args=())
