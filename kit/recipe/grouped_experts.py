@@ -184,17 +184,29 @@ class _Combine(torch.autograd.Function):
 def gather_sum(a, b, groups: Groups, weights, dtype):
     """(tokens, width): sum over each token's k sorted rows of (a + b) (b may be None), times
     `weights` (tokens, k) where given. On a GPU where the kit's Triton kernels run, one kernel
-    (kit.recipe.experts_kernels: no gathered copy, no (rows, width) sum); elsewhere torch ops."""
-    from kit.recipe import lora_down
+    (kit.recipe.experts_kernels, loaded before any layer compiles by `kernels`: a module first
+    imported inside a compiled layer breaks its graph); elsewhere torch ops."""
+    from kit.recipe import nf4
 
-    if a.is_cuda and lora_down.available(a.device):
-        from kit.recipe.experts_kernels import gather_sum_op
-
-        return gather_sum_op(a, b, groups.inverse, weights, groups.top_k, dtype)
+    if a.is_cuda and _LOADED and nf4.available(a.device):  # the answer kept, not a probe
+        return _LOADED[0].gather_sum_op(a, b, groups.inverse, weights, groups.top_k, dtype)
     h = a if b is None else a + b
     rows = h[groups.inverse].view(-1, groups.top_k, h.shape[-1])
     summed = rows.sum(1) if weights is None else (rows * weights[..., None]).sum(1)
     return summed.to(dtype)
+
+
+_LOADED: list = []  # kit.recipe.experts_kernels, once `kernels()` loaded it
+
+
+def kernels():
+    """The layout's Triton op (kit.recipe.experts_kernels), loaded where a CUDA run builds a
+    model (kit.recipe.model, beside the 4-bit kernels): triton is imported only there."""
+    if not _LOADED:
+        from kit.recipe import experts_kernels
+
+        _LOADED.append(experts_kernels)
+    return _LOADED[0]
 
 
 class _Dropped(torch.autograd.Function):
