@@ -154,59 +154,31 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return gather_sum(grad, None, ctx.groups, None, grad.dtype), None
+        g = ctx.groups
+        return grad[g.inverse].view(-1, g.top_k, grad.shape[-1]).sum(1), None
 
 
 class _Combine(torch.autograd.Function):
     """Sorted rows back to tokens, weighted and summed over the k choices: out[t] =
-    sum_j w[t, j] h[inverse[t k + j]] with h = base + extra (the down projection's and its
-    adapters' results, added as they are read: `gather_sum`); backward gathers again:
-    dh = g[order // k] w[order] (the gradient of both parts), dw[t, j] = <g[t], h[inv[t k + j]]>."""
+    sum_j w[t, j] h[inverse[t k + j]], one gather and reduction (no index_copy into a
+    (tokens k, width) buffer and a second pass to sum it); backward gathers again:
+    dh = g[order // k] w[order], dw[t, j] = <g[t], h[inverse[t k + j]]>."""
 
     @staticmethod
-    def forward(ctx, base, extra, weights, groups):
+    def forward(ctx, h, weights, groups):
         ctx.groups = groups
-        ctx.save_for_backward(base, extra, weights)
-        return gather_sum(base, extra, groups, weights,
-                          torch.promote_types(base.dtype, weights.dtype))
+        ctx.save_for_backward(h, weights)
+        rows = h[groups.inverse].view(weights.shape[0], groups.top_k, -1)
+        return (rows * weights[..., None]).sum(1)  # the dtype torch's promotion gives
 
     @staticmethod
     def backward(ctx, grad):
-        base, extra, weights = ctx.saved_tensors
+        h, weights = ctx.saved_tensors
         g = ctx.groups
-        dh = (grad[g.order // g.top_k] * weights.reshape(-1)[g.order, None]).to(base.dtype)
-        h = base if extra is None else base + extra
+        dh = (grad[g.order // g.top_k] * weights.reshape(-1)[g.order, None]).to(h.dtype)
         rows = h[g.inverse].view(weights.shape[0], g.top_k, -1)
         dw = (rows * grad[:, None, :]).sum(-1)  # in the dtypes autograd's product would use
-        return dh, (dh if extra is not None else None), dw.to(weights.dtype), None
-
-
-def gather_sum(a, b, groups: Groups, weights, dtype):
-    """(tokens, width): sum over each token's k sorted rows of (a + b) (b may be None), times
-    `weights` (tokens, k) where given. On a GPU where the kit's Triton kernels run, one kernel
-    (kit.recipe.experts_kernels, loaded before any layer compiles by `kernels`: a module first
-    imported inside a compiled layer breaks its graph); elsewhere torch ops."""
-    from kit.recipe import nf4
-
-    if a.is_cuda and _LOADED and nf4.available(a.device):  # the answer kept, not a probe
-        return _LOADED[0].gather_sum_op(a, b, groups.inverse, weights, groups.top_k, dtype)
-    h = a if b is None else a + b
-    rows = h[groups.inverse].view(-1, groups.top_k, h.shape[-1])
-    summed = rows.sum(1) if weights is None else (rows * weights[..., None]).sum(1)
-    return summed.to(dtype)
-
-
-_LOADED: list = []  # kit.recipe.experts_kernels, once `kernels()` loaded it
-
-
-def kernels():
-    """The layout's Triton op (kit.recipe.experts_kernels), loaded where a CUDA run builds a
-    model (kit.recipe.model, beside the 4-bit kernels): triton is imported only there."""
-    if not _LOADED:
-        from kit.recipe import experts_kernels
-
-        _LOADED.append(experts_kernels)
-    return _LOADED[0]
+        return dh, dw.to(weights.dtype), None
 
 
 class _Dropped(torch.autograd.Function):
@@ -303,25 +275,20 @@ def _lora(x, down, up, scale, drop, p, experts, groups, fused=False):
     return gmm(gmm(h, a.transpose(1, 2), groups), b, groups)
 
 
-def _project(module, name, x, lora, drops, groups, apart=False):
-    """Projection `name` of the sorted rows x: base + bias + LoRA branches; `apart`: (base + bias,
-    the branches' sum or None), for a consumer that adds them as it reads them (`_Combine`)."""
+def _project(module, name, x, lora, drops, groups):
+    """Projection `name` of the sorted rows x: base + bias + LoRA branches."""
     stored = getattr(module, "_kit_nf4", {}).get(name)
     dtype = stored["state"].dtype if stored is not None else getattr(module, name).dtype
     y = _FrozenBase.apply(x.to(dtype), stack_of(module, name), groups)
     bias = getattr(module, f"{name}_bias", None) if getattr(module, "has_bias", False) else None
     if bias is not None:
         y = y + bias[groups.ids]
-    extra = None
     for (down, up, scale, p), drop in zip(lora.get(name, ()), drops, strict=True):
         # out of place: under training.recompute.keeps the base GEMM's result is kept for
         # backward as it is (kit.recipe.recompute), and torch refuses a kept tensor changed in place
-        part = _lora(x, down, up, scale, drop, p, module.num_experts, groups,
-                     getattr(module, "_kit_fused_down", False)).to(y.dtype)
-        extra = part if extra is None else extra + part
-    if apart:
-        return y, extra
-    return y if extra is None else y + extra
+        y = y + _lora(x, down, up, scale, drop, p, module.num_experts, groups,
+                      getattr(module, "_kit_fused_down", False)).to(y.dtype)
+    return y
 
 
 def forward(self, hidden_states, top_k_index=None, top_k_weights=None, router_indices=None,
@@ -344,7 +311,7 @@ def forward(self, hidden_states, top_k_index=None, top_k_weights=None, router_in
     masks = dropout_masks(lora, (first, "down_proj"), hidden_states.device)
     h = _project(self, first, _Dispatch.apply(hidden_states, groups), lora, masks[first], groups)
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-    h, extra = _project(self, "down_proj", h, lora, masks["down_proj"], groups, apart=True)
+    h = _project(self, "down_proj", h, lora, masks["down_proj"], groups)
     if getattr(self, "has_post_expert_norm", False):
-        h, extra = self.post_expert_norm(h if extra is None else h + extra), None
-    return _Combine.apply(h, extra, weights, groups).to(hidden_states.dtype)
+        h = self.post_expert_norm(h)
+    return _Combine.apply(h, weights, groups).to(hidden_states.dtype)
