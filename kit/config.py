@@ -64,8 +64,9 @@ class ModelConfig:
     # sorted by expert once, every expert's projection and adapters as grouped GEMMs. loop:
     # transformers' eager loop, one hit expert at a time with bitsandbytes' 4-bit matmul, the
     # reference the grouped forward is checked against (its losses:
-    # benchmarks/matrices/moe-loop-vs-grouped-cpu.yaml); far slower on a GPU, and the planner's
-    # step model counts grouped experts. Dense models have none: no effect there.
+    # benchmarks/matrices/moe-loop-vs-grouped-cpu.yaml); far slower on a GPU, not compiled by the
+    # plan (it reads each layer's routing back to the host: a graph break), its speed not
+    # predicted. Dense models have none: no effect there.
     experts: Literal["grouped", "loop"] = "grouped"
 
 

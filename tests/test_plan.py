@@ -236,6 +236,23 @@ def test_a_mixture_of_experts_plan_states_no_speed_the_step_model_cannot_know():
     assert dense.tokens_per_s and "not predicted" not in dense.table()
 
 
+def test_the_per_expert_loop_is_not_compiled_and_its_speed_not_predicted():
+    """model.experts=loop (the reference) reads each layer's routing back to the host: compiled,
+    every layer's graph would break there. With no flags the plan leaves compile off for it, says
+    why, and predicts no speed; set by hand, compile stays yours."""
+    hw = kplan.Hardware("cuda", 1, 80, "NVIDIA H200", fp8=True, grouped_gemm=True)
+    cfg = load_config(None, ["model.name=kit:qwen3-30b-a3b", "model.experts=loop"])
+    planned = kplan.plan(cfg, hw, 2048)
+    choice = next(c for c in planned.choices if c.field == "training.compile")
+    assert planned.cfg.training.compile is False and "model.experts=loop" in choice.why
+    assert planned.tokens_per_s is None and "480 with model.experts=loop" in planned.table()
+    grouped = kplan.plan(load_config(None, ["model.name=kit:qwen3-30b-a3b"]), hw, 2048)
+    assert grouped.cfg.training.compile is True and grouped.tokens_per_s
+    mine = kplan.plan(load_config(None, ["model.name=kit:qwen3-30b-a3b", "model.experts=loop",
+                                         "training.compile=true"]), hw, 2048)
+    assert mine.cfg.training.compile is True and mine.tokens_per_s is None
+
+
 SCALING = "2026-11-29-moe-scaling-gpt-oss-2xh200"
 
 

@@ -658,7 +658,9 @@ def _compile_keeps_batch(planned: Planned, shape: Shape, best, wrapper_by: str |
                    if t.offload_activations and not rc.enabled else
                    "a mixture of experts' loop over its experts (no grouped-GEMM kernel: "
                    "compute capability below 9.0, or not bfloat16)" if shape.experts and not (
-                       hw.grouped_gemm and out.model.dtype == "bfloat16") else None)
+                       hw.grouped_gemm and out.model.dtype == "bfloat16") else
+                   "model.experts=loop (it reads each layer's routing back to the host)"
+                   if shape.experts and out.model.experts == "loop" else None)
         t.compile = outside is None and out.sharding.engine == MEASURED_ENGINE
         say(Choice("training.compile", t.compile, "plan", f"{outside} runs outside a compiled "
                    "graph" if outside else f"measured under {MEASURED_ENGINE} only"
@@ -690,7 +692,8 @@ def _predict(planned: Planned, shape: Shape) -> None:
     _fill_memory(planned, shape)
     # A mixture of experts' speed is known on the grouped path, compiled (the step model's MoE
     # terms); its experts looped in Python, or uncompiled, the host bounds the step.
-    grouped = not shape.experts or (hw.grouped_gemm and out.training.compile is True)
+    grouped = not shape.experts or (hw.grouped_gemm and out.training.compile is True
+                                    and out.model.experts == "grouped")
     planned.tokens_per_s = (speed(shape, seq_len, out.training.batch_size,
                                   rc.keeps if rc.enabled else None, hw, rc.matmul_layers,
                                   0 < rc.attention_tile_tokens < seq_len,
@@ -702,7 +705,8 @@ def _predict(planned: Planned, shape: Shape) -> None:
             "expected speed: not predicted for a mixture of experts whose layers are not compiled "
             "grouped GEMMs (the host bounds its step); measured: 6,548 tokens/s on Qwen3-30B-A3B's "
             "shape on one H200 at 80 GiB uncompiled, 12,852 compiled "
-            "(benchmarks/records/2026-11-29-moe-compile-1xh200)")
+            "(benchmarks/records/2026-11-29-moe-compile-1xh200), 480 with model.experts=loop "
+            "(benchmarks/records/2026-11-28-moe-grouped-1xh200)")
     if hw.fp8 and not out.quantization.fp8_matmul and out.quantization.method != "none":
         planned.notes.append(
             "not chosen: quantization.fp8_matmul=true (this GPU has FP8 tensor cores; measured "
