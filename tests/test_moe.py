@@ -201,13 +201,14 @@ def test_the_planner_counts_what_active_experts_keep_and_names_a_smaller_rank():
     compiled where the grouped-GEMM kernel runs (Hopper on), not elsewhere; one GPU
     at 24 GiB cannot hold r16 adapters on 128 experts x 48 layers, and the refusal says lora.r=4."""
     from kit.budget import plan as kplan
+    from kit.budget import step_model
     from kit.budget.shapes import dropped_inputs, shape_of
     from kit.config import ConfigError, load_config
 
     shape = shape_of("kit:qwen3-30b-a3b")
     widths = dropped_inputs(shape, "all-linear")
     assert widths["gate_up_proj"] == 8 * 2048 and widths["down_proj"] == 8 * 768
-    assert 0 < kplan.rerun_share(shape, "mlp_matmuls") < 1  # expert stacks count as the MLP
+    assert 0 < step_model.rerun_share(shape, "mlp_matmuls") < 1  # expert stacks count as the MLP
     base = ["model.name=kit:qwen3-30b-a3b", "data.max_seq_len=2048", "training.batch_size=auto",
             "lora.r=16", "training.device=cuda"]
     h100 = kplan.Hardware("cuda", 1, 80, "NVIDIA H100 80GB HBM3", fp8=True, grouped_gemm=True)

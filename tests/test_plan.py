@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kit.budget import plan as kplan
+from kit.budget import step_model
 from kit.budget.estimate import Setup, estimate
 from kit.budget.shapes import shape_of
 from kit.config import AUTO, ConfigError, load_config
@@ -108,12 +109,12 @@ def test_8b_on_one_gpu_is_the_fastest_that_fits_by_the_estimate(gib):
     assert _needed(planned, batch_size=t.batch_size + 1) > gib
     shape = shape_of("kit:llama-8b")
     w = t.compile_wrapper  # python: the default run (20 steps) is too short for cpp to pay
-    best = kplan.speed(shape, 2048, t.batch_size, t.recompute.keeps, planned.hardware, wrapper=w)
+    best = step_model.speed(shape, 2048, t.batch_size, t.recompute.keeps, planned.hardware, wrapper=w)
     for keeps in kplan.POLICIES:
         for batch in range(1, kplan.MAX_BATCH + 1):
             if _needed(planned, batch_size=batch, recompute_keeps=keeps) > gib:
                 break
-            assert kplan.speed(shape, 2048, batch, keeps, planned.hardware, wrapper=w) <= best * 1.001
+            assert step_model.speed(shape, 2048, batch, keeps, planned.hardware, wrapper=w) <= best * 1.001
     assert planned.tokens_per_s and planned.tokens_per_s == pytest.approx(best)
 
 
@@ -280,7 +281,7 @@ def test_the_step_model_predicts_the_grouped_experts_runs(record, part, case, mo
     spec = dict(MOE_SPECS[model], **({"num_hidden_layers": layers} if layers else {}))
     hw = kplan.Hardware("cuda", measured["world"], measured["cap_gib"], "NVIDIA H200", fp8=True,
                         grouped_gemm=True)
-    predicted = kplan.speed(shape_of(spec), 2048, measured["batch"],
+    predicted = step_model.speed(shape_of(spec), 2048, measured["batch"],
                             choices["training.recompute.keeps"], hw)
     assert measured["batch"] == choices["training.batch_size"]
     assert 1 - within < predicted / measured["tokens_per_s_gpu"] < 1 + within, (predicted, measured)
@@ -294,7 +295,7 @@ def test_a_short_mixture_of_experts_step_is_not_predicted_absurdly_slow():
 
     shape = shape_of(MOE_SPECS["qwen3-30b-a3b"])
     hw = kplan.Hardware("cuda", 1, 80, "NVIDIA H200", fp8=True, grouped_gemm=True)
-    step_s = 8 * 64 / kplan.speed(shape, 64, 8, "matmuls", hw)
+    step_s = 8 * 64 / step_model.speed(shape, 64, 8, "matmuls", hw)
     assert 0.05 < step_s < 1.0, step_s
 
 
@@ -602,8 +603,8 @@ def test_the_compiled_layers_wrapper_is_cpp_where_it_was_measured_and_pays():
     assert choice(mine)[:2] == ("cpp", "you")
     assert (mine.cfg.training.batch_size, mine.cfg.training.recompute.keeps) == (2, "matmuls")
     shape = shape_of("kit:llama-8b")
-    assert (kplan.speed(shape, 2048, 2, "matmuls", h200(24), wrapper="cpp")
-            > kplan.speed(shape, 2048, 2, "matmuls", h200(24)))  # a smaller knee
+    assert (step_model.speed(shape, 2048, 2, "matmuls", h200(24), wrapper="cpp")
+            > step_model.speed(shape, 2048, 2, "matmuls", h200(24)))  # a smaller knee
     eager = planned("model.name=kit:llama-8b", "training.compile=false")
     assert choice(eager) == ("python", "plan", "no compiled layers")
     fsdp1 = planned("model.name=kit:llama-8b", "sharding.engine=fsdp1", "training.compile=true")

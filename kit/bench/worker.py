@@ -29,8 +29,8 @@ import torch
 from kit.bench import experiment
 from kit.bench.matrix import load_matrix
 from kit.bench.profiling import profile_step
-from kit.budget.plan import PEAK_BF16_FLOPS
 from kit.budget.shapes import flops_per_token, shape_of
+from kit.budget.step_model import PEAK_BF16_FLOPS
 from kit.config import Config
 from kit.folder import jsonl
 from kit.folder.layout import RunFolder

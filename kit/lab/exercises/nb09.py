@@ -64,7 +64,7 @@ def _planned_row() -> dict:
 def _mfu() -> float:
     """tokens/s per GPU x model FLOPs per token / the GPU's dense bf16 peak."""
     from kit.budget import shapes
-    from kit.budget.plan import PEAK_BF16_FLOPS
+    from kit.budget.step_model import PEAK_BF16_FLOPS
 
     flops = shapes.flops_per_token(shapes.shape_of("kit:llama-8b"), 2048)
     return _planned_row()["tokens_per_s_gpu"] * flops / PEAK_BF16_FLOPS["H100"]
