@@ -1,9 +1,7 @@
 """The planner's step model: the tokens/s a plan's step runs at per GPU (`speed`), from the
 model's shape, the tokens a micro-step, the recompute policy and the machine's peak; each
 constant with the measured runs it was fitted to. kit.budget.plan ranks every candidate plan by it
-and prints its figure; kit.bench divides by PEAK_BF16_FLOPS for MFU.
-
-Kernel side, no torch. Longer than the constants alone because each carries its measurement.
+and prints its figure; kit.bench divides by PEAK_BF16_FLOPS for MFU. Kernel side, no torch.
 """
 
 from __future__ import annotations
@@ -24,7 +22,11 @@ from kit.budget.shapes import Shape, flops_per_token
 # - INPUTS_EXTRA: whole-layer recompute also reruns attention, the norms and the dequantization:
 #   it cost 1.35x keeping every matmul at batch 8 and 14 alike, 0.045 beyond its matmuls.
 # - PEAK_SHARE: the ideal rate, as a share of the GPU's dense bf16 peak: keeping every matmul at
-#   batch 9, 13,824 tokens/s at 31.6 GFLOP per token over 0.984 of the ideal: 0.45.
+#   batch 9, 13,824 tokens/s at 31.6 GFLOP per token over 0.984 of the ideal: 0.45. The 8B's
+#   kernels have grown faster since: on one H200 its 24 GiB plan (batch 2, the C++ wrapper) is
+#   predicted 12,599 and ran 14,852-15,281 (benchmarks/records/2026-11-30-split-gather-2xh200),
+#   its 78 GiB plan 16,370 (52.3% MFU); Qwen2.5-32B's shape is predicted within 3-7% (below),
+#   so one share for both no longer fits: a refit wants the 8B's and the 32B's rows of one machine.
 # - MATMUL_LAYER_SHARE: a layer that keeps every matmul beside attention_matmuls' layers saves
 #   this share of its rerun: 10 of 32 layers ran 1.022x faster (11,864 against 11,608 tokens/s
 #   at 24 GiB, benchmarks/records/2026-11-27-layers-24gib-8b-1xh100) where the whole rerun gave
