@@ -211,6 +211,17 @@ def test_the_plan_fuses_where_the_kernels_run_and_there_is_dropout(triton, dropo
     assert kplan.plain(load_config(None, [])).lora.fused_down is False
 
 
+def test_the_down_kernel_splits_its_columns_only_where_the_rows_are_few():
+    """On 132 multiprocessors (an H100 or H200): a dense layer's 4,096 rows at batch 2 (64 blocks)
+    take 9 shares of their columns, batch 10's 20,480 two, a mixture of experts' sorted rows and
+    inputs narrower than 4 tiles one."""
+    assert lora_down.column_shares(4096, 4096, 132) == 9
+    assert lora_down.column_shares(4096, 14336, 132) == 9
+    assert lora_down.column_shares(20480, 4096, 132) == 2
+    assert lora_down.column_shares(26624 * 8, 2048, 132) == 1
+    assert lora_down.column_shares(1000, 200, 132) == 1
+
+
 # ---------------------------------------------------------------- GPU: the Triton kernels
 
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and lora_down.available(torch.device("cuda"))),
@@ -233,7 +244,7 @@ def test_the_triton_kernels_equal_the_reference(m, k, r, segments, rows, dtype):
     if (m, segments) == (1000, 1):  # few rows: `down` splits each row block's columns
         from kit.recipe import lora_down_kernels
 
-        assert lora_down_kernels.down_split(m, k, torch.device("cuda")) > 1
+        assert lora_down_kernels.down_split(m, k, torch.device("cuda")) > 1  # the split path
     for drop in (True, False):
         x, a, bounds, ids, seed = _case(m, k, r, segments, rows=rows, drop=drop, dtype=dtype,
                                         device="cuda")

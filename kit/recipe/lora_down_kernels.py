@@ -250,13 +250,10 @@ def _log2(segments: int) -> int:
 
 
 def down_split(m: int, k: int, device: torch.device) -> int:
-    """Shares of the columns for `down`: its row blocks alone leave a GPU's multiprocessors idle
-    when the rows are few (a dense layer at batch 2: 4,096 rows, 64 blocks of 64 on 132 SMs; 9.4
-    ms of a 268 ms step on an H200, benchmarks/records/2026-11-30-split-gather-2xh200), so each
-    row block's columns are split until there are ~4 programs a multiprocessor, at least 4 tiles
-    of 64 a share; a mixture of experts' 200,000 sorted rows take one share."""
-    units = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(16, triton.cdiv(4 * units, triton.cdiv(m, 64)), k // 256))
+    """Shares of the columns for `down` on `device` (kit.recipe.lora_down.column_shares)."""
+    from kit.recipe.lora_down import column_shares
+
+    return column_shares(m, k, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 @torch.library.triton_op("kit::lora_down_triton", mutates_args=())
