@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kit.recipe.lora_down import column_shares
+
 
 @triton.jit
 def mix(h):  # kit.recipe.drop_mask._mix on uint32
@@ -251,8 +253,6 @@ def _log2(segments: int) -> int:
 
 def down_split(m: int, k: int, device: torch.device) -> int:
     """Shares of the columns for `down` on `device` (kit.recipe.lora_down.column_shares)."""
-    from kit.recipe.lora_down import column_shares
-
     return column_shares(m, k, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
