@@ -212,14 +212,17 @@ def test_the_plan_fuses_where_the_kernels_run_and_there_is_dropout(triton, dropo
 
 
 def test_the_down_kernel_splits_its_columns_only_where_the_rows_are_few():
-    """On 132 multiprocessors (an H100 or H200): a dense layer's 4,096 rows at batch 2 (64 blocks)
-    take 9 shares of their columns, batch 10's 20,480 two, a mixture of experts' sorted rows and
-    inputs narrower than 4 tiles one."""
-    assert lora_down.column_shares(4096, 4096, 132) == 9
-    assert lora_down.column_shares(4096, 14336, 132) == 9
-    assert lora_down.column_shares(20480, 4096, 132) == 2
-    assert lora_down.column_shares(26624 * 8, 2048, 132) == 1
-    assert lora_down.column_shares(1000, 200, 132) == 1
+    """kit.budget.machine.column_shares, the split of the down-projection kernel
+    (kit.recipe.lora_down_kernels), on 132 multiprocessors (an H100 or H200): a dense layer's
+    4,096 rows at batch 2 (64 blocks) take 9 shares of their columns, batch 10's 20,480 two, a
+    mixture of experts' sorted rows and inputs narrower than 4 tiles one."""
+    from kit.budget import machine
+
+    assert machine.column_shares(4096, 4096, 132) == 9
+    assert machine.column_shares(4096, 14336, 132) == 9
+    assert machine.column_shares(20480, 4096, 132) == 2
+    assert machine.column_shares(26624 * 8, 2048, 132) == 1
+    assert machine.column_shares(1000, 200, 132) == 1
 
 
 # ---------------------------------------------------------------- GPU: the Triton kernels

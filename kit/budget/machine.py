@@ -67,6 +67,17 @@ def triton_kernels(gpu: dict, packages: dict) -> bool:
     return found is not None and found >= TRITON_CAPABILITY and bool(packages.get("triton"))
 
 
+def column_shares(rows: int, width: int, units: int) -> int:
+    """Shares of its columns the down-projection kernel splits each block of 64 rows into, on a GPU
+    of `units` multiprocessors: its row blocks alone leave most of them idle when the rows are few
+    (a dense layer at batch 2: 4,096 rows, 64 blocks on 132; 9.4 ms of a 268 ms step on an H200,
+    3.8 split: benchmarks/records/2026-11-30-split-gather-2xh200), so the columns are split until
+    there are ~4 programs a multiprocessor, at least 4 tiles of 64 a share, at most 16 shares; a
+    mixture of experts' ~200,000 sorted rows take one."""
+    blocks = max(1, -(-rows // 64))
+    return max(1, min(16, -(-4 * units // blocks), width // 256))
+
+
 def _nvidia_smi() -> list[dict]:
     """This machine's GPUs as nvidia-smi lists them (name, memory, compute capability), without
     touching this process's CUDA; a driver too old to report compute_cap leaves it out."""

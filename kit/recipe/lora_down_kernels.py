@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kit.recipe.lora_down import column_shares
+from kit.budget.machine import column_shares
 
 
 @triton.jit
@@ -252,7 +252,7 @@ def _log2(segments: int) -> int:
 
 
 def down_split(m: int, k: int, device: torch.device) -> int:
-    """Shares of the columns for `down` on `device` (kit.recipe.lora_down.column_shares)."""
+    """Shares of the columns for `down` on `device` (kit.budget.machine.column_shares)."""
     return column_shares(m, k, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
