@@ -75,6 +75,28 @@ def test_every_benchmarks_path_the_kit_docs_and_notebooks_name_exists():
     assert not missing, missing
 
 
+def test_a_matrix_here_is_not_a_copy_that_only_its_records_name():
+    """benchmarks/matrices/ keeps the matrices that are named outside the records (the kit, docs,
+    notebooks, tests, tools, other matrices) or that a record ran without keeping a copy; one that
+    only records name, each holding it as it is here, is a duplicate: it lives in its record."""
+    files = [*(ROOT / "kit").rglob("*.py"), *(ROOT / "kit").rglob("*.yaml"),
+             *(ROOT / "docs").glob("*.md"), ROOT / "README.md", *(ROOT / "notebooks").iterdir(),
+             *(ROOT / "tests").glob("*.py"), *(BENCH / "tools").rglob("*"), BENCH / "README.md",
+             *(ROOT / ".ci").iterdir(), *(BENCH / "matrices").glob("*.yaml")]
+    texts = {f: f.read_text(errors="replace") for f in files if f.is_file()}
+    duplicates = []
+    for matrix in (BENCH / "matrices").glob("*.yaml"):
+        if any(matrix.name in t for f, t in texts.items() if f != matrix):
+            continue
+        ran = [d for d in (BENCH / "records").iterdir()
+               if any(matrix.name in f.read_text(errors="replace")
+                      for f in d.glob("*") if f.suffix in (".md", ".txt"))]
+        if ran and all((d / matrix.name).is_file()
+                       and (d / matrix.name).read_bytes() == matrix.read_bytes() for d in ran):
+            duplicates.append(f"{matrix.name} (in {', '.join(d.name for d in ran)})")
+    assert not duplicates, duplicates
+
+
 def test_the_loader_reads_a_records_rows_matrix_and_report_and_names_what_is_missing():
     name = "2026-11-23-speed-8b-2xh200"
     rows, matrix = records.rows(name), records.matrix(name)
