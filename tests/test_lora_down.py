@@ -363,3 +363,28 @@ def test_the_up_add_kernel_equals_the_reference(m, n, r, dtype):
     for g_got, g_want in zip(torch.autograd.grad(got, (c, low, up), grad),
                              torch.autograd.grad(want, (c, low, up), grad.float()), strict=True):
         assert (g_got.float() - g_want.float()).abs().max() < tol * g_want.float().abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a CUDA GPU of compute capability 9.0+ (torch._grouped_mm)")
+@pytest.mark.parametrize(("m", "n", "r", "segments"), [(3000, 1536, 16, 16), (777, 1000, 8, 5)])
+def test_the_rows_up_add_kernel_equals_the_grouped_gemm(m, n, r, segments):
+    """kit::lora_up_add_rows_triton (c + low @ up[s] for segment s's rows, a mixture of experts'
+    sorted rows: lora_down.add_rows) against c + torch._grouped_mm in fp32, forward and the
+    three gradients, with segments off the tiles and an empty one: bf16 to its rounding."""
+    g = torch.Generator("cuda").manual_seed(m + n)
+    cuts = torch.randint(0, m, (segments - 1,), generator=g, device="cuda").sort().values
+    cuts[1] = cuts[0]  # an empty segment
+    bounds = torch.cat([cuts.new_zeros(1), cuts, cuts.new_full((1,), m)]).int()
+    c, low, up = (torch.randn(*s, generator=g, device="cuda").bfloat16().requires_grad_()
+                  for s in ((m, n), (m, r), (segments, r, n)))
+    grad = torch.randn(m, n, generator=g, device="cuda").bfloat16()
+    got = lora_down.add_rows(c, low, up, bounds)
+    ends = bounds.tolist()
+    want = c.float() + torch.cat([low[lo:hi].float() @ up[s].float() for s, (lo, hi) in
+                                  enumerate(zip(ends[:-1], ends[1:], strict=True))])
+    assert (got.float() - want).abs().max() < 2e-2 * want.abs().max()
+    for g_got, g_want in zip(torch.autograd.grad(got, (c, low, up), grad),
+                             torch.autograd.grad(want, (c, low, up), grad.float()), strict=True):
+        assert (g_got.float() - g_want.float()).abs().max() < 2e-2 * g_want.float().abs().max()

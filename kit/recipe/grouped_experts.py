@@ -154,31 +154,73 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # torch ops, not gather_sum: the gradient reaching here is autograd's sum of the base
+        # GEMM's and the adapters' (inductor fuses that add into this gather; the kernel would
+        # need it written out first: 24 ms a step more on Qwen3-30B-A3B's shape at 24 GiB)
         g = ctx.groups
         return grad[g.inverse].view(-1, g.top_k, grad.shape[-1]).sum(1), None
 
 
 class _Combine(torch.autograd.Function):
     """Sorted rows back to tokens, weighted and summed over the k choices: out[t] =
-    sum_j w[t, j] h[inverse[t k + j]], one gather and reduction (no index_copy into a
-    (tokens k, width) buffer and a second pass to sum it); backward gathers again:
-    dh = g[order // k] w[order], dw[t, j] = <g[t], h[inverse[t k + j]]>."""
+    sum_j w[t, j] h[inverse[t k + j]] with h = base + extra (the down projection's and its
+    adapters' results, added as they are read: `gather_sum`); backward gathers again:
+    dh = g[order // k] w[order] (the gradient of both parts), dw[t, j] = <g[t], h[inv[t k + j]]>."""
 
     @staticmethod
-    def forward(ctx, h, weights, groups):
+    def forward(ctx, base, extra, weights, groups):
         ctx.groups = groups
-        ctx.save_for_backward(h, weights)
-        rows = h[groups.inverse].view(weights.shape[0], groups.top_k, -1)
-        return (rows * weights[..., None]).sum(1)  # the dtype torch's promotion gives
+        ctx.save_for_backward(base, extra, weights)
+        return gather_sum(base, extra, groups, weights,
+                          torch.promote_types(base.dtype, weights.dtype))
 
     @staticmethod
     def backward(ctx, grad):
-        h, weights = ctx.saved_tensors
+        base, extra, weights = ctx.saved_tensors
         g = ctx.groups
-        dh = (grad[g.order // g.top_k] * weights.reshape(-1)[g.order, None]).to(h.dtype)
+        if base.is_cuda and _LOADED and nf4_available(base.device):
+            # one pass over the rows: dh and dw together (inductor gathers base + extra into a
+            # (rows, width) copy for dw: 29 ms a step on Qwen3-30B-A3B's shape at 24 GiB)
+            dh, dw = _LOADED[0].combine_grad_op(grad.contiguous(), base, extra, g.inverse,
+                                                weights)
+            return dh, (dh if extra is not None else None), dw, None
+        dh = (grad[g.order // g.top_k] * weights.reshape(-1)[g.order, None]).to(base.dtype)
+        h = base if extra is None else base + extra
         rows = h[g.inverse].view(weights.shape[0], g.top_k, -1)
         dw = (rows * grad[:, None, :]).sum(-1)  # in the dtypes autograd's product would use
-        return dh, dw.to(weights.dtype), None
+        return dh, (dh if extra is not None else None), dw.to(weights.dtype), None
+
+
+def gather_sum(a, b, groups: Groups, weights, dtype):
+    """(tokens, width): sum over each token's k sorted rows of (a + b) (b may be None), times
+    `weights` (tokens, k) where given. On a GPU where the kit's Triton kernels run, one kernel
+    (kit.recipe.experts_kernels, loaded before any layer compiles by `kernels`: a module first
+    imported inside a compiled layer breaks its graph); elsewhere torch ops."""
+    if a.is_cuda and _LOADED and nf4_available(a.device):  # the answer kept, not a probe
+        return _LOADED[0].gather_sum_op(a, b, groups.inverse, weights, groups.top_k, dtype)
+    h = a if b is None else a + b
+    rows = h[groups.inverse].view(-1, groups.top_k, h.shape[-1])
+    summed = rows.sum(1) if weights is None else (rows * weights[..., None]).sum(1)
+    return summed.to(dtype)
+
+
+_LOADED: list = []  # kit.recipe.experts_kernels, once `kernels()` loaded it
+
+
+def nf4_available(device) -> bool:
+    from kit.recipe import nf4
+
+    return nf4.available(device)
+
+
+def kernels():
+    """The layout's Triton op (kit.recipe.experts_kernels), loaded where a CUDA run builds a
+    model (kit.recipe.model, beside the 4-bit kernels): triton is imported only there."""
+    if not _LOADED:
+        from kit.recipe import experts_kernels
+
+        _LOADED.append(experts_kernels)
+    return _LOADED[0]
 
 
 class _Dropped(torch.autograd.Function):
@@ -236,10 +278,11 @@ def dropped(x: torch.Tensor, drop: torch.Tensor | None, p: float) -> torch.Tenso
     return x if drop is None else x.masked_fill(drop, 0).mul_(1 / (1 - p))
 
 
-def _lora(x, down, up, scale, drop, p, experts, groups, fused=False):
+def _lora(x, down, up, scale, drop, p, experts, groups, fused=False, into=None):
     """One LoRA branch on sorted rows: (drop(x) @ A_g^T) @ B_g^T * scale, two grouped GEMMs
     (`drop`: its Mask, or None; fused: the mask inside the first GEMM's kernel,
-    kit.recipe.lora_down, the same mask).
+    kit.recipe.lora_down, the same mask); with `into`, into + the branch (fused, on the grouped
+    kernel's GPUs: one kernel adds B's product as it makes it, kit.recipe.lora_down.add_rows).
     PEFT's ParamWrapper layout: A (E*r, in) expert-major, B (out, r*E) rank-major. Dropout's
     1/(1-p) and the branch's scale are folded into B (E*r*out values, one multiply), not
     applied to the (rows, width) activations: two passes over them fewer, each way."""
@@ -264,31 +307,41 @@ def _lora(x, down, up, scale, drop, p, experts, groups, fused=False):
         b = b.contiguous()
     h = x.to(dtype)
     if fused:
-        from kit.recipe.lora_down import lora_down
+        from kit.recipe.lora_down import add_rows, lora_down
 
-        low = lora_down(h, a, groups.bounds(), groups.order, drop.seed, drop.threshold)
-        return gmm(low, b, groups)
-    # masked_fill, not a product with the mask: one dtype, so CUDA's vectorized kernel (a bf16 x
-    # bool product casts per element: 113 of 974 GPU ms of the 30B-A3B step); the mask is hashed
-    # at the sorted rows (groups.order) and autograd keeps only the seed
-    h = h if drop is None else drop.zeroed(h, groups.order)
-    return gmm(gmm(h, a.transpose(1, 2), groups), b, groups)
+        bounds = groups.bounds()
+        low = lora_down(h, a, bounds, groups.order, drop.seed, drop.threshold)
+        if into is not None and groups.fast and into.dtype == low.dtype:
+            return add_rows(into, low, b, bounds)
+        out = gmm(low, b, groups)
+    else:
+        # masked_fill, not a product with the mask: one dtype, so CUDA's vectorized kernel (a
+        # bf16 x bool product casts per element: 113 of 974 GPU ms of the 30B-A3B step); the
+        # mask is hashed at the sorted rows (groups.order) and autograd keeps only the seed
+        h = h if drop is None else drop.zeroed(h, groups.order)
+        out = gmm(gmm(h, a.transpose(1, 2), groups), b, groups)
+    return out if into is None else into + out.to(into.dtype)
 
 
-def _project(module, name, x, lora, drops, groups):
-    """Projection `name` of the sorted rows x: base + bias + LoRA branches."""
+def _project(module, name, x, lora, drops, groups, apart=False):
+    """Projection `name` of the sorted rows x: base + bias + LoRA branches; `apart`: (base + bias,
+    the branches' sum or None), for a consumer that adds them as it reads them (`_Combine`)."""
     stored = getattr(module, "_kit_nf4", {}).get(name)
     dtype = stored["state"].dtype if stored is not None else getattr(module, name).dtype
     y = _FrozenBase.apply(x.to(dtype), stack_of(module, name), groups)
     bias = getattr(module, f"{name}_bias", None) if getattr(module, "has_bias", False) else None
     if bias is not None:
         y = y + bias[groups.ids]
+    extra, fused = None, getattr(module, "_kit_fused_down", False)
     for (down, up, scale, p), drop in zip(lora.get(name, ()), drops, strict=True):
         # out of place: under training.recompute.keeps the base GEMM's result is kept for
         # backward as it is (kit.recipe.recompute), and torch refuses a kept tensor changed in place
-        y = y + _lora(x, down, up, scale, drop, p, module.num_experts, groups,
-                      getattr(module, "_kit_fused_down", False)).to(y.dtype)
-    return y
+        if not apart:  # added to the base as it is made
+            y = _lora(x, down, up, scale, drop, p, module.num_experts, groups, fused, into=y)
+            continue
+        part = _lora(x, down, up, scale, drop, p, module.num_experts, groups, fused).to(y.dtype)
+        extra = part if extra is None else extra + part
+    return (y, extra) if apart else y
 
 
 def forward(self, hidden_states, top_k_index=None, top_k_weights=None, router_indices=None,
@@ -311,7 +364,7 @@ def forward(self, hidden_states, top_k_index=None, top_k_weights=None, router_in
     masks = dropout_masks(lora, (first, "down_proj"), hidden_states.device)
     h = _project(self, first, _Dispatch.apply(hidden_states, groups), lora, masks[first], groups)
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-    h = _project(self, "down_proj", h, lora, masks["down_proj"], groups)
+    h, extra = _project(self, "down_proj", h, lora, masks["down_proj"], groups, apart=True)
     if getattr(self, "has_post_expert_norm", False):
-        h = self.post_expert_norm(h)
-    return _Combine.apply(h, weights, groups).to(hidden_states.dtype)
+        h, extra = self.post_expert_norm(h if extra is None else h + extra), None
+    return _Combine.apply(h, extra, weights, groups).to(hidden_states.dtype)

@@ -165,6 +165,7 @@ def kernels():
 
         k.down_op.register_autograd(_backward_of(k.dx_op, k.da_op), setup_context=_setup)
         k.up_add_op.register_autograd(_up_add_backward, setup_context=_up_add_setup)
+        k.up_add_rows_op.register_autograd(_rows_backward, setup_context=_rows_setup)
         _LOADED.append(k)
     return _LOADED[0]
 
@@ -257,9 +258,36 @@ def add_up(result: torch.Tensor, low: torch.Tensor, up: torch.Tensor,
 
 
 def sum_ops() -> tuple:
-    """The ops whose result is an adapted projection's output (`add_up`): the reference's and,
-    once loaded, the kernel's."""
-    return (up_add_ref._opoverload, *(m.up_add_op._opoverload for m in _LOADED))
+    """The ops whose result is an adapted projection's output (`add_up`, `add_rows`): the
+    reference's and, once loaded, the kernels'."""
+    return (up_add_ref._opoverload,
+            *(op._opoverload for m in _LOADED for op in (m.up_add_op, m.up_add_rows_op)))
+
+
+def add_rows(c: torch.Tensor, low: torch.Tensor, up: torch.Tensor,
+             bounds: torch.Tensor) -> torch.Tensor:
+    """c + low @ up[s] for the rows of segment s: a mixture of experts' sorted rows
+    (kit.recipe.grouped_experts) adapted in one pass (c (M, N), low (M, R), up (S, R, N), bounds
+    int32 (S + 1,), one dtype). The Triton op kit::lora_up_add_rows_triton, CUDA and bf16 only
+    (its backward is two `torch._grouped_mm`): the grouped GEMM's (M, N) product is never
+    written, nor read again to be added."""
+    return kernels().up_add_rows_op(c, low, up, bounds)
+
+
+def _rows_setup(ctx, inputs, output):
+    _, low, up, bounds = inputs
+    ctx.save_for_backward(low, up, bounds)
+
+
+def _rows_backward(ctx, g):
+    """The base's gradient is g; the factors' are torch._grouped_mm's own (its autograd's
+    formulas): g @ up[s]^T per segment, and low_s^T @ g_s per segment."""
+    low, up, bounds = ctx.saved_tensors
+    offs, g = bounds[1:], g.contiguous()
+    d_low = (torch._grouped_mm(g, up.transpose(1, 2), offs=offs)
+             if ctx.needs_input_grad[1] else None)  # fmt: skip
+    d_up = torch._grouped_mm(low.t(), g, offs=offs) if ctx.needs_input_grad[2] else None
+    return g, d_low, d_up, None
 
 
 def dropout_p(module, name: str) -> float:

@@ -18,7 +18,7 @@ import torch
 
 from kit.budget import plan as kplan
 from kit.config import Config, ConfigError
-from kit.recipe import experts, loading, lora, nf4, quantize, recompute
+from kit.recipe import experts, grouped_experts, loading, lora, nf4, quantize, recompute
 from kit.recipe.checks import check_checkpointing_active
 from kit.recipe.levers import loss as kloss
 
@@ -57,6 +57,7 @@ def build(cfg: Config, device: torch.device, *, train: bool = True) -> Built:
         return Built(peft_model, tokenizer, attn, warning, [])
     if device.type == "cuda" and nf4.available(device):  # bitsandbytes' values, one kernel
         nf4.enable(peft_model)
+        grouped_experts.kernels()  # the experts' token layout (loaded before layers compile)
     if cfg.quantization.fp8_matmul:
         from kit.recipe.levers import fp8
 
