@@ -30,6 +30,8 @@ def test_profile_sorts_kernels_into_families_and_skips_annotations():
     assert family("_nf4_dequant_kernel") == "4-bit dequantize"  # unsloth's, a Triton kernel
     for name in ("down", "dx", "da", "up_add"):  # kit.recipe.lora_down_kernels', by exact name
         assert family(name) == "LoRA (kit, Triton)"
+    for name in ("gather_sum", "combine_grad"):  # kit.recipe.experts_kernels'
+        assert family(name) == "experts' rows (kit, Triton)"
     assert family("triton_poi_fused_add_index_23") == "compiled (triton)"
     assert family("triton_poi_fused_add_mul_native_dropout_silu_6") == "compiled (triton)"
     assert family("ncclDevKernel_AllGather_RING_LL") == "nccl"

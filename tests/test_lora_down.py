@@ -380,8 +380,10 @@ def test_the_rows_up_add_kernel_equals_the_grouped_gemm(m, n, r, segments):
     c, low, up = (torch.randn(*s, generator=g, device="cuda").bfloat16().requires_grad_()
                   for s in ((m, n), (m, r), (segments, r, n)))
     grad = torch.randn(m, n, generator=g, device="cuda").bfloat16()
-    got = lora_down.add_rows(c, low, up, bounds)
     ends = bounds.tolist()
+    ids = torch.cat([torch.full((hi - lo,), s, device="cuda") for s, (lo, hi) in
+                     enumerate(zip(ends[:-1], ends[1:], strict=True))])
+    got = lora_down.add_rows(c, low, up, ids, bounds[1:])
     want = c.float() + torch.cat([low[lo:hi].float() @ up[s].float() for s, (lo, hi) in
                                   enumerate(zip(ends[:-1], ends[1:], strict=True))])
     assert (got.float() - want).abs().max() < 2e-2 * want.abs().max()

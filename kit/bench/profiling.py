@@ -29,11 +29,16 @@ def _is_annotation(name: str) -> bool:
 # names: the adapters' down-projection with its dropout, its input's and its factor's gradients,
 # and the up-projection added onto the base's result (`up_add`).
 LORA_KERNELS = ("down", "dx", "da", "up_add")
+# kit/recipe/experts_kernels.py: a mixture of experts' sorted rows back to the tokens, weighted
+# and summed (`gather_sum`), and that sum's gradients in one pass (`combine_grad`).
+EXPERTS_KERNELS = ("gather_sum", "combine_grad")
 
 
 def kernel_family(name: str) -> str:
     if name in LORA_KERNELS:
         return "LoRA (kit, Triton)"
+    if name in EXPERTS_KERNELS:
+        return "experts' rows (kit, Triton)"
     low = name.lower()
     return next((fam for fam, keys in KERNEL_FAMILIES if any(k in low for k in keys)),
                 "other eager kernels")

@@ -155,10 +155,17 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         # torch ops, not gather_sum: the gradient reaching here is autograd's sum of the base
-        # GEMM's and the adapters' (inductor fuses that add into this gather; the kernel would
-        # need it written out first: 24 ms a step more on Qwen3-30B-A3B's shape at 24 GiB)
+        # GEMM's and the adapters' (inductor fuses that add into these gathers; the kernel would
+        # need it written out first: 24 ms a step more on Qwen3-30B-A3B's shape at 24 GiB). The
+        # k rows added one by one, not .sum(1) over a (tokens, k, width) view: compiled, that is
+        # an element-wise kernel over (tokens, width) reading k rows an element (a reduction
+        # over k is ~8 columns a program: 1.2 ms a layer on that shape, ~1.5 TB/s)
         g = ctx.groups
-        return grad[g.inverse].view(-1, g.top_k, grad.shape[-1]).sum(1), None
+        inverse = g.inverse.view(-1, g.top_k)
+        total = grad[inverse[:, 0]].float()
+        for j in range(1, g.top_k):
+            total = total + grad[inverse[:, j]].float()
+        return total.to(grad.dtype), None
 
 
 class _Combine(torch.autograd.Function):
@@ -309,10 +316,9 @@ def _lora(x, down, up, scale, drop, p, experts, groups, fused=False, into=None):
     if fused:
         from kit.recipe.lora_down import add_rows, lora_down
 
-        bounds = groups.bounds()
-        low = lora_down(h, a, bounds, groups.order, drop.seed, drop.threshold)
+        low = lora_down(h, a, groups.bounds(), groups.order, drop.seed, drop.threshold)
         if into is not None and groups.fast and into.dtype == low.dtype:
-            return add_rows(into, low, b, bounds)
+            return add_rows(into, low, b, groups.ids, groups.offsets)
         out = gmm(low, b, groups)
     else:
         # masked_fill, not a product with the mask: one dtype, so CUDA's vectorized kernel (a

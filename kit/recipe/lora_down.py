@@ -264,30 +264,31 @@ def sum_ops() -> tuple:
             *(op._opoverload for m in _LOADED for op in (m.up_add_op, m.up_add_rows_op)))
 
 
-def add_rows(c: torch.Tensor, low: torch.Tensor, up: torch.Tensor,
-             bounds: torch.Tensor) -> torch.Tensor:
+def add_rows(c: torch.Tensor, low: torch.Tensor, up: torch.Tensor, ids: torch.Tensor,
+             offsets: torch.Tensor) -> torch.Tensor:
     """c + low @ up[s] for the rows of segment s: a mixture of experts' sorted rows
-    (kit.recipe.grouped_experts) adapted in one pass (c (M, N), low (M, R), up (S, R, N), bounds
-    int32 (S + 1,), one dtype). The Triton op kit::lora_up_add_rows_triton, CUDA and bf16 only
-    (its backward is two `torch._grouped_mm`): the grouped GEMM's (M, N) product is never
-    written, nor read again to be added."""
-    return kernels().up_add_rows_op(c, low, up, bounds)
+    (kit.recipe.grouped_experts) adapted in one pass (c (M, N), low (M, R), up (S, R, N), ids
+    (M,) each row's segment, sorted; offsets int32 (S,) the segments' ends; one dtype). The
+    Triton op kit::lora_up_add_rows_triton, CUDA and bf16 only (its backward is two
+    `torch._grouped_mm`): the grouped GEMM's (M, N) product is never written, nor read again
+    to be added."""
+    return kernels().up_add_rows_op(c, low, up, ids, offsets)
 
 
 def _rows_setup(ctx, inputs, output):
-    _, low, up, bounds = inputs
-    ctx.save_for_backward(low, up, bounds)
+    _, low, up, _, offsets = inputs
+    ctx.save_for_backward(low, up, offsets)
 
 
 def _rows_backward(ctx, g):
     """The base's gradient is g; the factors' are torch._grouped_mm's own (its autograd's
     formulas): g @ up[s]^T per segment, and low_s^T @ g_s per segment."""
-    low, up, bounds = ctx.saved_tensors
-    offs, g = bounds[1:], g.contiguous()
+    low, up, offs = ctx.saved_tensors
+    g = g.contiguous()
     d_low = (torch._grouped_mm(g, up.transpose(1, 2), offs=offs)
              if ctx.needs_input_grad[1] else None)  # fmt: skip
     d_up = torch._grouped_mm(low.t(), g, offs=offs) if ctx.needs_input_grad[2] else None
-    return g, d_low, d_up, None
+    return g, d_low, d_up, None, None
 
 
 def dropout_p(module, name: str) -> float:

@@ -204,40 +204,40 @@ def da(g_ptr, x_ptr, da_ptr, bounds_ptr, rows_ptr, seed_ptr, M, K, R, threshold,
 
 @triton.autotune(configs=[triton.Config({"BM": bm, "BN": bn}, num_warps=w)
                           for bm, bn, w in ((64, 128, 4), (128, 128, 8), (128, 64, 4))],
-                 key=["N", "R", "HAS_BOUNDS"])
+                 key=["N", "R", "HAS_IDS"])
 @triton.jit
-def up_add(c_ptr, low_ptr, up_ptr, out_ptr, bounds_ptr, M, N, R, S, alpha, S_S, S_R, S_N,
-           HAS_BOUNDS: tl.constexpr, IEEE: tl.constexpr, LOG_S: tl.constexpr,
-           BR: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def up_add(c_ptr, low_ptr, up_ptr, out_ptr, ids_ptr, M, N, R, alpha, S_S, S_R, S_N,
+           HAS_IDS: tl.constexpr, IEEE: tl.constexpr, BR: tl.constexpr, BM: tl.constexpr,
+           BN: tl.constexpr):
     """out = c + alpha * low @ up[s]^T for the rows of segment s: each (BM, BN) tile reads its c
     once, and an r-wide strip of low and of each of its segments' up (the rank padded to BR >=
     16 for the dot); up[s][n, r] at s S_S + n S_N + r S_R (a dense layer's (N, R): one
-    segment; a mixture of experts' (S, R, N) factors)."""
-    pid = tl.program_id(0)
-    m = pid * BM + tl.arange(0, BM)
+    segment; a mixture of experts' (S, R, N) factors, each row's segment `ids[m]`, sorted)."""
+    m = tl.program_id(0) * BM + tl.arange(0, BM)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     r = tl.arange(0, BR)
     m_ok, n_ok = m < M, n < N
+    at = m[:, None].to(tl.int64) * N + n[None, :]
+    ok = m_ok[:, None] & n_ok[None, :]
+    c = tl.load(c_ptr + at, mask=ok, other=0.0)  # first: nothing below waits on it
     lo = tl.load(low_ptr + m[:, None].to(tl.int64) * R + r[None, :],
                  mask=m_ok[:, None] & (r[None, :] < R), other=0.0)
-    s_lo, s_hi = segments(bounds_ptr, pid * BM, tl.minimum(pid * BM + BM, M) - 1, S,
-                          HAS_BOUNDS, LOG_S)
+    s_lo, s_hi = 0, 0
+    if HAS_IDS:
+        sid = tl.load(ids_ptr + m, mask=m_ok, other=-1).to(tl.int32)
+        s_lo = tl.min(tl.where(m_ok, sid, 2**30), axis=0)
+        s_hi = tl.max(sid, axis=0)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for s in range(s_lo, s_hi + 1):
         ut = tl.load(up_ptr + s * S_S + n[None, :] * S_N + r[:, None] * S_R,
                      mask=n_ok[None, :] & (r[:, None] < R), other=0.0)  # (BR, BN): up[s]^T
         part = lo
-        if HAS_BOUNDS:  # rows of other segments: zero on the r-wide strip
-            start = bound(bounds_ptr, s, M, HAS_BOUNDS)
-            end = bound(bounds_ptr, s + 1, M, HAS_BOUNDS)
-            part = tl.where(((m >= start) & (m < end))[:, None], lo, 0.0)
+        if HAS_IDS:  # rows of other segments: zero on the r-wide strip
+            part = tl.where((sid == s)[:, None], lo, 0.0)
         if IEEE:
             acc += tl.dot(part, ut, input_precision="ieee")
         else:
             acc += tl.dot(part, ut)
-    at = m[:, None].to(tl.int64) * N + n[None, :]
-    ok = m_ok[:, None] & n_ok[None, :]
-    c = tl.load(c_ptr + at, mask=ok, other=0.0)
     tl.store(out_ptr + at, (c.to(tl.float32) + alpha * acc).to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -326,23 +326,23 @@ def up_add_op(c: torch.Tensor, low: torch.Tensor, up: torch.Tensor,
 
 
 @torch.library.triton_op("kit::lora_up_add_rows_triton", mutates_args=())
-def up_add_rows_op(c: torch.Tensor, low: torch.Tensor, up: torch.Tensor,
-                   bounds: torch.Tensor) -> torch.Tensor:
+def up_add_rows_op(c: torch.Tensor, low: torch.Tensor, up: torch.Tensor, ids: torch.Tensor,
+                   offsets: torch.Tensor) -> torch.Tensor:
     """c + low @ up[s] for the rows of segment s (kit.recipe.grouped_experts' sorted rows):
-    c (M, N), low (M, R), up (S, R, N), bounds int32 (S + 1,)."""
+    c (M, N), low (M, R), up (S, R, N), ids (M,) each row's segment (sorted), offsets int32 (S,)
+    the segments' ends (for backward's torch._grouped_mm)."""
     up = up.contiguous()
-    return _up_add(c, low, up, bounds, 1.0, (up.shape[1] * up.shape[2], up.shape[2], 1))
+    return _up_add(c, low, up, ids, 1.0, (up.shape[1] * up.shape[2], up.shape[2], 1))
 
 
-def _up_add(c, low, up, bounds, alpha, strides):
+def _up_add(c, low, up, ids, alpha, strides):
     c, low = c.contiguous(), low.contiguous()
     m, n, r = c.shape[0], c.shape[1], low.shape[1]
-    segments = 1 if bounds is None else bounds.shape[0] - 1
     out = torch.empty_like(c)
     if m:
         torch.library.wrap_triton(up_add)[
             lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]))](
-            c, low, up, out, bounds if bounds is not None else up, m, n, r, segments, alpha,
-            *strides, HAS_BOUNDS=bounds is not None, IEEE=c.dtype == torch.float32,
-            LOG_S=_log2(segments), BR=max(16, triton.next_power_of_2(r)))
+            c, low, up, out, ids if ids is not None else up, m, n, r, alpha, *strides,
+            HAS_IDS=ids is not None, IEEE=c.dtype == torch.float32,
+            BR=max(16, triton.next_power_of_2(r)))
     return out
