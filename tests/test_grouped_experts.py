@@ -376,16 +376,16 @@ def test_the_gather_sum_kernel_equals_torch(dtype, two, weighted):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="needs a CUDA GPU of compute capability 9.0+ (torch._grouped_mm)")
-def test_a_compiled_grouped_layer_sums_its_rows_by_the_kernel_without_a_graph_break(monkeypatch):
+def test_a_compiled_grouped_layer_sums_its_rows_by_the_kernel_without_a_graph_break():
     """With the kernels loaded as a CUDA build loads them (kit.recipe.model), a compiled experts
     layer runs the gather_sum kernel (forward and backward) and its graph does not break (the
     first version asked for the kernels inside the trace: 10 breaks, 10% slower, 2.4 GiB more on
     Qwen3-30B-A3B's shape); outputs and gradients equal the eager torch path's (the compiled
     layer draws its dropout seeds from torch's generator as eager code does: fallback_random)."""
+    import torch._inductor.config as inductor_config
+
     from kit.recipe import experts, grouped_experts, nf4
     from kit.recipe.checks import graph_breaks
-
-    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
 
     ex, lora = _experts_on("cuda", "qwen3_moe", hidden=512, inner=256, count=16, k=4, ranks=(16,))
     index, weights = routed(1000, 16, 4, unused=3, device="cuda")
@@ -394,21 +394,22 @@ def test_a_compiled_grouped_layer_sums_its_rows_by_the_kernel_without_a_graph_br
     factors = [t for branches in lora.values() for a, b, _, _ in branches for t in (a, b)]
     cot = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16)
     results = []
-    for kernel in (False, True):
-        if kernel:
-            assert nf4.available(torch.device("cuda"))
-            grouped_experts.kernels()
-        else:
-            grouped_experts._LOADED.clear()
-        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
-        fn = experts.forward
-        if kernel:
-            before = graph_breaks()
-            fn = torch.compile(experts.forward)
-        out = run(fn, ex, x, index, w, lora, seed=3)
-        results.append((out, *torch.autograd.grad(out, (x, w, *factors), cot)))
-        if kernel:
-            assert graph_breaks(before) == {}
+    with inductor_config.patch(fallback_random=True):  # torch's own patch (see above)
+        for kernel in (False, True):
+            if kernel:
+                assert nf4.available(torch.device("cuda"))
+                grouped_experts.kernels()
+            else:
+                grouped_experts._LOADED.clear()
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            fn = experts.forward
+            if kernel:
+                before = graph_breaks()
+                fn = torch.compile(experts.forward)
+            out = run(fn, ex, x, index, w, lora, seed=3)
+            results.append((out, *torch.autograd.grad(out, (x, w, *factors), cot)))
+            if kernel:
+                assert graph_breaks(before) == {}
     for mine, ref in zip(*results, strict=True):
         top = ref.float().abs().max()
         assert top > 0 and (mine.float() - ref.float()).abs().max() < 0.03 * top

@@ -96,7 +96,8 @@ RANK_NEVER = ("ipywidgets", "{pkg}.run", "{pkg}.doctor")  # and below them
 # Modules that are only GPU code, importing a package only a GPU machine has (CUDA builds of torch
 # bring triton; the CPU install does not): where it is missing, their import is not asked.
 GPU_PACKAGE = {"recipe.lora_down_kernels": "triton",  # relative to the package
-               "recipe.levers.loss_kernel": "triton", "recipe.nf4_kernels": "triton"}
+               "recipe.levers.loss_kernel": "triton", "recipe.nf4_kernels": "triton",
+               "recipe.experts_kernels": "triton"}
 PROCESS_GROUP_CALLS = ("init_process_group", "init_device_mesh")
 MAX_LINES, REASON = 400, "Longer than 400 lines because"
 

@@ -15,10 +15,13 @@ Per layer and pass, for the rows (token, k-th choice) of the top-k routing:
   recompute's restored RNG state give the same masks). Integer arithmetic only: the same bits on
   CPU and CUDA, eager and compiled. Backward computes the mask again from the seed and the rows
   (a few int ops that inductor fuses into the kernel that reads the input): no mask is kept;
-- gate/activation (the module's own `_apply_gate`), biases; the rows are gathered back to token
-  order, weighted and summed over the k choices in one reduction, and every backward of the
-  layout is a gather too (the permutation's inverse, `Groups.inverse`): no scatter, no atomics,
-  the same sums every run.
+- gate/activation (the module's own `_apply_gate`), biases; gate_up's adapters' up-projection
+  added to the base's result by the kernel that makes it (kit.recipe.lora_down.add_rows, on the
+  grouped GEMM's GPUs); the rows are gathered back to token order, weighted and summed over the
+  k choices, the down projection's and its adapters' parts added as read (one Triton kernel on
+  GPUs, kit.recipe.experts_kernels, and one more for that sum's two gradients), and every
+  backward of the layout is a gather too (the permutation's inverse, `Groups.inverse`): no
+  scatter, no atomics, the same sums every run.
 
 Backward: `_FrozenBase` keeps nothing of the dequantized stack; it dequantizes the stack again for
 the input's gradient (the base is frozen: no weight gradient). Under a recompute policy
