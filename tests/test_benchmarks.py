@@ -9,6 +9,7 @@ import re
 import subprocess
 
 import pytest
+import yaml
 from conftest import ROOT
 
 from kit.bench import records
@@ -78,7 +79,8 @@ def test_every_benchmarks_path_the_kit_docs_and_notebooks_name_exists():
 def test_a_matrix_here_is_not_a_copy_that_only_its_records_name():
     """benchmarks/matrices/ keeps the matrices that are named outside the records (the kit, docs,
     notebooks, tests, tools, other matrices) or that a record ran without keeping a copy; one that
-    only records name, each holding it as it is here, is a duplicate: it lives in its record."""
+    only records name, each holding it as it is here (the same settings and cases: its comments
+    may have been reworded since), is a duplicate: it lives in its record."""
     files = [*(ROOT / "kit").rglob("*.py"), *(ROOT / "kit").rglob("*.yaml"),
              *(ROOT / "docs").glob("*.md"), ROOT / "README.md", *(ROOT / "notebooks").iterdir(),
              *(ROOT / "tests").glob("*.py"), *(BENCH / "tools").rglob("*"), BENCH / "README.md",
@@ -91,8 +93,9 @@ def test_a_matrix_here_is_not_a_copy_that_only_its_records_name():
         ran = [d for d in (BENCH / "records").iterdir()
                if any(matrix.name in f.read_text(errors="replace")
                       for f in d.glob("*") if f.suffix in (".md", ".txt"))]
+        here = yaml.safe_load(matrix.read_text())
         if ran and all((d / matrix.name).is_file()
-                       and (d / matrix.name).read_bytes() == matrix.read_bytes() for d in ran):
+                       and yaml.safe_load((d / matrix.name).read_text()) == here for d in ran):
             duplicates.append(f"{matrix.name} (in {', '.join(d.name for d in ran)})")
     assert not duplicates, duplicates
 
