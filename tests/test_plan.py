@@ -16,7 +16,7 @@ import pytest
 
 from kit.budget import plan as kplan
 from kit.budget import step_model
-from kit.budget.estimate import Setup, estimate
+from kit.budget.estimate import OUTSIDE_GIB, Setup, estimate
 from kit.budget.shapes import shape_of
 from kit.config import AUTO, ConfigError, load_config
 
@@ -159,7 +159,7 @@ def test_under_an_allocator_cap_offloaded_inputs_win_where_they_let_a_larger_bat
     assert (t.offload_activations, t.recompute.keeps, t.batch_size) == (True, "inputs", 2)
     assert "than batch 1 without" in next(c.why for c in capped.choices
                                           if c.field == "training.offload_activations")
-    assert capped.needed_gib <= 24 < capped.needed_gib + kplan.OUTSIDE_GIB
+    assert capped.needed_gib <= 24 < capped.needed_gib + OUTSIDE_GIB
     assert capped.tokens_per_s == pytest.approx(2477, rel=0.10)
     in_memory = kplan.plan(load_config(None, [
         "model.name=kit:qwen25-32b", "lora.r=16", "training.steps=2000",
@@ -187,7 +187,7 @@ def test_a_capped_allocator_plans_with_its_cap_and_a_card_keeps_its_context_free
         256, 256, device=device, dtype=torch.bfloat16)).sum().item()  # cuBLAS loaded
     total = torch.cuda.get_device_properties(device).total_memory / 2**30
     card = hardware(device, 1)
-    assert card.outside_gib == kplan.OUTSIDE_GIB
+    assert card.outside_gib == OUTSIDE_GIB
     assert card.memory_gib == pytest.approx(total, abs=0.01)
     assert 0.1 < outside_gib(device) < 4
     try:

@@ -134,7 +134,7 @@ def for_plan(machine: dict, world_size: int, device: str):
     own GPU described alike) for `world_size` processes on `device` ("cuda" or "cpu"): the
     smallest GPU's memory and its name, FP8 by `fp8`, flash-attn installed, and the node's host
     memory over its processes (None where unknown: not checked)."""
-    from kit.budget.plan import Hardware
+    from kit.budget.fit import Hardware
 
     if device != "cuda" or not machine.get("gpus"):
         return Hardware("cpu", world_size)

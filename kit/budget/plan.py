@@ -7,7 +7,8 @@ engine and the data; every value a person set is kept.
 
 Kernel side, no torch: rank 0 plans at start (kit.train), `kit plan CONFIG` prints it without
 starting anything. Memory: the estimate's (kit.budget.estimate, checked against measured runs);
-speed: the step model (kit.budget.step_model, `speed`), fitted to the kit's measured runs.
+speed: the step model (kit.budget.step_model, `speed`), fitted to the kit's measured runs; what
+fits the machine, the fastest of it and the one-line refusal: kit.budget.fit.
 
 On a GPU (on a CPU, and with training.plan=off, the recipe's plain values): the fused loss where
 the model allows it (a frozen head, no logit softcapping or scaling), else chunked; compiled
@@ -29,11 +30,13 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
-from kit.budget.estimate import OUTSIDE_GIB, Setup, estimate
+from kit.budget import fit
+from kit.budget.estimate import estimate
+from kit.budget.fit import Hardware
 from kit.budget.shapes import SHARED_INPUT_GROUPS, Shape, shape_of
-from kit.budget.step_model import CPP_COMPILE_S, OFFLOAD_SPEED, PEAK_BF16_FLOPS, speed
+from kit.budget.step_model import CPP_COMPILE_S, OFFLOAD_SPEED, speed
 from kit.config import AUTO, Config, ConfigError
 
 # The recipe's plain values: what "auto" means where the kit does not plan (a CPU; plan=off).
@@ -60,31 +63,6 @@ MAX_BATCH = 64
 # families' attention and RMSNorm (kit.recipe.levers.attention_tiles, kit.recipe.levers.norms).
 TILE_TOKENS = 8192
 TILED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-
-@dataclass(frozen=True)
-class Hardware:
-    """What the plan needs of the machine: one process per GPU (or per CPU rank)."""
-
-    device: str  # "cuda" | "cpu"
-    world_size: int = 1
-    memory_gib: float | None = None  # per GPU: what the run may use (a cap, or the GPU's)
-    name: str = ""
-    fp8: bool = False  # compute capability 8.9 or higher: FP8 tensor cores
-    flash_attn: bool = False  # the flash-attn package is installed
-    # Host memory each process may fill with offloaded tensors (the node's available memory over
-    # its processes); None: not known (`kit plan` for other machines), not checked.
-    host_gib: float | None = None
-    grouped_gemm: bool = False  # compute capability 9.0 or higher: one grouped-GEMM kernel
-    triton: bool = False  # compute capability 8.0 or higher and triton: the kit's Triton kernels
-    # What the process holds outside torch's allocator, left free of the plan's memory: the
-    # measured OUTSIDE_GIB where memory_gib is a card's own; 0 where it is a cap on the allocator
-    # (torch.cuda.set_per_process_memory_fraction: kit.bench's caps), which that memory sits beside.
-    outside_gib: float = OUTSIDE_GIB
-
-    @property
-    def peak_flops(self) -> float | None:
-        return next((v for k, v in PEAK_BF16_FLOPS.items() if k in self.name), None)
-
 
 @dataclass
 class Choice:
@@ -191,14 +169,6 @@ def _shape(cfg: Config, model_config: dict | None) -> Shape | None:
         return shape_of(model_config if model_config is not None else cfg.model.name)
     except (ValueError, KeyError, OSError):
         return None
-
-
-def _setup(cfg: Config, hw: Hardware, seq_len: int) -> Setup:
-    probe = copy.deepcopy(cfg)
-    probe.data.max_seq_len = seq_len
-    if probe.training.batch_size == AUTO:  # each candidate sets its own (Setup.batch_size)
-        probe.training.batch_size = 1
-    return Setup.from_config(probe, world_size=hw.world_size)
 
 
 def plan(cfg: Config, hw: Hardware, seq_len: int, model_config: dict | None = None,
@@ -417,7 +387,7 @@ class _Search:
 
     def _search(self, policies):
         p = self.planned
-        return _search(p.cfg, p.hardware, p.seq_len, self.shape, policies, self.batches)
+        return fit.search(p.cfg, p.hardware, p.seq_len, self.shape, policies, self.batches)
 
     def _ungroup(self) -> None:
         """Past GPU memory (offloaded inputs, tiles) the adapters go ungrouped where the plan
@@ -453,12 +423,12 @@ class _Search:
         if offload is not True:
             t.offload_activations = False
             kept = self._search(self.policies)
-            kept_rate = kept and _rate(p.cfg, p.hardware, p.seq_len, self.shape, *kept[0])
+            kept_rate = kept and fit.rate(p.cfg, p.hardware, p.seq_len, self.shape, *kept[0])
         if offload is not False and rc.enabled and "inputs" in self.policies:
             self._ungroup()
             t.offload_activations = True
             moved = self._search(["inputs"])
-            if moved is not None and (kept is None or kept_rate * 1.001 < _rate(
+            if moved is not None and (kept is None or kept_rate * 1.001 < fit.rate(
                     p.cfg, p.hardware, p.seq_len, self.shape, *moved[0])):
                 self.offload_why = ("nothing fits in GPU memory otherwise" if kept is None else
                                     f"batch {moved[0][1]} with them runs faster by the step "
@@ -489,7 +459,7 @@ class _Search:
             # is planned with them too); before, as you set it
             t.offload_activations = (offload if offload != AUTO
                                      else self.tiled and t.offload_activations)
-            raise ConfigError(_refusal(p.cfg, p.hardware, p.seq_len, self.shape, self.policies,
+            raise ConfigError(fit.refusal(p.cfg, p.hardware, p.seq_len, self.shape, self.policies,
                                        self.batches))
         return best
 
@@ -615,99 +585,10 @@ def _tile_stages(cfg: Config, model_config: dict | None, shape: Shape, seq_len: 
     return stages, blocked
 
 
-# Of the host memory a process may use, the share offloaded tensors may fill (the rest: the
-# process itself, its pinned staging, the data).
-HOST_SHARE = 0.8
-
-
-def _fits(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, **changes) -> float | None:
-    """The estimate's needed GiB when `changes` (Setup fields) fit hw, GPU and host, else None."""
-    est = estimate(shape, replace(_setup(cfg, hw, seq_len), **changes))
-    need = est.needed_gib(hw.outside_gib)
-    if hw.host_gib is not None and est.cpu_bytes / 2**30 > HOST_SHARE * hw.host_gib:
-        return None
-    return need if hw.memory_gib is None or need <= hw.memory_gib else None
-
-
-def _rate(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, keeps: str, batch: int) -> float:
-    """The step model's tokens/s for `cfg` (its recompute, wrapper, offloading) at keeps, batch."""
-    t = cfg.training
-    return speed(shape, seq_len, batch, keeps if t.recompute.enabled else None, hw,
-                 t.recompute.matmul_layers, wrapper=t.compile_wrapper,
-                 offloaded=t.offload_activations is True)
-
-
-def _search(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, policies, batches):
-    """((keeps, batch), needed GiB) predicted fastest among those that fit; None if none does.
-    Layers that keep every matmul (training.recompute.matmul_layers) are yours to set: the
-    estimate and the step model count them."""
-    rc = cfg.training.recompute
-    best, best_speed = None, -1.0
-    for keeps in policies:
-        for batch in batches:
-            need = _fits(cfg, hw, seq_len, shape, batch_size=batch, recompute_keeps=keeps)
-            if need is None:
-                break  # a larger batch needs more
-            s = _rate(cfg, hw, seq_len, shape, keeps, batch)
-            if s > best_speed * 1.001:  # a tie goes to the smaller batch (less memory)
-                best, best_speed = ((keeps, batch), need), s
-        if not rc.enabled:
-            break
-    return best
-
-
-def _refusal(cfg: Config, hw: Hardware, seq_len: int, shape: Shape, policies, batches) -> str:
-    """One line: nothing fits; the smallest single change that does (tried in this order)."""
-    t = cfg.training
-    est = estimate(shape, replace(_setup(cfg, hw, seq_len), batch_size=batches[0],
-                                  recompute_keeps=policies[-1]))
-    need, host = est.needed_gib(hw.outside_gib), est.cpu_bytes / 2**30
-    trials = []
-    if batches[0] > 1:  # a batch you set: the largest that fits, with the policies allowed
-        for batch in range(batches[0] - 1, 0, -1):
-            if any(_fits(cfg, hw, seq_len, shape, batch_size=batch, recompute_keeps=k)
-                   is not None for k in policies):
-                return _line(cfg, hw, seq_len, need, f"training.batch_size={batch}", host)
-    if policies != ["inputs"] and t.recompute.enabled:
-        trials.append(("training.recompute.keeps=inputs", dict(recompute_keeps="inputs")))
-    if not t.recompute.enabled:
-        trials.append(("training.recompute.enabled=true",
-                       dict(recompute=True, recompute_keeps="inputs")))
-    if t.loss != "fused":
-        trials.append(("training.loss=fused", dict(loss="fused")))
-    if t.offload_activations is not True and (t.compile is not True or t.recompute.enabled):
-        trials.append(("training.offload_activations=true", dict(offload_activations=True)))
-    trials += [(f"lora.r={r}", dict(lora_r=r)) for r in (8, 4) if r < cfg.lora.r]  # MoE: per expert
-    base = dict(batch_size=batches[0], recompute_keeps=policies[-1])
-    for text, change in trials:
-        if _fits(cfg, hw, seq_len, shape, **{**base, **change}) is not None:
-            return _line(cfg, hw, seq_len, need, text, host)
-    for seq in (s for s in (131072, 65536, 32768, 16384, 8192, 4096, 2048, 1024, 512)
-                if s < seq_len):
-        if _fits(cfg, hw, seq, shape, **base) is not None:
-            return _line(cfg, hw, seq_len, need, f"data.max_seq_len={seq}", host)
-    for gpus in (2, 4, 8, 16, 32, 64):
-        if gpus > hw.world_size and cfg.sharding.engine != "ddp" and _fits(
-                cfg, replace(hw, world_size=gpus), seq_len, shape, **base) is not None:
-            return _line(cfg, hw, seq_len, need, f"{gpus} GPUs (FSDP shards the weights)", host)
-    return _line(cfg, hw, seq_len, need, "a larger GPU or sharding.cpu_offload=true", host)
-
-
-def _line(cfg: Config, hw: Hardware, seq_len: int, need: float, change: str,
-          host: float = 0.0) -> str:
-    over = (f", and {host:.1f} GiB of host memory per process for offloaded tensors, "
-            f"{HOST_SHARE * hw.host_gib:.1f} available" if hw.host_gib is not None
-            and host > HOST_SHARE * hw.host_gib else "")
-    return (f"training.batch_size: {cfg.training.batch_size!r} does not fit: it needs "
-            f"{need:.1f} GiB per GPU with headroom (kit.budget.estimate), {hw.memory_gib:g} GiB "
-            f"available ({hw.world_size} x {hw.name or hw.device}, sequence {seq_len}){over}; "
-            f"the smallest change that fits: {change}")
-
-
 def _fill_memory(planned: Planned, shape: Shape | None) -> None:
     if shape is None:  # a model whose shape cannot be read: no prediction
         return
-    est = estimate(shape, _setup(planned.cfg, planned.hardware, planned.seq_len))
+    est = estimate(shape, fit.setup_of(planned.cfg, planned.hardware, planned.seq_len))
     planned.predicted_gib = round(est.total_gib, 2)
     planned.needed_gib = round(est.needed_gib(planned.hardware.outside_gib), 2)
 

@@ -98,7 +98,7 @@ def _duration(seconds: float) -> str:
 
 def _hardware(args):
     from kit.budget import machine
-    from kit.budget.plan import Hardware
+    from kit.budget.fit import Hardware
 
     if args.gpus is None and args.gpu_mem is None:
         import torch

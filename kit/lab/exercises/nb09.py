@@ -99,7 +99,7 @@ EXERCISES = [
         question=(
             "The Llama-3-8B plan at 80 GiB trained 13,999 tokens/s on one H100. With the model "
             "FLOPs per token from shapes.flops_per_token(shapes.shape_of('kit:llama-8b'), 2048) "
-            "and the H100's dense bf16 peak (kplan.PEAK_BF16_FLOPS['H100']), what is its "
+            "and the H100's dense bf16 peak (step_model.PEAK_BF16_FLOPS['H100']), what is its "
             "MFU? (answer: a fraction, e.g. 0.3)"),
         check=_check_mfu,
         solution=_mfu,
