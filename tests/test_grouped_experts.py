@@ -342,35 +342,33 @@ def test_a_compiled_layer_runs_the_grouped_gemms_and_equals_eager(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
                     reason="needs a CUDA GPU of compute capability 8.0+ and triton")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("two", "weighted"), [(True, True), (False, True), (False, False)])
-def test_the_gather_sum_kernel_equals_torch(dtype, two, weighted):
-    """kit.recipe.experts_kernels.gather_sum (the layer's weighted sum of its sorted rows, and
-    the dispatch's gradient) against the torch expression in fp32, with a width off its tiles
-    and an expert no token picks: fp32 to 1e-5, bf16 to its rounding."""
+@pytest.mark.parametrize("two", [True, False], ids=["base+adapters", "base"])
+def test_the_gather_sum_kernels_equal_torch(dtype, two):
+    """kit.recipe.experts_kernels' gather_sum (the layer's weighted sum of its sorted rows, the
+    base's and the adapters' parts added as read) and combine_grad (that sum's two gradients in
+    one pass) against the torch expressions in fp32, with a width off their tiles and an expert
+    no token picks: fp32 to 1e-5, bf16 to its rounding."""
     from kit.recipe import grouped_experts
-    from kit.recipe.experts_kernels import gather_sum_op
+    from kit.recipe.experts_kernels import combine_grad_op, gather_sum_op
 
     tokens, k, width = 777, 4, 1000
     index, weights = routed(tokens, 16, k, unused=3, device="cuda")
     groups = grouped_experts.Groups(index, 16, fast=True)
     a = torch.randn(tokens * k, width, device="cuda", dtype=dtype)
     b = torch.randn_like(a) if two else None
-    w = weights.to(dtype) if weighted else None
+    w = weights.to(dtype)
     got = gather_sum_op(a, b, groups.inverse, w, k, dtype)
     h = a.float() if b is None else a.float() + b.float()
     rows = h[groups.inverse].view(tokens, k, width)
-    want = (rows * w.float()[..., None]).sum(1) if weighted else rows.sum(1)
+    want = (rows * w.float()[..., None]).sum(1)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert got.dtype == dtype and (got.float() - want).abs().max() < tol * want.abs().max()
-    if weighted:  # the weighted sum's gradients (kit::combine_grad_triton), one pass
-        from kit.recipe.experts_kernels import combine_grad_op
-
-        g = torch.randn(tokens, width, device="cuda", dtype=dtype)
-        dh, dw = combine_grad_op(g, a, b, groups.inverse, w)
-        want_dh = g.float()[groups.order // k] * w.float().reshape(-1)[groups.order, None]
-        want_dw = (rows * g.float()[:, None, :]).sum(-1)
-        for got, want in ((dh, want_dh), (dw, want_dw)):
-            assert got.dtype == dtype and (got.float() - want).abs().max() < tol * want.abs().max()
+    g = torch.randn(tokens, width, device="cuda", dtype=dtype)
+    dh, dw = combine_grad_op(g, a, b, groups.inverse, w)
+    want_dh = g.float()[groups.order // k] * w.float().reshape(-1)[groups.order, None]
+    want_dw = (rows * g.float()[:, None, :]).sum(-1)
+    for got, want in ((dh, want_dh), (dw, want_dw)):
+        assert got.dtype == dtype and (got.float() - want).abs().max() < tol * want.abs().max()
 
 
 @pytest.mark.gpu

@@ -369,10 +369,11 @@ def test_the_up_add_kernel_equals_the_reference(m, n, r, dtype):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="needs a CUDA GPU of compute capability 9.0+ (torch._grouped_mm)")
 @pytest.mark.parametrize(("m", "n", "r", "segments"), [(3000, 1536, 16, 16), (777, 1000, 8, 5)])
-def test_the_rows_up_add_kernel_equals_the_grouped_gemm(m, n, r, segments):
+def test_the_rows_up_add_kernel_equals_the_product_per_segment(m, n, r, segments):
     """kit::lora_up_add_rows_triton (c + low @ up[s] for segment s's rows, a mixture of experts'
-    sorted rows: lora_down.add_rows) against c + torch._grouped_mm in fp32, forward and the
-    three gradients, with segments off the tiles and an empty one: bf16 to its rounding."""
+    sorted rows: lora_down.add_rows; its backward two torch._grouped_mm) in bf16 against c +
+    low_s @ up[s] per segment in fp32, forward and the three gradients, with segments off the
+    tiles and an empty one: to bf16's rounding."""
     g = torch.Generator("cuda").manual_seed(m + n)
     cuts = torch.randint(0, m, (segments - 1,), generator=g, device="cuda").sort().values
     cuts[1] = cuts[0]  # an empty segment

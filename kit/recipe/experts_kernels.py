@@ -1,19 +1,19 @@
-"""The Triton kernel of kit.recipe.grouped_experts' token layout (imported only where it runs:
+"""The Triton kernels of kit.recipe.grouped_experts' token layout (imported only where they run:
 triton comes with CUDA builds of torch, not with the CPU install).
 
 `gather_sum`: out[t] = sum over j < k of w[t, j] * (a[inv[t k + j]] + b[inv[t k + j]]), the
 sorted rows of a mixture-of-experts layer back in token order, weighted by the router and summed
-over the k choices (the layer's output, `_Combine`), or unweighted (the gradient of the tokens'
-dispatch to their k rows, `_Dispatch`). One program reads each of its tokens' k rows once, in
-fp32, and writes the token's row: the rows are never gathered into a (tokens x k, width) copy
-first, and with `b` the base projection's and the adapters' results are added as they are read
-(no (tokens x k, width) sum in memory either).
+over the k choices (the layer's output, `_Combine`). One program reads each of its tokens' k
+rows once, in fp32, and writes the token's row: the rows are never gathered into a (tokens x k,
+width) copy first, and with `b` the base projection's and the adapters' results are added as
+they are read (no (tokens x k, width) sum in memory either). `combine_grad`: that sum's two
+gradients (the rows', the router weights') in one pass over the rows.
 
-Gap filled: inductor compiles the same expression as a persistent reduction over the k choices
-whose programs are few tokens wide; measured on an H200 (Qwen3-30B-A3B's shape, 26,624 tokens
-x 8 choices x 2,048): 0.62 ms for the weighted sum of rows gathered into a copy first (0.60 ms
-more) and 1.14 ms for the dispatch's gradient, against ~0.2-0.4 ms for the bytes they move
-(benchmarks/records/2026-11-30-split-gather-2xh200)."""
+Gap filled: inductor compiles the weighted sum as a persistent reduction over the k choices
+whose programs are few tokens wide, after gathering the rows into a copy; measured on an H200
+(Qwen3-30B-A3B's shape, 26,624 tokens x 8 choices x 2,048): 1.30 ms against 0.44 ms for the
+kernel (benchmarks/records/2026-11-30-split-gather-2xh200), and at the step with its gradients'
+kernel +4.8% (benchmarks/records/2026-12-01-experts-rows-1xh200)."""
 
 import torch
 import triton
@@ -23,10 +23,10 @@ import triton.language as tl
 @triton.autotune(configs=[triton.Config({"BT": bt, "BH": bh}, num_warps=w)
                           for bt, bh, w in ((4, 512, 4), (8, 256, 4), (2, 1024, 4),
                                             (8, 512, 8))],
-                 key=["H", "K", "HAS_B", "HAS_W"])
+                 key=["H", "K", "HAS_B"])
 @triton.jit
 def gather_sum(a_ptr, b_ptr, inv_ptr, w_ptr, out_ptr, T, H, K: tl.constexpr,
-               HAS_B: tl.constexpr, HAS_W: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
+               HAS_B: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     t_ok, h_ok = t < T, h < H
@@ -38,8 +38,7 @@ def gather_sum(a_ptr, b_ptr, inv_ptr, w_ptr, out_ptr, T, H, K: tl.constexpr,
         x = tl.load(a_ptr + at, mask=ok, other=0.0).to(tl.float32)
         if HAS_B:
             x += tl.load(b_ptr + at, mask=ok, other=0.0).to(tl.float32)
-        if HAS_W:
-            x *= tl.load(w_ptr + t.to(tl.int64) * K + j, mask=t_ok, other=0.0).to(tl.float32)[:, None]
+        x *= tl.load(w_ptr + t.to(tl.int64) * K + j, mask=t_ok, other=0.0).to(tl.float32)[:, None]
         acc += x
     tl.store(out_ptr + t[:, None].to(tl.int64) * H + h[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -47,9 +46,9 @@ def gather_sum(a_ptr, b_ptr, inv_ptr, w_ptr, out_ptr, T, H, K: tl.constexpr,
 
 @torch.library.triton_op("kit::gather_sum_triton", mutates_args=())
 def gather_sum_op(a: torch.Tensor, b: torch.Tensor | None, inverse: torch.Tensor,
-                  weights: torch.Tensor | None, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+                  weights: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
     """(T, H) in `dtype` from a (and b), (T k, H) sorted rows, `inverse` (T k,) each token's
-    choices' rows, `weights` (T, k) or None (kit.recipe.grouped_experts.gather_sum)."""
+    choices' rows, `weights` (T, k) (kit.recipe.grouped_experts.gather_sum)."""
     a = a.contiguous()
     b = b.contiguous() if b is not None else None
     rows, width = a.shape
@@ -58,9 +57,8 @@ def gather_sum_op(a: torch.Tensor, b: torch.Tensor | None, inverse: torch.Tensor
     if tokens:
         torch.library.wrap_triton(gather_sum)[
             lambda meta: (triton.cdiv(tokens, meta["BT"]), triton.cdiv(width, meta["BH"]))](
-            a, b if b is not None else a, inverse.contiguous(),
-            weights.contiguous() if weights is not None else a, out, tokens, width, K=top_k,
-            HAS_B=b is not None, HAS_W=weights is not None)
+            a, b if b is not None else a, inverse.contiguous(), weights.contiguous(), out,
+            tokens, width, K=top_k, HAS_B=b is not None)
     return out
 
 

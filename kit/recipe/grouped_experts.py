@@ -203,15 +203,14 @@ class _Combine(torch.autograd.Function):
 
 def gather_sum(a, b, groups: Groups, weights, dtype):
     """(tokens, width): sum over each token's k sorted rows of (a + b) (b may be None), times
-    `weights` (tokens, k) where given. On a GPU where the kit's Triton kernels run, one kernel
+    `weights` (tokens, k). On a GPU where the kit's Triton kernels run, one kernel
     (kit.recipe.experts_kernels, loaded before any layer compiles by `kernels`: a module first
     imported inside a compiled layer breaks its graph); elsewhere torch ops."""
     if a.is_cuda and _LOADED and nf4_available(a.device):  # the answer kept, not a probe
         return _LOADED[0].gather_sum_op(a, b, groups.inverse, weights, groups.top_k, dtype)
     h = a if b is None else a + b
     rows = h[groups.inverse].view(-1, groups.top_k, h.shape[-1])
-    summed = rows.sum(1) if weights is None else (rows * weights[..., None]).sum(1)
-    return summed.to(dtype)
+    return (rows * weights[..., None]).sum(1).to(dtype)
 
 
 _LOADED: list = []  # kit.recipe.experts_kernels, once `kernels()` loaded it
@@ -224,7 +223,7 @@ def nf4_available(device) -> bool:
 
 
 def kernels():
-    """The layout's Triton op (kit.recipe.experts_kernels), loaded where a CUDA run builds a
+    """The layout's Triton ops (kit.recipe.experts_kernels), loaded where a CUDA run builds a
     model (kit.recipe.model, beside the 4-bit kernels): triton is imported only there."""
     if not _LOADED:
         from kit.recipe import experts_kernels
