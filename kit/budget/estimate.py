@@ -79,6 +79,10 @@ class Setup:
     mlp_tile_tokens: int = 0  # training.recompute.mlp_tile_tokens: the MLP's graph one tile at a time
     attention_tile_tokens: int = 0  # training.recompute.attention_tile_tokens: attention's, likewise
     lean_norms: bool = False  # training.recompute.lean_norms: RMSNorms keep no fp32 copy
+    # A GPU with the grouped GEMM kernel (kit.budget.fit.Hardware.grouped_gemm): the experts'
+    # sorted rows that their adapters keep are in the compute dtype; False: in the adapters'
+    # dtype (kit.recipe.grouped_experts' loop casts them so)
+    grouped_gemm: bool = False
 
     @classmethod
     def from_config(cls, cfg, world_size: int = 2) -> Setup:
@@ -190,11 +194,18 @@ def attention_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
 def mlp_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
     """The MLP's share of activation_bytes_per_token_layer: gate, up and SiLU outputs (a * 3i),
     and the adapters' dropped inputs, masks and r-wide outputs on gate, up and down. A tiled MLP
-    (kit.recipe.recompute.tile_mlp) holds these for one tile of tokens only, and keeps its input."""
+    (kit.recipe.recompute.tile_mlp) holds these for one tile of tokens only, and keeps its input.
+    A mixture's expert stacks keep no mask (kit.recipe.grouped_experts hashes it again from a
+    seed in backward) and their rows in the compute dtype where the grouped GEMM runs
+    (setup.grouped_gemm): counted as dense adapters (adapter dtype and a mask), the 30B-A3B
+    shape at 24 layers lay 7.6% above its measured peak, 1.6 GiB at batch 13
+    (benchmarks/records/2026-12-01-host-step-moe-batch-1xh200)."""
     a, lb, r, mask = DTYPE_BYTES[setup.dtype], setup.adapter_bytes, setup.lora_r, int(setup.lora_dropout)
     dropped = dropped_inputs(shape, setup.lora_targets, setup.lora_groups)
-    mlp = [f for n, f in dropped.items() if n in MLP_LINEARS]
-    return a * 3 * shape.intermediate + sum((lb + mask) * f + lb * r for f in mlp)
+    stacks, rows = shape.expert_stacks(), a if setup.grouped_gemm else lb
+    return a * 3 * shape.intermediate + sum(
+        rows * (f + r) if n in stacks else (lb + mask) * f + lb * r
+        for n, f in dropped.items() if n in MLP_LINEARS)
 
 
 def selective_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
@@ -258,6 +269,18 @@ OFFLOAD_IN_FLIGHT_LAYERS = 2
 TILED_LAYER_HIDDEN = 2.25  # hidden-wide tensors per token a tiled layer holds beyond those counted
 
 
+# The allocator's reserved memory beyond its allocated peak, as a share of it: a few % (8B
+# shape, 24 GiB: 18.88 GiB reserved at 18.49 allocated; the 30B-A3B shape at 24 layers keeping
+# every matmul, 80 GiB: 74.98 at 73.24). A mixture whose layers are recomputed whole holds more:
+# its grouped GEMMs' rows take blocks of other sizes each layer, forward and again in backward
+# (the 30B-A3B shape at 24 GiB: 22.84 at 20.84, 23.62 at 22.02, 22.20 at 20.45, 21.46 at 19.99:
+# 7.3-9.6%; benchmarks/records/2026-12-01-host-step-moe-batch-1xh200,
+# 2026-11-29-moe-vs-unsloth-1xh200, 2026-11-29-moe-scaling-gpt-oss-2xh200). Under a cap the
+# reserved memory is what must fit.
+FRAGMENTATION = 0.05
+MOE_RECOMPUTED_FRAGMENTATION = 0.12
+
+
 @dataclass
 class Estimate:
     """Bytes per GPU by component; `total` is what torch.cuda.max_memory_allocated would show."""
@@ -282,10 +305,17 @@ class Estimate:
     def total_gib(self) -> float:
         return self.total / GiB
 
-    def needed_gib(self, reserve_gib: float = OUTSIDE_GIB, fragmentation: float = 0.05) -> float:
+    def needed_gib(self, reserve_gib: float = OUTSIDE_GIB,
+                   fragmentation: float | None = None) -> float:
         """Total plus headroom: what a process holds outside torch's allocator (OUTSIDE_GIB on a
         card of its own; 0 under an allocator cap, which that memory sits beside) and the
-        allocator's fragmentation (a few %)."""
+        allocator's fragmentation (FRAGMENTATION; MOE_RECOMPUTED_FRAGMENTATION for a mixture
+        whose layers are recomputed whole)."""
+        if fragmentation is None:
+            s = self.setup
+            whole = s.recompute and s.recompute_keeps == "inputs"
+            fragmentation = (MOE_RECOMPUTED_FRAGMENTATION if self.shape.experts and whole
+                             else FRAGMENTATION)
         return self.total_gib * (1 + fragmentation) + reserve_gib
 
     def fits(self, gpu_gib: float, **headroom) -> bool:

@@ -48,7 +48,7 @@ def setup_of(cfg: Config, hw: Hardware, seq_len: int) -> Setup:
     probe.data.max_seq_len = seq_len
     if probe.training.batch_size == AUTO:  # each candidate sets its own (Setup.batch_size)
         probe.training.batch_size = 1
-    return Setup.from_config(probe, world_size=hw.world_size)
+    return replace(Setup.from_config(probe, world_size=hw.world_size), grouped_gemm=hw.grouped_gemm)
 
 
 # Of the host memory a process may use, the share offloaded tensors may fill (the rest: the

@@ -9,7 +9,10 @@ describe it, and its peaks (torch.cuda.max_memory_allocated, GiB) by (recompute,
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kit.budget.estimate import Setup, estimate
+from kit.budget.shapes import shape_of
 
 # Measured peaks (torch.cuda.max_memory_allocated, GiB) of the reference a user would write
 # (FINDINGS.md, 2x H200, 2026-11-22): Llama-3-8B shape, NF4 + double quant, bf16 storage,
@@ -129,6 +132,22 @@ REFERENCE_QWEN2_SELECTIVE = {
     "peak_gib": {(5,): 19.28, (6,): 21.78},
 }  # fmt: skip
 
+# Qwen3-30B-A3B's shape at 24 of its 48 layers from a folder of one tensor per expert
+# (benchmarks/tools/moe_checkpoint.py), the kit's plans at 24 GiB on one H200: grouped experts on
+# the grouped GEMM, whole layers recomputed, fused loss and adapters' kernels; peaks (allocated,
+# and reserved: what a cap must hold) by (batch, dropout on).
+# benchmarks/records/2026-12-01-host-step-moe-batch-1xh200.
+REFERENCE_MOE_RECOMPUTED = {
+    "model": "kit:qwen3-30b-a3b",
+    "layers": 24,
+    "keys": ("batch_size", "lora_dropout"),
+    "setup": dict(engine="fsdp2", world_size=1, lora_r=16, seq_len=2048, attention="sdpa",
+                  loss="fused", recompute=True, recompute_keeps="inputs", frozen_gathered=False,
+                  grouped_gemm=True),
+    "peak_gib": {(13, True): 20.84, (14, True): 21.43, (15, False): 22.02},
+    "reserved_gib": {(13, True): 22.84, (14, True): 23.56, (15, False): 23.62},
+}  # fmt: skip
+
 # A reference's keys name Setup fields; the table calls the first two as notebook 01 shows them.
 KEYS = ("recompute", "batch_size", "offload_activations")
 COLUMNS = {"recompute": "checkpointing", "batch_size": "batch"}
@@ -137,12 +156,14 @@ COLUMNS = {"recompute": "checkpointing", "batch_size": "batch"}
 def compare_with_reference(reference: dict = REFERENCE) -> list[dict]:
     """Estimate vs measured for every row of a reference (REFERENCE, REFERENCE_70B,
     REFERENCE_KIT_8B, REFERENCE_CONTEXT, REFERENCE_SELECTIVE, REFERENCE_ONE_RANK,
-    REFERENCE_QWEN2_SELECTIVE): each key gives the Setup fields its reference's `keys`
+    REFERENCE_QWEN2_SELECTIVE, REFERENCE_MOE_RECOMPUTED): each key gives the Setup fields its reference's `keys`
     name (by default recompute, batch, offload_activations; a shorter key leaves the rest)."""
-    rows = []
+    rows, model = [], reference["model"]
+    if "layers" in reference:  # the shape at fewer layers (a model cut for one GPU)
+        model = replace(shape_of(model), layers=reference["layers"])
     for key, measured in reference["peak_gib"].items():
         changes = dict(zip(reference.get("keys", KEYS), key, strict=False))
-        est = estimate(reference["model"], Setup(**{**reference["setup"], **changes}))
+        est = estimate(model, Setup(**{**reference["setup"], **changes}))
         rows.append(
             dict(**{COLUMNS.get(k, k): v for k, v in changes.items()}, measured_gib=measured,
                  estimated_gib=round(est.total_gib, 1),
