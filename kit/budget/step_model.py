@@ -6,7 +6,17 @@ and prints its figure; kit.bench divides by PEAK_BF16_FLOPS for MFU. Kernel side
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from kit.budget.shapes import Shape, flops_per_token
+
+
+class Peaked(Protocol):
+    """What the step model reads of the machine (kit.budget.fit.Hardware): its GPU's dense bf16
+    peak, None where unknown."""
+
+    @property
+    def peak_flops(self) -> float | None: ...
 
 # The step model (`speed`), fitted to the kit's bf16 runs on one H100 at the Llama-3-8B shape,
 # sequence 2,048, grouped adapters, compiled layers, fused loss (fitted to
@@ -115,7 +125,7 @@ def rerun_share(shape: Shape, keeps: str) -> float:
     return again / total
 
 
-def speed(shape: Shape, seq_len: int, batch: int, keeps: str | None, hw,
+def speed(shape: Shape, seq_len: int, batch: int, keeps: str | None, hw: Peaked,
           matmul_layers: int = 0, attention_tiles: bool = False, wrapper: str = "python",
           offloaded: bool = False) -> float:
     """Tokens/s per GPU the step model predicts (relative when the GPU's peak is unknown): a
