@@ -156,8 +156,9 @@ COLUMNS = {"recompute": "checkpointing", "batch_size": "batch"}
 def compare_with_reference(reference: dict = REFERENCE) -> list[dict]:
     """Estimate vs measured for every row of a reference (REFERENCE, REFERENCE_70B,
     REFERENCE_KIT_8B, REFERENCE_CONTEXT, REFERENCE_SELECTIVE, REFERENCE_ONE_RANK,
-    REFERENCE_QWEN2_SELECTIVE, REFERENCE_MOE_RECOMPUTED): each key gives the Setup fields its reference's `keys`
-    name (by default recompute, batch, offload_activations; a shorter key leaves the rest)."""
+    REFERENCE_QWEN2_SELECTIVE, REFERENCE_MOE_RECOMPUTED): each key gives the Setup fields its
+    reference's `keys` name (by default recompute, batch, offload_activations; a shorter key
+    leaves the rest); `layers`, where a reference has it, cuts the model's shape to that many."""
     rows, model = [], reference["model"]
     if "layers" in reference:  # the shape at fewer layers (a model cut for one GPU)
         model = replace(shape_of(model), layers=reference["layers"])
