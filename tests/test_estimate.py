@@ -279,8 +279,8 @@ def test_a_mixture_recomputed_whole_within_its_measured_peaks_and_its_reserve():
     experts' adapters keep their sorted rows in bf16 and no mask (kit.recipe.grouped_experts),
     so the estimate lies within 3% of the measured peaks (counted as dense adapters' fp32 inputs
     and masks it lay 7.6% above), and its headroom (MOE_RECOMPUTED_FRAGMENTATION) holds what the
-    allocator reserved, which is what a cap must hold; without the grouped GEMM, or in fp16
-    (the loop's fp32 rows either way), it counts more."""
+    allocator reserved, which is what a cap must hold; without the grouped GEMM (no kernel, not
+    bf16, or model.experts=loop: the loop's fp32 rows) it counts more."""
     from kit.budget.measured import REFERENCE_MOE_RECOMPUTED as ref
 
     rows = compare_with_reference(ref)
@@ -290,5 +290,15 @@ def test_a_mixture_recomputed_whole_within_its_measured_peaks_and_its_reserve():
         setup = Setup(**ref["setup"], batch_size=batch, lora_dropout=dropout)
         est = estimate(shape, setup)
         assert reserved < est.needed_gib(0) < reserved + 1, (batch, est.needed_gib(0), reserved)
-        for looped in (replace(setup, grouped_gemm=False), replace(setup, dtype="float16")):
-            assert estimate(shape, looped).total_gib > est.total_gib + 1, looped
+        looped = estimate(shape, replace(setup, grouped_gemm=False))
+        assert looped.total_gib > est.total_gib + 1, (looped.total_gib, est.total_gib)
+    # The plan's Setup says grouped only where the grouped GEMM runs: its GPU, bf16, grouped
+    from kit.budget.fit import Hardware, setup_of
+
+    h200 = Hardware("cuda", 1, 24, "NVIDIA H200", grouped_gemm=True, triton=True)
+    for sets, grouped in (([], True), (["model.dtype=float16"], False),
+                          (["model.experts=loop"], False)):
+        cfg = load_config(None, ["model.name=kit:qwen3-30b-a3b", *sets])
+        assert setup_of(cfg, h200, 2048).grouped_gemm is grouped, sets
+    assert setup_of(load_config(None, ["model.name=kit:qwen3-30b-a3b"]),
+                    Hardware("cuda", 1, 24, "NVIDIA A100"), 2048).grouped_gemm is False

@@ -79,9 +79,9 @@ class Setup:
     mlp_tile_tokens: int = 0  # training.recompute.mlp_tile_tokens: the MLP's graph one tile at a time
     attention_tile_tokens: int = 0  # training.recompute.attention_tile_tokens: attention's, likewise
     lean_norms: bool = False  # training.recompute.lean_norms: RMSNorms keep no fp32 copy
-    # A GPU with the grouped GEMM kernel (kit.budget.fit.Hardware.grouped_gemm): in bf16 the
-    # experts' sorted rows that their adapters keep are in the compute dtype; otherwise in the
-    # adapters' dtype (kit.recipe.grouped_experts' loop casts them so)
+    # A mixture's experts run grouped on the grouped GEMM (kit.budget.fit.setup_of: the GPU's
+    # kernel, bf16, model.experts=grouped): the sorted rows their adapters keep are in the compute
+    # dtype; otherwise in the adapters' dtype (kit.recipe.grouped_experts' loop casts them so)
     grouped_gemm: bool = False
 
     @classmethod
@@ -202,8 +202,7 @@ def mlp_bytes_per_token_layer(shape: Shape, setup: Setup) -> int:
     (benchmarks/records/2026-12-01-host-step-moe-batch-1xh200)."""
     a, lb, r, mask = DTYPE_BYTES[setup.dtype], setup.adapter_bytes, setup.lora_r, int(setup.lora_dropout)
     dropped = dropped_inputs(shape, setup.lora_targets, setup.lora_groups)
-    grouped = setup.grouped_gemm and setup.dtype == "bfloat16"  # as grouped_experts.grouped_kernel
-    stacks, rows = shape.expert_stacks(), a if grouped else lb
+    stacks, rows = shape.expert_stacks(), a if setup.grouped_gemm else lb
     return a * 3 * shape.intermediate + sum(
         rows * (f + r) if n in stacks else (lb + mask) * f + lb * r
         for n, f in dropped.items() if n in MLP_LINEARS)

@@ -41,6 +41,11 @@ class Hardware:
     def peak_flops(self) -> float | None:
         return next((v for k, v in PEAK_BF16_FLOPS.items() if k in self.name), None)
 
+    def grouped_kernel(self, dtype: str) -> bool:
+        """A mixture's experts run as one grouped GEMM here in `dtype` (model.dtype): bf16 on a GPU
+        that has the kernel, as kit.recipe.grouped_experts.grouped_kernel decides at run time."""
+        return self.grouped_gemm and dtype == "bfloat16"
+
 
 
 def setup_of(cfg: Config, hw: Hardware, seq_len: int) -> Setup:
@@ -48,7 +53,8 @@ def setup_of(cfg: Config, hw: Hardware, seq_len: int) -> Setup:
     probe.data.max_seq_len = seq_len
     if probe.training.batch_size == AUTO:  # each candidate sets its own (Setup.batch_size)
         probe.training.batch_size = 1
-    return replace(Setup.from_config(probe, world_size=hw.world_size), grouped_gemm=hw.grouped_gemm)
+    grouped = hw.grouped_kernel(cfg.model.dtype) and cfg.model.experts == "grouped"
+    return replace(Setup.from_config(probe, world_size=hw.world_size), grouped_gemm=grouped)
 
 
 # Of the host memory a process may use, the share offloaded tensors may fill (the rest: the

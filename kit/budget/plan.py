@@ -496,8 +496,8 @@ def _compile_keeps_batch(planned: Planned, shape: Shape, best, wrapper_by: str |
                    "training.offload_activations without recompute"
                    if t.offload_activations and not rc.enabled else
                    "a mixture of experts' loop over its experts (no grouped-GEMM kernel: "
-                   "compute capability below 9.0, or not bfloat16)" if shape.experts and not (
-                       hw.grouped_gemm and out.model.dtype == "bfloat16") else
+                   "compute capability below 9.0, or not bfloat16)" if shape.experts and not
+                   hw.grouped_kernel(out.model.dtype) else
                    "model.experts=loop (it reads each layer's routing back to the host)"
                    if shape.experts and out.model.experts == "loop" else None)
         t.compile = outside is None and out.sharding.engine == MEASURED_ENGINE
